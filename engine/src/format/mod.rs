@@ -1,0 +1,9 @@
+//! Checkpoint formats: reading what people have into tensor descriptions and typed configs.
+//! Readers describe; they never compute.
+
+pub mod chat_template;
+pub mod config;
+pub mod generation_config;
+pub mod safetensors;
+pub mod tokenizer;
+pub mod write;

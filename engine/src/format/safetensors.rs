@@ -1,0 +1,324 @@
+//! Safetensors checkpoints: a single `model.safetensors`, or shards listed by
+//! `model.safetensors.index.json` (or, failing that, every `*.safetensors` in the directory).
+//!
+//! Opening a checkpoint reads and validates every header (truncation, overlapping or
+//! out-of-range offsets, unknown dtypes, shape/size mismatch) and produces one
+//! [`TensorDesc`] per tensor: where its bytes are. Tensors are memory-mapped views; nothing is
+//! copied until a caller asks for an aligned copy.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::tensor::{DType, Storage, Tensor};
+use crate::{Error, Result};
+
+/// Where one tensor's bytes are.
+#[derive(Debug, Clone)]
+pub struct TensorDesc {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// Index into [`Checkpoint::files`].
+    pub file: usize,
+    /// Absolute byte offset of the data in the file.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+struct ShardFile {
+    path: PathBuf,
+    map: Arc<memmap2::Mmap>,
+}
+
+/// All tensors of a model directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    files: Vec<ShardFile>,
+    tensors: BTreeMap<String, TensorDesc>,
+}
+
+impl Checkpoint {
+    /// Open the safetensors weights of a model directory.
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        let shards = shard_paths(dir)?;
+        let mut files = Vec::new();
+        let mut tensors = BTreeMap::new();
+        for (index, path) in shards.iter().enumerate() {
+            let (map, descs) = read_shard(path, index)?;
+            for d in descs {
+                if let Some(prev) = tensors.insert(d.name.clone(), d) {
+                    return Err(Error::tensor(
+                        path,
+                        &prev.name,
+                        format!(
+                            "appears in two shards ({} and {})",
+                            files
+                                .get(prev.file)
+                                .map(|f: &ShardFile| f.path.display().to_string())
+                                .unwrap_or_default(),
+                            path.display()
+                        ),
+                    ));
+                }
+            }
+            files.push(ShardFile {
+                path: path.clone(),
+                map,
+            });
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            files,
+            tensors,
+        })
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Every tensor description, by name.
+    pub fn tensors(&self) -> &BTreeMap<String, TensorDesc> {
+        &self.tensors
+    }
+
+    /// The path of shard `file`.
+    pub fn file_path(&self, file: usize) -> &Path {
+        &self.files[file].path
+    }
+
+    /// Whether a tensor exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// The description of a tensor, or an error naming it.
+    pub fn desc(&self, name: &str) -> Result<&TensorDesc> {
+        self.tensors.get(name).ok_or_else(|| {
+            Error::tensor(
+                self.weights_path(),
+                name,
+                "missing from the checkpoint (is the model directory complete and of the model_type config.json names?)",
+            )
+        })
+    }
+
+    fn weights_path(&self) -> PathBuf {
+        if self.files.len() == 1 {
+            self.files[0].path.clone()
+        } else {
+            self.dir.clone()
+        }
+    }
+
+    /// A tensor, memory-mapped, aligned for its dtype, with its shape checked.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let d = self.desc(name)?;
+        if d.shape != shape {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                name,
+                format!(
+                    "has shape {:?}, expected {:?} from config.json",
+                    d.shape, shape
+                ),
+            ));
+        }
+        self.tensor_any_shape(name)
+    }
+
+    /// A tensor with whatever shape it has.
+    pub fn tensor_any_shape(&self, name: &str) -> Result<Tensor> {
+        let d = self.desc(name)?;
+        let t = Tensor {
+            name: name.to_string(),
+            shape: d.shape.clone(),
+            dtype: d.dtype,
+            storage: Storage::Mapped {
+                map: self.files[d.file].map.clone(),
+                start: d.offset,
+                len: d.len,
+            },
+        };
+        Ok(t.aligned())
+    }
+
+    /// A floating-point tensor for the matrix kernels (f32/bf16/f16), shape checked.
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.tensor(name, shape)?;
+        if !t.dtype.is_float() {
+            return Err(Error::tensor(
+                self.file_path(self.desc(name)?.file),
+                name,
+                format!("has dtype {}, expected f32, bf16 or f16", t.dtype),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// A 1-D vector converted to f32 (norm weights, biases), shape checked.
+    pub fn vector_f32(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        self.weight(name, &[len])?.to_f32_vec()
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> usize {
+        self.tensors.values().map(|d| d.len).sum()
+    }
+}
+
+/// The safetensors files of a model directory, in order.
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let json = crate::error::read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::config(&index, "weight_map", "missing or not an object"))?;
+        let mut names: Vec<String> = Vec::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| {
+                Error::config(&index, format!("weight_map.{tensor}"), "is not a file name")
+            })?;
+            if file.contains('/') || file.contains("..") {
+                return Err(Error::config(
+                    &index,
+                    format!("weight_map.{tensor}"),
+                    format!("`{file}` is not a plain file name in the model directory"),
+                ));
+            }
+            if !names.iter().any(|n| n == file) {
+                names.push(file.to_string());
+            }
+        }
+        names.sort();
+        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    found.sort();
+    if found.is_empty() {
+        return Err(Error::io(
+            dir.join("model.safetensors"),
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no weights: expected model.safetensors, model.safetensors.index.json or *.safetensors shards",
+            ),
+        ));
+    }
+    Ok(found)
+}
+
+/// Map one shard and validate its header.
+fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec<TensorDesc>)> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the file is opened read-only; we treat the mapping as immutable bytes. A file
+    // truncated underneath us by another process would fault; checkpoints are not modified
+    // while being served.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let size = map.len();
+    if size < 8 {
+        return Err(Error::corrupt(
+            path,
+            format!("truncated safetensors file: {size} bytes, the 8-byte header length is missing"),
+        ));
+    }
+    let header_len = u64::from_le_bytes(map[..8].try_into().unwrap()) as usize;
+    if header_len > 100 << 20 || 8 + header_len > size {
+        return Err(Error::corrupt(
+            path,
+            format!(
+                "corrupt or truncated safetensors header: it claims {header_len} bytes but the file has {size}"
+            ),
+        ));
+    }
+    let header: HashMap<String, serde_json::Value> =
+        serde_json::from_slice(&map[8..8 + header_len]).map_err(|e| {
+            Error::corrupt(path, format!("corrupt safetensors header (invalid JSON: {e})"))
+        })?;
+    let data_start = 8 + header_len;
+    let data_len = size - data_start;
+    let mut descs = Vec::with_capacity(header.len());
+    for (name, info) in header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let bad = |message: String| Error::tensor(path, &name, message);
+        let dtype_str = info
+            .get("dtype")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| bad("header entry has no dtype".into()))?;
+        let dtype = DType::from_safetensors(dtype_str).ok_or_else(|| {
+            bad(format!(
+                "unsupported dtype {dtype_str} (supported: F32, BF16, F16, I64, I32, U8)"
+            ))
+        })?;
+        let shape: Vec<usize> = info
+            .get("shape")
+            .and_then(|v| v.as_array())
+            .ok_or_else(|| bad("header entry has no shape".into()))?
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad("shape is not a list of integers".into()))?;
+        let offsets: Vec<usize> = info
+            .get("data_offsets")
+            .and_then(|v| v.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().map(|d| d as usize))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .filter(|a| a.len() == 2)
+            .ok_or_else(|| bad("data_offsets is not [begin, end]".into()))?;
+        let (begin, end) = (offsets[0], offsets[1]);
+        if begin > end || end > data_len {
+            return Err(Error::corrupt(
+                path,
+                format!(
+                    "tensor `{name}` data [{begin}, {end}) lies outside the {data_len} data bytes: the file is truncated or corrupt"
+                ),
+            ));
+        }
+        let want = shape.iter().product::<usize>() * dtype.size();
+        if end - begin != want {
+            return Err(bad(format!(
+                "has {} bytes but shape {shape:?} of {dtype} needs {want}",
+                end - begin
+            )));
+        }
+        descs.push(TensorDesc {
+            name,
+            shape,
+            dtype,
+            file: file_index,
+            offset: data_start + begin,
+            len: end - begin,
+        });
+    }
+    descs.sort_by_key(|d| d.offset);
+    for pair in descs.windows(2) {
+        if pair[0].offset + pair[0].len > pair[1].offset {
+            return Err(Error::corrupt(
+                path,
+                format!(
+                    "tensors `{}` and `{}` overlap: corrupt header",
+                    pair[0].name, pair[1].name
+                ),
+            ));
+        }
+    }
+    Ok((Arc::new(map), descs))
+}

@@ -1,0 +1,405 @@
+//! The text side of a checkpoint: loading `tokenizer.json` through the `tokenizers` crate,
+//! encoding and decoding, incremental detokenization for streamed output ([`TextStream`]),
+//! and training a small byte-level BPE so that synthetic random-weight models get a working
+//! tokenizer ([`train_byte_level_bpe`]).
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::AddedToken;
+
+use crate::error::{read_file, Error, Result};
+
+/// The replacement character a byte-level decoder emits for an incomplete UTF-8 sequence.
+const REPLACEMENT: char = '\u{FFFD}';
+
+/// The most tokens [`TextStream`] holds back waiting for a UTF-8 sequence to complete.
+const MAX_HELD_TOKENS: usize = 4;
+
+/// A loaded tokenizer (`tokenizer.json`), remembering where it came from for error messages.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    origin: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("origin", &self.origin)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Load a `tokenizer.json`. A missing or unreadable file is [`Error::Io`]; a file that
+    /// does not parse as a tokenizer is [`Error::Corrupt`]; both name the path.
+    pub fn from_file(path: &Path) -> Result<Tokenizer> {
+        let bytes = read_file(path)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| Error::corrupt(path, format!("not a usable tokenizer.json: {e}")))?;
+        Ok(Tokenizer {
+            inner,
+            origin: path.to_path_buf(),
+        })
+    }
+
+    /// Wrap an already built `tokenizers` tokenizer; `origin` is what error messages name.
+    pub fn from_inner(inner: tokenizers::Tokenizer, origin: impl Into<PathBuf>) -> Tokenizer {
+        Tokenizer {
+            inner,
+            origin: origin.into(),
+        }
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// The file this tokenizer was loaded from (or the label it was given).
+    pub fn origin(&self) -> &Path {
+        &self.origin
+    }
+
+    /// Encode `text` to token ids; `add_special_tokens` applies the tokenizer's
+    /// post-processor (e.g. a leading BOS).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self.inner.encode(text, add_special_tokens).map_err(|e| {
+            Error::Invalid(format!(
+                "{}: cannot encode text: {e}",
+                self.origin.display()
+            ))
+        })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Decode token ids to text, dropping special tokens when `skip_special_tokens`.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| {
+            Error::Invalid(format!(
+                "{}: cannot decode token ids: {e}",
+                self.origin.display()
+            ))
+        })
+    }
+
+    /// The vocabulary size, added (special) tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of a token string (model vocabulary or added token), if any.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The token string of an id, if the id is in the vocabulary.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Write this tokenizer as a `tokenizer.json` at `path`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let json = self.inner.to_string(true).map_err(|e| {
+            Error::Invalid(format!(
+                "{}: cannot serialise tokenizer: {e}",
+                path.display()
+            ))
+        })?;
+        std::fs::write(path, json).map_err(|e| Error::io(path, e))
+    }
+}
+
+/// Train a byte-level BPE tokenizer on `corpus`, in memory and deterministically.
+///
+/// GPT-2 style: a `ByteLevel` pre-tokenizer (no prefix space) and decoder, an initial alphabet
+/// of all 256 byte-level characters so any text encodes, and merges learned by a
+/// `BpeTrainer` until the vocabulary reaches `vocab_size` (special tokens and the alphabet
+/// included; fewer if the corpus runs out of pairs). `special_tokens` get the first ids, in
+/// order. Fails with [`Error::Invalid`] when `vocab_size` cannot hold the alphabet and the
+/// special tokens.
+pub fn train_byte_level_bpe(
+    corpus: &[&str],
+    vocab_size: usize,
+    special_tokens: &[&str],
+) -> Result<Tokenizer> {
+    let alphabet: HashSet<char> = ByteLevel::alphabet().into_iter().collect();
+    let minimum = alphabet.len() + special_tokens.len();
+    if vocab_size < minimum {
+        return Err(Error::Invalid(format!(
+            "byte-level BPE: vocab_size {vocab_size} is below {minimum} \
+             ({} byte symbols + {} special tokens)",
+            alphabet.len(),
+            special_tokens.len()
+        )));
+    }
+    let mut seen = HashSet::new();
+    for token in special_tokens {
+        if token.is_empty() || !seen.insert(*token) {
+            return Err(Error::Invalid(format!(
+                "byte-level BPE: special token {token:?} is empty or repeated"
+            )));
+        }
+    }
+
+    let mut inner = tokenizers::Tokenizer::new(BPE::default());
+    inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    inner.with_decoder(Some(ByteLevel::new(false, true, true)));
+
+    let trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(vocab_size)
+        .min_frequency(0)
+        .initial_alphabet(alphabet)
+        .special_tokens(
+            special_tokens
+                .iter()
+                .map(|t| AddedToken::from(t.to_string(), true))
+                .collect(),
+        )
+        .build();
+    let mut trainer = TrainerWrapper::from(trainer);
+    inner
+        .train(&mut trainer, corpus.iter())
+        .map_err(|e| Error::Invalid(format!("byte-level BPE training failed: {e}")))?;
+    Ok(Tokenizer {
+        inner,
+        origin: PathBuf::from("<trained byte-level BPE>"),
+    })
+}
+
+/// Incremental detokenizer for streamed output.
+///
+/// Feed it generated ids one at a time; each [`push`](Self::push) returns the text those ids
+/// completed. Text is decoded with special tokens skipped. While the decoded text ends in
+/// U+FFFD (a UTF-8 character split across byte-level tokens) output is held back, at most
+/// for 4 tokens (then it is emitted anyway), so a multi-byte character comes out whole. For a
+/// well-formed generation the concatenation of all pushes and [`finish`](Self::finish)
+/// equals decoding all ids at once.
+///
+/// Rather than re-decoding the whole sequence at every step, it decodes a window starting at
+/// the tokens of the last emitted piece (the same text as decoding everything when the
+/// decoder is context-free across that boundary, which holds for byte-level BPE and for
+/// SentencePiece-style decoders, whose leading-space rules the window's prefix absorbs).
+#[derive(Debug, Default, Clone)]
+pub struct TextStream {
+    /// Ids from the start of the decode window on.
+    ids: Vec<u32>,
+    /// Number of ids in `ids` that were already emitted (the window's context prefix).
+    read: usize,
+    /// Decoded text of `ids[..read]`.
+    prefix: String,
+}
+
+impl TextStream {
+    /// A stream with nothing pushed yet.
+    pub fn new() -> TextStream {
+        TextStream::default()
+    }
+
+    /// Add one generated id; returns the newly completed text (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = tok.decode(&self.ids, true)?;
+        let held = self.ids.len() - self.read;
+        if text.ends_with(REPLACEMENT) && held <= MAX_HELD_TOKENS {
+            return Ok(String::new());
+        }
+        self.emit(tok, &text)
+    }
+
+    /// Flush whatever is still held back (an incomplete character comes out as U+FFFD).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        if self.ids.len() == self.read {
+            return Ok(String::new());
+        }
+        let text = tok.decode(&self.ids, true)?;
+        self.emit(tok, &text)
+    }
+
+    /// Return `text` (the decoding of the whole window) beyond the prefix, then slide the
+    /// window so that the ids just emitted become the new prefix.
+    fn emit(&mut self, tok: &Tokenizer, text: &str) -> Result<String> {
+        let new = match text.strip_prefix(self.prefix.as_str()) {
+            Some(rest) => rest.to_string(),
+            None => {
+                // The prefix decodes differently in context; this only happens after a
+                // forced emission of an incomplete character. Skip what was already
+                // emitted by length.
+                let mut start = self.prefix.len().min(text.len());
+                while !text.is_char_boundary(start) {
+                    start += 1;
+                }
+                text[start..].to_string()
+            }
+        };
+        self.ids.drain(..self.read);
+        self.read = self.ids.len();
+        // Decode the new prefix on its own: the next window starts with exactly these ids,
+        // so decoder rules that depend on position (leading spaces) apply to it the same way.
+        self.prefix = tok.decode(&self.ids, true)?;
+        Ok(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CORPUS: &[&str] = &[
+        "the quick brown fox jumps over the lazy dog",
+        "hello world, hello there, hello again",
+        "the rain in spain stays mainly in the plain",
+        "colibri is a small bird that hovers while it feeds",
+        "tokens are pieces of text; pieces of text are tokens",
+    ];
+
+    fn trained() -> Tokenizer {
+        train_byte_level_bpe(CORPUS, 300, &["<|endoftext|>", "<|im_start|>"]).unwrap()
+    }
+
+    #[test]
+    fn train_save_reload_round_trip() {
+        let tok = trained();
+        let vocab = tok.vocab_size();
+        assert!(vocab <= 300, "vocab {vocab} over the requested 300");
+        assert!(vocab >= 256 + 2, "vocab {vocab} misses bytes or specials");
+        assert_eq!(tok.token_to_id("<|endoftext|>"), Some(0));
+        assert_eq!(tok.token_to_id("<|im_start|>"), Some(1));
+        assert_eq!(tok.id_to_token(1).as_deref(), Some("<|im_start|>"));
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        tok.save(&path).unwrap();
+        let back = Tokenizer::from_file(&path).unwrap();
+        assert_eq!(back.vocab_size(), vocab);
+
+        for text in [
+            "hello world",
+            "héllo wörld ✓",
+            "the  lazy\tdog\n",
+            "日本語 🐦",
+        ] {
+            let ids = back.encode(text, false).unwrap();
+            assert_eq!(ids, tok.encode(text, false).unwrap());
+            assert_eq!(back.decode(&ids, false).unwrap(), text);
+        }
+        // Merges were learned: a frequent corpus word takes fewer tokens than bytes.
+        let hello = back.encode("hello", false).unwrap();
+        assert!(hello.len() < "hello".len(), "no merges learned: {hello:?}");
+        // Special tokens are recognised in text and skipped on request.
+        let ids = back.encode("<|im_start|>hi", false).unwrap();
+        assert_eq!(ids[0], 1);
+        assert_eq!(back.decode(&ids, true).unwrap(), "hi");
+    }
+
+    #[test]
+    fn shareable_between_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+        check::<TextStream>();
+    }
+
+    #[test]
+    fn training_is_deterministic() {
+        let a = trained().inner().to_string(false).unwrap();
+        let b = trained().inner().to_string(false).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn vocab_too_small_is_rejected() {
+        let err = train_byte_level_bpe(CORPUS, 257, &["<a>", "<b>"]).unwrap_err();
+        assert!(matches!(err, Error::Invalid(_)), "{err}");
+    }
+
+    #[test]
+    fn missing_file_is_io_error_naming_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nope").join("tokenizer.json");
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        assert!(err.to_string().contains(&path.display().to_string()));
+    }
+
+    #[test]
+    fn garbage_file_is_corrupt_naming_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, br#"{"model": {"type": "nonsense"}}"#).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains(&path.display().to_string()));
+    }
+
+    #[test]
+    fn text_stream_emits_multibyte_characters_whole() {
+        let tok = trained();
+        let text = "hi ✓ wörld 🐦!";
+        let ids = tok.encode(text, false).unwrap();
+        // The precondition: the check mark really is split over several byte tokens.
+        let check = tok.encode("✓", false).unwrap();
+        assert!(check.len() >= 2, "✓ is a single token: {check:?}");
+
+        let mut stream = TextStream::new();
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            pieces.push(stream.push(&tok, id).unwrap());
+        }
+        pieces.push(stream.finish(&tok).unwrap());
+        for piece in &pieces {
+            assert!(
+                !piece.contains(REPLACEMENT),
+                "partial character: {pieces:?}"
+            );
+        }
+        assert!(pieces.iter().any(|p| p.contains('✓')));
+        assert!(pieces.iter().any(|p| p.contains('🐦')));
+        // Some pushes had to wait for the rest of a character.
+        assert!(pieces[..ids.len()].iter().any(|p| p.is_empty()));
+        assert_eq!(pieces.concat(), tok.decode(&ids, true).unwrap());
+        assert_eq!(pieces.concat(), text);
+    }
+
+    #[test]
+    fn text_stream_skips_special_tokens_and_flushes_held_bytes() {
+        let tok = trained();
+        let mut ids = vec![1];
+        ids.extend(tok.encode("ok ✓", false).unwrap());
+        // Cut the check mark short: its last byte never arrives.
+        ids.pop();
+        let mut stream = TextStream::new();
+        let mut out = String::new();
+        for &id in &ids {
+            out.push_str(&stream.push(&tok, id).unwrap());
+        }
+        assert_eq!(out, "ok ");
+        out.push_str(&stream.finish(&tok).unwrap());
+        assert_eq!(out, tok.decode(&ids, true).unwrap());
+        assert!(out.ends_with(REPLACEMENT));
+        assert_eq!(stream.finish(&tok).unwrap(), "");
+    }
+
+    #[test]
+    fn text_stream_holdback_is_bounded() {
+        let tok = trained();
+        // A run of lone continuation bytes never completes a character; after more than
+        // MAX_HELD_TOKENS held tokens the stream must emit anyway.
+        let cont = tok.encode("✓", false).unwrap();
+        let last = *cont.last().unwrap();
+        let mut stream = TextStream::new();
+        let mut emitted_at = None;
+        for step in 0..10 {
+            if !stream.push(&tok, last).unwrap().is_empty() {
+                emitted_at = Some(step);
+                break;
+            }
+        }
+        assert_eq!(emitted_at, Some(MAX_HELD_TOKENS));
+    }
+}

@@ -1,0 +1,46 @@
+//! Per-sequence attention state: the key/value cache of every layer.
+
+/// Keys and values of one attention layer, `[len, kv_heads · head_dim]` each.
+#[derive(Debug, Clone, Default)]
+pub struct LayerKv {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// The KV cache of one sequence.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    pub layers: Vec<LayerKv>,
+    /// Tokens already processed (the position of the next token).
+    pub len: usize,
+    /// Most tokens this cache may hold.
+    pub max_len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers holding up to `max_len` tokens.
+    pub fn new(layers: usize, max_len: usize) -> KvCache {
+        KvCache {
+            layers: vec![LayerKv::default(); layers],
+            len: 0,
+            max_len,
+        }
+    }
+
+    /// Forget everything.
+    pub fn clear(&mut self) {
+        for l in &mut self.layers {
+            l.k.clear();
+            l.v.clear();
+        }
+        self.len = 0;
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| (l.k.len() + l.v.len()) * 4)
+            .sum()
+    }
+}

@@ -1,0 +1,24 @@
+//! Llama (`model_type: llama`): the dense baseline. RMSNorm, half-split RoPE (default,
+//! linear, llama3 or yarn scaling), grouped-query attention with optional biases, SwiGLU MLP.
+
+use super::layers::{Mlp, QkNorm};
+use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::Result;
+
+/// Build a Llama model from its checkpoint.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+    let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
+    let inter = cfg.usize("intermediate_size")?;
+    let mlp_bias = cfg.bool_or("mlp_bias", false)?;
+    let d = sc.hidden_size;
+    load_standard(ckpt, cfg, &sc, None, |l| {
+        Ok(LayerParts {
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+            window: None,
+            ffn: Ffn::Dense(Mlp::load(ckpt, &format!("model.layers.{l}.mlp"), d, inter, mlp_bias)?),
+        })
+    })
+}

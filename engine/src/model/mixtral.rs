@@ -1,0 +1,52 @@
+//! Mixtral (`model_type: mixtral`): Llama attention (with an optional sliding window on every
+//! layer) and a routed MoE in every layer: softmax router, top-k, always renormalised;
+//! experts stored per expert as `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down).
+
+use std::sync::Arc;
+
+use super::layers::{Linear, MoeBlock, QkNorm, Router};
+use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::store::{ExpertNames, ExpertStore, ResidentStore};
+use crate::Result;
+
+/// Build a Mixtral model from its checkpoint.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+    let sc = StandardConfig::read(cfg, 1e-5, 1e6)?;
+    let experts = cfg.usize("num_local_experts")?;
+    let top_k = cfg.usize("num_experts_per_tok")?;
+    let inter = cfg.usize("intermediate_size")?;
+    let window = cfg.opt_usize("sliding_window")?;
+    let d = sc.hidden_size;
+    let names: Vec<Vec<ExpertNames>> = (0..sc.layers)
+        .map(|l| {
+            (0..experts)
+                .map(|e| {
+                    let p = format!("model.layers.{l}.block_sparse_moe.experts.{e}");
+                    ExpertNames {
+                        gate: format!("{p}.w1.weight"),
+                        up: format!("{p}.w3.weight"),
+                        down: format!("{p}.w2.weight"),
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, inter)?);
+    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+        Ok(LayerParts {
+            qk_norm: QkNorm::None,
+            clip_qkv: None,
+            window,
+            ffn: Ffn::Moe(MoeBlock {
+                layer: l,
+                gate: Linear::load(ckpt, &format!("model.layers.{l}.block_sparse_moe.gate"), experts, d, false)?,
+                router: Router::SoftmaxTopK { renormalize: true },
+                top_k,
+                num_experts: experts,
+                store: store.clone(),
+            }),
+        })
+    })
+}

@@ -1,0 +1,88 @@
+//! Models: shared layers ([`layers`]), the standard decoder stack ([`transformer`]) and one
+//! file per architecture that maps its `config.json` and tensor names onto them.
+//!
+//! [`load`] reads a model directory and picks the family by `model_type`.
+
+pub mod cache;
+pub mod layers;
+pub mod llama;
+pub mod mixtral;
+pub mod olmoe;
+pub mod qwen3_moe;
+pub mod transformer;
+
+use std::path::Path;
+
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::{Error, Result};
+use cache::KvCache;
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// One row per input token.
+    All,
+    /// Only the last token's row.
+    Last,
+}
+
+/// What `coli info` shows about a model.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub moe_layers: usize,
+    pub routed_experts: usize,
+    pub shared_experts: usize,
+    pub active_experts: usize,
+    pub total_params: usize,
+    pub active_params: usize,
+    pub dense_bytes: usize,
+    pub routed_expert_bytes: usize,
+    pub dtypes: Vec<String>,
+    pub max_position_embeddings: usize,
+}
+
+/// A causal language model: tokens in, next-token logits out.
+pub trait CausalLm: Send + Sync {
+    /// Shape and size facts.
+    fn info(&self) -> &ModelInfo;
+    /// An empty per-sequence cache holding up to `max_len` tokens.
+    fn new_cache(&self, max_len: usize) -> KvCache;
+    /// Run `tokens` (a prefill chunk or one decode token) at the cache's next positions,
+    /// appending them to the cache, and return logits rows (`vocab_size` each).
+    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>>;
+}
+
+/// The `model_type`s this build runs.
+pub const SUPPORTED: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
+
+/// Load the model in `dir`.
+pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
+    let cfg = ModelConfig::from_model_dir(dir)?;
+    let model_type = cfg.model_type()?;
+    // Check the family before touching the weights, so the error is about the real problem.
+    if !SUPPORTED.contains(&model_type.as_str()) {
+        return Err(Error::config(
+            cfg.path(),
+            "model_type",
+            format!(
+                "`{model_type}` is not supported by this build (supported: {})",
+                SUPPORTED.join(", ")
+            ),
+        ));
+    }
+    let ckpt = Checkpoint::open(dir)?;
+    let model: Box<dyn CausalLm> = match model_type.as_str() {
+        "llama" => Box::new(llama::load(&ckpt, &cfg)?),
+        "mixtral" => Box::new(mixtral::load(&ckpt, &cfg)?),
+        "olmoe" => Box::new(olmoe::load(&ckpt, &cfg)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(&ckpt, &cfg)?),
+        _ => unreachable!("checked above"),
+    };
+    Ok(model)
+}

@@ -1,0 +1,66 @@
+//! OLMoE (`model_type: olmoe`): Llama-style attention with q/k RMSNorm over the whole
+//! projected width (all heads jointly) and optional `clip_qkv`; a routed MoE in every layer
+//! (softmax router, top-k, renormalised only if `norm_topk_prob`), no shared expert.
+
+use std::sync::Arc;
+
+use super::layers::{Linear, MoeBlock, QkNorm, RmsNorm, Router};
+use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::store::{ExpertNames, ExpertStore, ResidentStore};
+use crate::Result;
+
+/// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`.
+pub fn qwen_style_expert_names(layers: &[usize], total_layers: usize, experts: usize) -> Vec<Vec<ExpertNames>> {
+    (0..total_layers)
+        .map(|l| {
+            if !layers.contains(&l) {
+                return Vec::new();
+            }
+            (0..experts)
+                .map(|e| {
+                    let p = format!("model.layers.{l}.mlp.experts.{e}");
+                    ExpertNames {
+                        gate: format!("{p}.gate_proj.weight"),
+                        up: format!("{p}.up_proj.weight"),
+                        down: format!("{p}.down_proj.weight"),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Build an OLMoE model from its checkpoint.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+    let sc = StandardConfig::read(cfg, 1e-5, 10000.0)?;
+    let experts = cfg.usize("num_experts")?;
+    let top_k = cfg.usize("num_experts_per_tok")?;
+    let inter = cfg.usize("intermediate_size")?;
+    let renormalize = cfg.bool_or("norm_topk_prob", false)?;
+    let clip_qkv = cfg.opt_f64("clip_qkv")?.map(|c| c as f32);
+    let (d, hd) = (sc.hidden_size, sc.head_dim);
+    let all: Vec<usize> = (0..sc.layers).collect();
+    let names = qwen_style_expert_names(&all, sc.layers, experts);
+    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, inter)?);
+    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+        let p = format!("model.layers.{l}");
+        Ok(LayerParts {
+            qk_norm: QkNorm::FullWidth {
+                q: RmsNorm::load(ckpt, &format!("{p}.self_attn.q_norm.weight"), sc.heads * hd, sc.rms_norm_eps)?,
+                k: RmsNorm::load(ckpt, &format!("{p}.self_attn.k_norm.weight"), sc.kv_heads * hd, sc.rms_norm_eps)?,
+            },
+            clip_qkv,
+            window: None,
+            ffn: Ffn::Moe(MoeBlock {
+                layer: l,
+                gate: Linear::load(ckpt, &format!("{p}.mlp.gate"), experts, d, false)?,
+                router: Router::SoftmaxTopK { renormalize },
+                top_k,
+                num_experts: experts,
+                store: store.clone(),
+            }),
+        })
+    })
+}

@@ -1,0 +1,59 @@
+//! Qwen3-MoE (`model_type: qwen3_moe`): per-head q/k RMSNorm before RoPE, an optional sliding
+//! window on every layer, and a dense/MoE schedule: layer L is MoE iff it is not in
+//! `mlp_only_layers` and `(L + 1) % decoder_sparse_step == 0`. Softmax router, top-k,
+//! renormalised if `norm_topk_prob`.
+
+use std::sync::Arc;
+
+use super::layers::{Linear, MoeBlock, Mlp, QkNorm, RmsNorm, Router};
+use super::olmoe::qwen_style_expert_names;
+use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::store::{ExpertStore, ResidentStore};
+use crate::Result;
+
+/// Build a Qwen3-MoE model from its checkpoint.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+    let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
+    let experts = cfg.usize_or("num_experts", 0)?;
+    let top_k = cfg.usize("num_experts_per_tok")?;
+    let moe_inter = cfg.usize("moe_intermediate_size")?;
+    let renormalize = cfg.bool_or("norm_topk_prob", false)?;
+    let sparse_step = cfg.usize_or("decoder_sparse_step", 1)?.max(1);
+    let mlp_only = cfg.usize_list("mlp_only_layers")?;
+    let window = if cfg.bool_or("use_sliding_window", false)? {
+        cfg.opt_usize("sliding_window")?
+    } else {
+        None
+    };
+    let (d, hd) = (sc.hidden_size, sc.head_dim);
+    let is_moe = |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1) % sparse_step == 0;
+    let moe_layers: Vec<usize> = (0..sc.layers).filter(|&l| is_moe(l)).collect();
+    let names = qwen_style_expert_names(&moe_layers, sc.layers, experts);
+    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, moe_inter)?);
+    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+        let p = format!("model.layers.{l}");
+        let ffn = if is_moe(l) {
+            Ffn::Moe(MoeBlock {
+                layer: l,
+                gate: Linear::load(ckpt, &format!("{p}.mlp.gate"), experts, d, false)?,
+                router: Router::SoftmaxTopK { renormalize },
+                top_k,
+                num_experts: experts,
+                store: store.clone(),
+            })
+        } else {
+            Ffn::Dense(Mlp::load(ckpt, &format!("{p}.mlp"), d, cfg.usize("intermediate_size")?, false)?)
+        };
+        Ok(LayerParts {
+            qk_norm: QkNorm::PerHead {
+                q: RmsNorm::load(ckpt, &format!("{p}.self_attn.q_norm.weight"), hd, sc.rms_norm_eps)?,
+                k: RmsNorm::load(ckpt, &format!("{p}.self_attn.k_norm.weight"), hd, sc.rms_norm_eps)?,
+            },
+            clip_qkv: None,
+            window,
+            ffn,
+        })
+    })
+}

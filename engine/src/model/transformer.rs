@@ -1,0 +1,258 @@
+//! The standard pre-norm decoder stack shared by llama, mixtral, olmoe and qwen3_moe:
+//! `h += Attn(Norm(h)); h += Ffn(Norm(h))`, then a final norm and the LM head. Families
+//! differ only in how they fill these parts from their checkpoint (see their files).
+
+use super::cache::KvCache;
+use super::layers::{embed, Attention, Linear, MoeBlock, Mlp, RmsNorm};
+use super::{CausalLm, Logits, ModelInfo};
+use crate::tensor::Tensor;
+use crate::{Error, Result};
+
+/// A decoder layer's feed-forward part.
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(MoeBlock),
+}
+
+/// One decoder layer.
+pub struct Block {
+    pub attn_norm: RmsNorm,
+    pub attn: Attention,
+    pub ffn_norm: RmsNorm,
+    pub ffn: Ffn,
+}
+
+/// A pre-norm decoder-only transformer.
+pub struct Transformer {
+    pub embed: Tensor,
+    pub blocks: Vec<Block>,
+    pub norm: RmsNorm,
+    pub lm_head: Linear,
+    pub info: ModelInfo,
+}
+
+impl CausalLm for Transformer {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn new_cache(&self, max_len: usize) -> KvCache {
+        KvCache::new(self.blocks.len(), max_len)
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("forward needs at least one token".into()));
+        }
+        if cache.len + tokens.len() > cache.max_len {
+            return Err(Error::Invalid(format!(
+                "context overflow: {} cached + {} new tokens exceed the context of {} tokens",
+                cache.len,
+                tokens.len(),
+                cache.max_len
+            )));
+        }
+        let start = cache.len;
+        let d = self.info.hidden_size;
+        let mut h = embed(&self.embed, tokens)?;
+        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            let x = block.attn_norm.forward(&h);
+            let a = block.attn.forward(&x, start, kv);
+            add_inplace(&mut h, &a);
+            let x = block.ffn_norm.forward(&h);
+            let f = match &block.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&x),
+                Ffn::Moe(moe) => moe.forward(&x)?,
+            };
+            add_inplace(&mut h, &f);
+        }
+        cache.len += tokens.len();
+        let rows = match logits {
+            Logits::All => &h[..],
+            Logits::Last => &h[(tokens.len() - 1) * d..],
+        };
+        let x = self.norm.forward(rows);
+        Ok(self.lm_head.forward(&x))
+    }
+}
+
+fn add_inplace(h: &mut [f32], x: &[f32]) {
+    for (a, b) in h.iter_mut().zip(x) {
+        *a += b;
+    }
+}
+
+/// Hyper-parameters every standard decoder has, read from `config.json`.
+#[derive(Debug, Clone)]
+pub struct StandardConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope: crate::format::config::RopeParams,
+    pub attention_bias: bool,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+}
+
+impl StandardConfig {
+    /// Read the common fields; `default_eps` and `default_theta` are the family's defaults.
+    pub fn read(cfg: &crate::format::config::ModelConfig, default_eps: f64, default_theta: f64) -> Result<Self> {
+        let hidden_size = cfg.usize("hidden_size")?;
+        let heads = cfg.usize("num_attention_heads")?;
+        if heads == 0 || hidden_size == 0 {
+            return Err(Error::config(cfg.path(), "num_attention_heads", "must be positive"));
+        }
+        let kv_heads = cfg.usize_or("num_key_value_heads", heads)?;
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::config(
+                cfg.path(),
+                "num_key_value_heads",
+                format!("{kv_heads} does not divide num_attention_heads = {heads}"),
+            ));
+        }
+        let head_dim = cfg.usize_or("head_dim", hidden_size / heads)?;
+        Ok(StandardConfig {
+            vocab_size: cfg.usize("vocab_size")?,
+            hidden_size,
+            layers: cfg.usize("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim,
+            rms_norm_eps: cfg.f64_or("rms_norm_eps", default_eps)?,
+            rope: cfg.rope(default_theta)?,
+            attention_bias: cfg.bool_or("attention_bias", false)?,
+            tie_word_embeddings: cfg.bool_or("tie_word_embeddings", false)?,
+            max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
+        })
+    }
+}
+
+/// What differs per layer between the families that use the standard stack.
+pub struct LayerParts {
+    pub qk_norm: super::layers::QkNorm,
+    pub clip_qkv: Option<f32>,
+    pub window: Option<usize>,
+    pub ffn: Ffn,
+}
+
+/// Build a standard decoder from HF names (`model.embed_tokens`, `model.layers.{L}.self_attn.*`,
+/// `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`), with the
+/// family-specific parts of each layer given by `layer_parts`.
+pub fn load_standard(
+    ckpt: &crate::format::safetensors::Checkpoint,
+    cfg: &crate::format::config::ModelConfig,
+    sc: &StandardConfig,
+    store: Option<&dyn crate::store::ExpertStore>,
+    mut layer_parts: impl FnMut(usize) -> Result<LayerParts>,
+) -> Result<Transformer> {
+    use super::layers::Rope;
+    let (d, hd) = (sc.hidden_size, sc.head_dim);
+    let embed = ckpt.weight("model.embed_tokens.weight", &[sc.vocab_size, d])?;
+    let lm_head = if sc.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
+        Linear::from_tensor(embed.clone())
+    } else {
+        Linear::load(ckpt, "lm_head", sc.vocab_size, d, false)?
+    };
+    let mut blocks = Vec::with_capacity(sc.layers);
+    for l in 0..sc.layers {
+        let p = format!("model.layers.{l}");
+        let parts = layer_parts(l)?;
+        let attn = Attention {
+            q: Linear::load(ckpt, &format!("{p}.self_attn.q_proj"), sc.heads * hd, d, sc.attention_bias)?,
+            k: Linear::load(ckpt, &format!("{p}.self_attn.k_proj"), sc.kv_heads * hd, d, sc.attention_bias)?,
+            v: Linear::load(ckpt, &format!("{p}.self_attn.v_proj"), sc.kv_heads * hd, d, sc.attention_bias)?,
+            o: Linear::load(ckpt, &format!("{p}.self_attn.o_proj"), d, sc.heads * hd, sc.attention_bias)?,
+            heads: sc.heads,
+            kv_heads: sc.kv_heads,
+            head_dim: hd,
+            qk_norm: parts.qk_norm,
+            clip_qkv: parts.clip_qkv,
+            rope: Rope::new(&sc.rope, hd),
+            window: parts.window,
+            scale: (hd as f32).powf(-0.5),
+        };
+        blocks.push(Block {
+            attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, sc.rms_norm_eps)?,
+            attn,
+            ffn_norm: RmsNorm::load(ckpt, &format!("{p}.post_attention_layernorm.weight"), d, sc.rms_norm_eps)?,
+            ffn: parts.ffn,
+        });
+    }
+    let norm = RmsNorm::load(ckpt, "model.norm.weight", d, sc.rms_norm_eps)?;
+    let info = standard_info(ckpt, cfg, sc, &blocks, store)?;
+    Ok(Transformer {
+        embed,
+        blocks,
+        norm,
+        lm_head,
+        info,
+    })
+}
+
+fn standard_info(
+    ckpt: &crate::format::safetensors::Checkpoint,
+    cfg: &crate::format::config::ModelConfig,
+    sc: &StandardConfig,
+    blocks: &[Block],
+    store: Option<&dyn crate::store::ExpertStore>,
+) -> Result<ModelInfo> {
+    let mut dtypes: Vec<String> = ckpt.tensors().values().map(|t| t.dtype.to_string()).collect();
+    dtypes.sort();
+    dtypes.dedup();
+    let total_bytes = ckpt.total_bytes();
+    let total_params: usize = ckpt.tensors().values().map(|t| t.shape.iter().product::<usize>()).sum();
+    let routed_expert_bytes = store.map_or(0, |s| s.total_bytes());
+    let mut moe_layers = 0;
+    let (mut routed, mut active, mut expert_params) = (0, 0, 0);
+    for b in blocks {
+        if let Ffn::Moe(m) = &b.ffn {
+            moe_layers += 1;
+            routed = m.num_experts;
+            active = m.top_k;
+            let per_expert = 3 * m.gate.weight.shape[1] * expert_intermediate(m);
+            expert_params += m.num_experts * per_expert;
+        }
+    }
+    let active_expert_params: usize = blocks
+        .iter()
+        .filter_map(|b| match &b.ffn {
+            Ffn::Moe(m) => Some(m.top_k * 3 * m.gate.weight.shape[1] * expert_intermediate(m)),
+            Ffn::Dense(_) => None,
+        })
+        .sum();
+    Ok(ModelInfo {
+        model_type: cfg.model_type()?,
+        architecture: cfg
+            .json()
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .unwrap_or("")
+            .to_string(),
+        vocab_size: sc.vocab_size,
+        hidden_size: sc.hidden_size,
+        layers: sc.layers,
+        moe_layers,
+        routed_experts: routed,
+        shared_experts: 0,
+        active_experts: active,
+        total_params,
+        active_params: total_params - expert_params + active_expert_params,
+        dense_bytes: total_bytes - routed_expert_bytes,
+        routed_expert_bytes,
+        dtypes,
+        max_position_embeddings: sc.max_position_embeddings,
+    })
+}
+
+fn expert_intermediate(m: &MoeBlock) -> usize {
+    m.store
+        .acquire(m.layer, &[0])
+        .ok()
+        .and_then(|l| l.ready().next().map(|(_, e)| e.gate.shape[0]))
+        .unwrap_or(0)
+}

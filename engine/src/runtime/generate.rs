@@ -1,0 +1,186 @@
+//! The generation loop: prefill the prompt as one batch, then decode one token at a time,
+//! sampling each from the last logits row, until an end-of-sequence id, a stop string or the
+//! token limit. Text is streamed through a callback as it becomes complete.
+
+use std::time::Instant;
+
+use super::sampling::{Sampler, SamplingParams};
+use crate::format::tokenizer::{TextStream, Tokenizer};
+use crate::model::{CausalLm, Logits};
+use crate::{Error, Result};
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Token ids that end generation (not emitted).
+    pub eos_token_ids: Vec<u32>,
+    /// Strings that end generation (not emitted).
+    pub stop_strings: Vec<String>,
+    pub sampling: SamplingParams,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-sequence token or a stop string.
+    Stop,
+    /// The token limit.
+    Length,
+}
+
+/// The outcome of a generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// Generated token ids (without the end-of-sequence id).
+    pub tokens: Vec<u32>,
+    /// Generated text (empty without a tokenizer), cut before a stop string.
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+}
+
+impl Generation {
+    /// Prompt tokens per second of prefill.
+    pub fn prefill_tok_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_seconds.max(1e-9)
+    }
+
+    /// Generated tokens per second after the first (the first comes from the prefill logits).
+    pub fn decode_tok_per_s(&self) -> f64 {
+        let steps = self.tokens.len().saturating_sub(1);
+        if steps == 0 {
+            0.0
+        } else {
+            steps as f64 / self.decode_seconds.max(1e-9)
+        }
+    }
+}
+
+/// Generate from `prompt`. `on_text` receives each newly completed piece of text (only when a
+/// tokenizer is given); `on_token` each generated id.
+pub fn generate(
+    model: &dyn CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation> {
+    if prompt.is_empty() {
+        return Err(Error::Invalid("the prompt is empty: nothing to continue from".into()));
+    }
+    params.sampling.validate()?;
+    if !params.stop_strings.is_empty() && tokenizer.is_none() {
+        return Err(Error::Invalid("stop strings need a tokenizer".into()));
+    }
+    let ctx = model.info().max_position_embeddings.max(1);
+    if prompt.len() >= ctx {
+        return Err(Error::Invalid(format!(
+            "the prompt has {} tokens but the model's context is {ctx} tokens",
+            prompt.len()
+        )));
+    }
+    let max_len = (prompt.len() + params.max_tokens).min(ctx);
+    let mut cache = model.new_cache(max_len);
+    let mut sampler = Sampler::new(params.sampling.clone());
+    let mut history: Vec<u32> = prompt.to_vec();
+    let mut tokens = Vec::new();
+    let mut stream = TextStream::new();
+    let mut text = String::new();
+    let mut emitted = 0usize;
+
+    let t0 = Instant::now();
+    let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut finish_reason = FinishReason::Length;
+    while tokens.len() < params.max_tokens {
+        let id = sampler.sample(&logits, &history);
+        if params.eos_token_ids.contains(&id) {
+            finish_reason = FinishReason::Stop;
+            break;
+        }
+        tokens.push(id);
+        history.push(id);
+        on_token(id);
+        if let Some(tok) = tokenizer {
+            text.push_str(&stream.push(tok, id)?);
+            if let Some(cut) = find_stop(&text, &params.stop_strings) {
+                text.truncate(cut);
+                finish_reason = FinishReason::Stop;
+                break;
+            }
+            let safe = text.len() - held_back(&text, &params.stop_strings);
+            if safe > emitted {
+                on_text(&text[emitted..safe]);
+                emitted = safe;
+            }
+        }
+        if tokens.len() >= params.max_tokens || cache.len >= max_len {
+            break;
+        }
+        logits = model.forward(&[id], &mut cache, Logits::Last)?;
+    }
+    if let Some(tok) = tokenizer {
+        if finish_reason == FinishReason::Length || find_stop(&text, &params.stop_strings).is_none() {
+            text.push_str(&stream.finish(tok)?);
+            if let Some(cut) = find_stop(&text, &params.stop_strings) {
+                text.truncate(cut);
+                finish_reason = FinishReason::Stop;
+            }
+        }
+        if text.len() > emitted {
+            on_text(&text[emitted..]);
+        }
+    }
+    Ok(Generation {
+        tokens,
+        text,
+        finish_reason,
+        prompt_tokens: prompt.len(),
+        prefill_seconds,
+        decode_seconds: t1.elapsed().as_secs_f64(),
+    })
+}
+
+/// Byte offset of the first stop string in `text`.
+fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}
+
+/// Bytes at the end of `text` that could be the start of a stop string and so must not be
+/// emitted yet.
+fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut hold = 0;
+    for s in stops {
+        for n in (1..s.len()).rev() {
+            if n <= text.len() && text.is_char_boundary(text.len() - n) && s.is_char_boundary(n) && text.ends_with(&s[..n]) {
+                hold = hold.max(n);
+                break;
+            }
+        }
+    }
+    hold
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_prefixes_are_held_back() {
+        let stops = vec!["</end>".to_string()];
+        assert_eq!(held_back("hello </e", &stops), 4);
+        assert_eq!(held_back("hello", &stops), 0);
+        assert_eq!(find_stop("ab</end>cd", &stops), Some(2));
+    }
+}

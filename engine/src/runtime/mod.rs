@@ -1,0 +1,5 @@
+//! The runtime: sampling and the generation loop over a model and its cache. Later: KV slots,
+//! scheduling, grammar and speculation.
+
+pub mod generate;
+pub mod sampling;

@@ -1,0 +1,283 @@
+//! Tensors as the kernels see them: dtypes, weight storage (memory-mapped or owned), typed
+//! views, the CPU kernels and the thread pool they run on.
+//!
+//! A [`Tensor`] is a shape, a dtype and bytes. The bytes may be a window of a memory-mapped
+//! checkpoint file or an owned, aligned buffer; kernels never know which. Kernels take typed
+//! views ([`WeightView`]) and never know about files.
+
+pub mod kernels;
+pub mod matmul;
+pub mod threads;
+
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+use crate::{Error, Result};
+
+/// Element type of a stored tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I64,
+    I32,
+    U8,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::I64 => 8,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Parse a safetensors dtype string ("F32", "BF16", ...).
+    pub fn from_safetensors(s: &str) -> Option<DType> {
+        Some(match s {
+            "F32" => DType::F32,
+            "F16" => DType::F16,
+            "BF16" => DType::BF16,
+            "I64" => DType::I64,
+            "I32" => DType::I32,
+            "U8" => DType::U8,
+            _ => return None,
+        })
+    }
+
+    /// The safetensors name of this dtype.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I64 => "I64",
+            DType::I32 => "I32",
+            DType::U8 => "U8",
+        }
+    }
+
+    /// Whether matrix kernels accept this dtype as weights.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::U8 => "u8",
+        })
+    }
+}
+
+/// Where a tensor's bytes live.
+#[derive(Clone)]
+pub enum Storage {
+    /// A window of a memory-mapped file.
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        start: usize,
+        len: usize,
+    },
+    /// An owned buffer, 8-byte aligned.
+    Owned { words: Arc<Vec<u64>>, len: usize },
+}
+
+impl Storage {
+    /// Copy `bytes` into an owned, aligned buffer.
+    pub fn owned(bytes: &[u8]) -> Storage {
+        let mut words = vec![0u64; bytes.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..bytes.len()].copy_from_slice(bytes);
+        Storage::Owned {
+            words: Arc::new(words),
+            len: bytes.len(),
+        }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Mapped { map, start, len } => &map[*start..*start + *len],
+            Storage::Owned { words, len } => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+        }
+    }
+}
+
+/// A stored tensor: name, shape, dtype and bytes.
+#[derive(Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub storage: Storage,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({} {:?} {})", self.name, self.shape, self.dtype)
+    }
+}
+
+impl Tensor {
+    /// Build an owned f32 tensor (tests, synthetic weights).
+    pub fn from_f32(name: &str, shape: &[usize], values: &[f32]) -> Tensor {
+        assert_eq!(shape.iter().product::<usize>(), values.len());
+        Tensor {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            storage: Storage::owned(bytemuck::cast_slice(values)),
+        }
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.storage.bytes().len()
+    }
+
+    /// Make sure the bytes are aligned for the dtype; copies into an owned buffer if not.
+    pub fn aligned(self) -> Tensor {
+        let ptr = self.storage.bytes().as_ptr() as usize;
+        if ptr % self.dtype.size().max(1) == 0 {
+            self
+        } else {
+            let storage = Storage::owned(self.storage.bytes());
+            Tensor { storage, ..self }
+        }
+    }
+
+    /// A typed view for the matrix kernels. The last dimension is the row length.
+    pub fn view(&self) -> Result<WeightView<'_>> {
+        let bytes = self.storage.bytes();
+        let cols = *self.shape.last().unwrap_or(&1);
+        let rows = if cols == 0 { 0 } else { self.numel() / cols };
+        let data = match self.dtype {
+            DType::F32 => WeightData::F32(cast(bytes, &self.name)?),
+            DType::BF16 => WeightData::BF16(cast(bytes, &self.name)?),
+            DType::F16 => WeightData::F16(cast(bytes, &self.name)?),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "tensor `{}` has dtype {other}; matrix weights must be f32, bf16 or f16",
+                    self.name
+                )))
+            }
+        };
+        Ok(WeightView { rows, cols, data })
+    }
+
+    /// The values converted to f32 (norm weights, biases, embeddings rows are read through views).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let view = self.view()?;
+        let mut out = vec![0.0f32; view.rows * view.cols];
+        for r in 0..view.rows {
+            view.row_to_f32(r, &mut out[r * view.cols..(r + 1) * view.cols]);
+        }
+        Ok(out)
+    }
+
+    /// Integer values (index tables).
+    pub fn to_i64_vec(&self) -> Result<Vec<i64>> {
+        let bytes = self.storage.bytes();
+        Ok(match self.dtype {
+            DType::I64 => bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            DType::I32 => bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+                .collect(),
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "tensor `{}` has dtype {other}; expected an integer table",
+                    self.name
+                )))
+            }
+        })
+    }
+}
+
+fn cast<'a, T: bytemuck::Pod>(bytes: &'a [u8], name: &str) -> Result<&'a [T]> {
+    bytemuck::try_cast_slice(bytes).map_err(|e| {
+        Error::Invalid(format!(
+            "tensor `{name}`: bytes cannot be viewed as {}: {e}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+/// The element data of a weight matrix.
+#[derive(Clone, Copy)]
+pub enum WeightData<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// A row-major matrix of weights, `rows × cols`, as the kernels take it.
+#[derive(Clone, Copy)]
+pub struct WeightView<'a> {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData<'a>,
+}
+
+impl<'a> WeightView<'a> {
+    /// Rows `[start, start + n)` as a new view.
+    pub fn rows_range(&self, start: usize, n: usize) -> WeightView<'a> {
+        let (a, b) = (start * self.cols, (start + n) * self.cols);
+        let data = match self.data {
+            WeightData::F32(d) => WeightData::F32(&d[a..b]),
+            WeightData::BF16(d) => WeightData::BF16(&d[a..b]),
+            WeightData::F16(d) => WeightData::F16(&d[a..b]),
+        };
+        WeightView {
+            rows: n,
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Convert row `r` to f32 into `out`.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let (a, b) = (r * self.cols, (r + 1) * self.cols);
+        match self.data {
+            WeightData::F32(d) => out.copy_from_slice(&d[a..b]),
+            WeightData::BF16(d) => {
+                for (o, v) in out.iter_mut().zip(&d[a..b]) {
+                    *o = v.to_f32();
+                }
+            }
+            WeightData::F16(d) => {
+                for (o, v) in out.iter_mut().zip(&d[a..b]) {
+                    *o = v.to_f32();
+                }
+            }
+        }
+    }
+
+    /// The dtype of the elements.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            WeightData::F32(_) => DType::F32,
+            WeightData::BF16(_) => DType::BF16,
+            WeightData::F16(_) => DType::F16,
+        }
+    }
+}
