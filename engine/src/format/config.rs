@@ -10,6 +10,9 @@ use serde_json::Value;
 
 use crate::{Error, Result};
 
+/// Config fields that transformers' `attribute_map`s make synonyms.
+const ALIASES: &[(&str, &str)] = &[("num_experts", "num_local_experts")];
+
 /// A parsed `config.json`.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -55,9 +58,21 @@ impl ModelConfig {
         Error::config(&self.path, field, message)
     }
 
-    /// A field's raw value, treating JSON null as absent.
+    /// A field's raw value, treating JSON null as absent. Fields that transformers maps to
+    /// each other (`attribute_map`, e.g. `num_experts` / `num_local_experts`) are found under
+    /// either name.
     pub fn get(&self, field: &str) -> Option<&Value> {
-        self.json.get(field).filter(|v| !v.is_null())
+        let direct = self.json.get(field).filter(|v| !v.is_null());
+        direct.or_else(|| {
+            ALIASES
+                .iter()
+                .find_map(|&(a, b)| match field {
+                    f if f == a => Some(b),
+                    f if f == b => Some(a),
+                    _ => None,
+                })
+                .and_then(|alias| self.json.get(alias).filter(|v| !v.is_null()))
+        })
     }
 
     /// A required string field.
