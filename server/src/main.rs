@@ -1,1 +1,51 @@
-fn main(){}
+//! `coli`: colibri's command line — operator commands now, the HTTP server later.
+
+mod demo;
+mod generate_cmd;
+mod info;
+mod logits;
+mod model_arg;
+mod synth;
+
+use clap::{Parser, Subcommand};
+
+/// colibri: run huge Mixture-of-Experts models on the hardware you have.
+#[derive(Parser)]
+#[command(name = "coli", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streamed to stdout.
+    Run(generate_cmd::RunArgs),
+    /// Print the logits of a teacher-forced token sequence as JSON.
+    Logits(logits::LogitsArgs),
+    /// Describe a model: architecture, experts, parameters, bytes.
+    Info(info::InfoArgs),
+    /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
+    Synth(synth::SynthArgs),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("COLI_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => generate_cmd::run(a),
+        Command::Logits(a) => logits::run(a),
+        Command::Info(a) => info::run(a),
+        Command::Synth(a) => synth::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("coli: error: {e:#}");
+        std::process::exit(1);
+    }
+}

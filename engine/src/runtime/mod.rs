@@ -2,4 +2,5 @@
 //! scheduling, grammar and speculation.
 
 pub mod generate;
+pub mod loaded;
 pub mod sampling;

@@ -1,0 +1,66 @@
+//! A model directory opened for use: the model plus whatever text-side files it has
+//! (tokenizer, chat template, generation defaults). Only `config.json` and the weights are
+//! required; a missing tokenizer is an error only when text is needed.
+
+use std::path::{Path, PathBuf};
+
+use crate::format::chat_template::ChatTemplate;
+use crate::format::config::ModelConfig;
+use crate::format::generation_config::GenerationConfig;
+use crate::format::tokenizer::Tokenizer;
+use crate::model::{self, CausalLm};
+use crate::{Error, Result};
+
+/// A loaded model directory.
+pub struct LoadedModel {
+    pub dir: PathBuf,
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Option<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub generation: GenerationConfig,
+    /// End-of-sequence ids: generation_config.json's, else config.json's.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl LoadedModel {
+    /// Open `dir`. With `needs_text`, a missing or broken `tokenizer.json` is an error.
+    pub fn open(dir: &Path, needs_text: bool) -> Result<LoadedModel> {
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
+            ));
+        }
+        let model = model::load(dir)?;
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = if tok_path.is_file() || needs_text {
+            Some(Tokenizer::from_file(&tok_path)?)
+        } else {
+            None
+        };
+        let chat_template = ChatTemplate::from_model_dir(dir)?;
+        let generation = GenerationConfig::from_model_dir(dir)?;
+        let mut eos_token_ids = generation.eos_token_ids.clone();
+        if eos_token_ids.is_empty() {
+            eos_token_ids = ModelConfig::from_model_dir(dir)?.eos_token_ids()?;
+        }
+        Ok(LoadedModel {
+            dir: dir.to_path_buf(),
+            model,
+            tokenizer,
+            chat_template,
+            generation,
+            eos_token_ids,
+        })
+    }
+
+    /// The tokenizer, or an error saying which file is missing.
+    pub fn tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::io(
+                self.dir.join("tokenizer.json"),
+                std::io::Error::new(std::io::ErrorKind::NotFound, "this command needs a tokenizer"),
+            )
+        })
+    }
+}

@@ -1,0 +1,84 @@
+//! `coli info`: what a model is and what it weighs.
+
+use anyhow::Result;
+
+use crate::model_arg::ModelArgs;
+
+/// Arguments of `coli info`.
+#[derive(clap::Args, Debug)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Human-readable byte count.
+pub fn bytes(n: usize) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.2} GB", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.1} MB", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1} kB", n / 1e3)
+    } else {
+        format!("{n} B")
+    }
+}
+
+fn count(n: usize) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.2} B", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.1} M", n / 1e6)
+    } else {
+        format!("{:.1} k", n / 1e3)
+    }
+}
+
+/// Run `coli info`.
+pub fn run(args: InfoArgs) -> Result<()> {
+    let loaded = args.model.load(false)?;
+    let i = loaded.model.info();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(i)?);
+        return Ok(());
+    }
+    println!("model:        {}", loaded.dir.display());
+    println!("architecture: {} ({})", i.architecture, i.model_type);
+    println!(
+        "layers:       {} ({} MoE), hidden {}, vocab {}, context {}",
+        i.layers, i.moe_layers, i.hidden_size, i.vocab_size, i.max_position_embeddings
+    );
+    if i.moe_layers > 0 {
+        println!(
+            "experts:      {} routed, {} shared, {} active per token",
+            i.routed_experts, i.shared_experts, i.active_experts
+        );
+    } else {
+        println!("experts:      none (dense)");
+    }
+    println!("parameters:   {} total, {} active per token", count(i.total_params), count(i.active_params));
+    println!(
+        "weights:      {} dense (resident), {} routed experts; dtypes: {}",
+        bytes(i.dense_bytes),
+        bytes(i.routed_expert_bytes),
+        i.dtypes.join(", ")
+    );
+    println!(
+        "tokenizer:    {}",
+        if loaded.tokenizer.is_some() { "tokenizer.json" } else { "none" }
+    );
+    println!(
+        "chat template: {}",
+        loaded
+            .chat_template
+            .as_ref()
+            .map(|t| t.source().display().to_string())
+            .unwrap_or_else(|| "none".into())
+    );
+    Ok(())
+}
