@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -959,6 +957,7 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True):
             raise RuntimeError(f"{arch}: unexpected file written by save_pretrained: {extra.name}")
     if arch in POST_SAVE:
         POST_SAVE[arch](str(out_dir / "model.safetensors"))
+    os.chmod(out_dir / "model.safetensors", 0o644)
     gen_cfg.save_pretrained(out_dir)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_dict(tok), indent=2) + "\n")
