@@ -11,11 +11,18 @@ use colibri::tensor::DType;
 use half::{bf16, f16};
 
 fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(arch)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(arch)
 }
 
 fn copy_text_files(from: &Path, to: &Path) {
-    for name in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for name in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         if from.join(name).exists() {
             std::fs::copy(from.join(name), to.join(name)).unwrap();
         }
@@ -23,9 +30,16 @@ fn copy_text_files(from: &Path, to: &Path) {
 }
 
 fn prompt(arch: &str) -> Vec<u32> {
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap()).unwrap();
-    v["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    v["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
@@ -51,7 +65,12 @@ fn all_f32(src: &Path) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 }
 
 /// Write tensors into `files` shards, converting float tensors with `conv`.
-fn write_shards(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], files: usize, dtype: DType) {
+fn write_shards(
+    dir: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    files: usize,
+    dtype: DType,
+) {
     let per = tensors.len().div_ceil(files);
     let mut map = serde_json::Map::new();
     for (i, chunk) in tensors.chunks(per).enumerate() {
@@ -62,15 +81,25 @@ fn write_shards(dir: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)], files: u
         };
         let specs = chunk
             .iter()
-            .map(|(n, s, _)| TensorSpec { name: n.clone(), dtype, shape: s.clone() })
+            .map(|(n, s, _)| TensorSpec {
+                name: n.clone(),
+                dtype,
+                shape: s.clone(),
+            })
             .collect();
         let mut w = SafetensorsWriter::create(&dir.join(&name), specs).unwrap();
         for (n, _, vals) in chunk {
             map.insert(n.clone(), name.clone().into());
             let bytes: Vec<u8> = match dtype {
                 DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                DType::BF16 => vals.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
-                DType::F16 => vals.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
+                DType::BF16 => vals
+                    .iter()
+                    .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                DType::F16 => vals
+                    .iter()
+                    .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                    .collect(),
                 _ => unreachable!(),
             };
             w.write(&bytes).unwrap();
@@ -91,7 +120,11 @@ fn sharded_checkpoint_gives_identical_logits() {
         write_shards(tmp.path(), &all_f32(&fixture(arch)), 3, DType::F32);
         assert!(tmp.path().join("model-00003-of-00003.safetensors").exists());
         let ids = prompt(arch);
-        assert_eq!(bits(&logits(tmp.path(), &ids)), bits(&logits(&fixture(arch), &ids)), "{arch}");
+        assert_eq!(
+            bits(&logits(tmp.path(), &ids)),
+            bits(&logits(&fixture(arch), &ids)),
+            "{arch}"
+        );
     }
 }
 
@@ -100,7 +133,10 @@ fn half_precision_weights_compute_exactly_their_values() {
     // A bf16 (f16) checkpoint must give the same bits as an f32 checkpoint holding the same
     // rounded values: the kernels widen half floats exactly and sum in the same order.
     for (dtype, round) in [
-        (DType::BF16, (|v: f32| bf16::from_f32(v).to_f32()) as fn(f32) -> f32),
+        (
+            DType::BF16,
+            (|v: f32| bf16::from_f32(v).to_f32()) as fn(f32) -> f32,
+        ),
         (DType::F16, |v: f32| f16::from_f32(v).to_f32()),
     ] {
         let arch = "mixtral";
@@ -129,10 +165,19 @@ fn old_rope_config_form_is_equivalent() {
     let arch = "llama";
     let tmp = tempfile::tempdir().unwrap();
     copy_text_files(&fixture(arch), tmp.path());
-    std::fs::copy(fixture(arch).join("model.safetensors"), tmp.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        fixture(arch).join("model.safetensors"),
+        tmp.path().join("model.safetensors"),
+    )
+    .unwrap();
     let p = tmp.path().join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    let rp = v.as_object_mut().unwrap().remove("rope_parameters").expect("v5 config has rope_parameters");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let rp = v
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_parameters")
+        .expect("v5 config has rope_parameters");
     v["rope_theta"] = rp["rope_theta"].clone();
     let mut scaling = rp.clone();
     scaling.as_object_mut().unwrap().remove("rope_theta");
@@ -142,5 +187,8 @@ fn old_rope_config_form_is_equivalent() {
     v["rope_scaling"] = scaling;
     std::fs::write(&p, v.to_string()).unwrap();
     let ids = prompt(arch);
-    assert_eq!(bits(&logits(tmp.path(), &ids)), bits(&logits(&fixture(arch), &ids)));
+    assert_eq!(
+        bits(&logits(tmp.path(), &ids)),
+        bits(&logits(&fixture(arch), &ids))
+    );
 }

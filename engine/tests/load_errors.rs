@@ -8,7 +8,9 @@ use colibri::format::tokenizer::Tokenizer;
 use colibri::model;
 
 fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(arch)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(arch)
 }
 
 /// A copy of the olmoe fixture to break.
@@ -30,7 +32,8 @@ fn load_err(dir: &Path) -> String {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(&p, serde_json::to_string(&v).unwrap()).unwrap();
 }
@@ -40,7 +43,8 @@ fn edit_header(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_jso
     let p = dir.join("model.safetensors");
     let bytes = std::fs::read(&p).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
     f(&mut header);
     let mut h = serde_json::to_vec(&header).unwrap();
     while h.len() < n {
@@ -63,8 +67,14 @@ fn unknown_model_type_names_the_field_and_the_supported_types() {
     let tmp = copy_fixture();
     edit_config(tmp.path(), |v| v["model_type"] = "falcon_moe".into());
     let e = load_err(tmp.path());
-    assert!(e.contains("config.json") && e.contains("model_type") && e.contains("falcon_moe"), "{e}");
-    assert!(e.contains("olmoe") && e.contains("qwen3_moe"), "should list supported types: {e}");
+    assert!(
+        e.contains("config.json") && e.contains("model_type") && e.contains("falcon_moe"),
+        "{e}"
+    );
+    assert!(
+        e.contains("olmoe") && e.contains("qwen3_moe"),
+        "should list supported types: {e}"
+    );
 }
 
 #[test]
@@ -74,15 +84,25 @@ fn missing_config_field_names_it() {
         v.as_object_mut().unwrap().remove("num_hidden_layers");
     });
     let e = load_err(tmp.path());
-    assert!(e.contains("config.json") && e.contains("num_hidden_layers") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("num_hidden_layers") && e.contains("missing"),
+        "{e}"
+    );
 }
 
 #[test]
 fn invalid_config_json_names_the_file() {
     let tmp = copy_fixture();
-    std::fs::write(tmp.path().join("config.json"), "{\"model_type\": \"olmoe\",").unwrap();
+    std::fs::write(
+        tmp.path().join("config.json"),
+        "{\"model_type\": \"olmoe\",",
+    )
+    .unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("config.json") && e.contains("invalid JSON"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("invalid JSON"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -93,7 +113,10 @@ fn missing_tensor_is_named() {
         h.insert("model.layers.1.self_attn.k_nrm_.weight".into(), v);
     });
     let e = load_err(tmp.path());
-    assert!(e.contains("model.layers.1.self_attn.k_norm.weight") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("model.layers.1.self_attn.k_norm.weight") && e.contains("missing"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -102,7 +125,10 @@ fn misshaped_tensor_states_both_shapes() {
     // Claim hidden_size 32 while the tensors are 64 wide.
     edit_config(tmp.path(), |v| v["intermediate_size"] = 16.into());
     let e = load_err(tmp.path());
-    assert!(e.contains("has shape") && e.contains("expected") && e.contains("experts"), "{e}");
+    assert!(
+        e.contains("has shape") && e.contains("expected") && e.contains("experts"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -112,7 +138,10 @@ fn truncated_safetensors_is_reported_as_truncated() {
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..bytes.len() - 1000]).unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -122,7 +151,10 @@ fn file_shorter_than_its_header_is_reported() {
     let bytes = std::fs::read(&p).unwrap();
     std::fs::write(&p, &bytes[..100]).unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("model.safetensors") && e.contains("header"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("header"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -133,7 +165,10 @@ fn corrupt_header_json_is_reported() {
     bytes[8] = b'!';
     std::fs::write(&p, bytes).unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("model.safetensors") && e.contains("corrupt"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("corrupt"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -143,7 +178,10 @@ fn unsupported_dtype_is_named() {
         h.get_mut("model.norm.weight").unwrap()["dtype"] = "F64".into();
     });
     let e = load_err(tmp.path());
-    assert!(e.contains("model.norm.weight") && e.contains("F64") && e.contains("unsupported dtype"), "{e}");
+    assert!(
+        e.contains("model.norm.weight") && e.contains("F64") && e.contains("unsupported dtype"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -162,7 +200,10 @@ fn missing_weights_file_names_what_was_expected() {
     let tmp = copy_fixture();
     std::fs::remove_file(tmp.path().join("model.safetensors")).unwrap();
     let e = load_err(tmp.path());
-    assert!(e.contains("model.safetensors") && e.contains("no weights"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("no weights"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -177,7 +218,9 @@ fn missing_config_names_the_file() {
 fn corrupt_tokenizer_names_the_file() {
     let tmp = copy_fixture();
     std::fs::write(tmp.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
-    let e = Tokenizer::from_file(&tmp.path().join("tokenizer.json")).unwrap_err().to_string();
+    let e = Tokenizer::from_file(&tmp.path().join("tokenizer.json"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
 }
 
@@ -189,6 +232,9 @@ fn a_model_without_tokenizer_still_computes_logits() {
     assert!(loaded.tokenizer.is_none());
     let e = loaded.tokenizer().unwrap_err().to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
-    let e = colibri::runtime::loaded::LoadedModel::open(tmp.path(), true).err().unwrap().to_string();
+    let e = colibri::runtime::loaded::LoadedModel::open(tmp.path(), true)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
 }

@@ -27,7 +27,8 @@ pub fn cache_dir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return Ok(PathBuf::from(d).join("colibri"));
     }
-    let home = std::env::var_os("HOME").context("cannot find a cache directory: set COLI_CACHE_DIR or HOME")?;
+    let home = std::env::var_os("HOME")
+        .context("cannot find a cache directory: set COLI_CACHE_DIR or HOME")?;
     Ok(PathBuf::from(home).join(".cache").join("colibri"))
 }
 
@@ -61,7 +62,10 @@ pub fn ensure() -> Result<PathBuf> {
     let mut args = demo_args(dir.clone());
     // Every id of the demo vocabulary is a real text token, so even random weights print text.
     args.vocab = natural_vocab(&SPECIALS)?;
-    eprintln!("coli: writing the demo model (about 1 GB of random weights) to {} — once only", dir.display());
+    eprintln!(
+        "coli: writing the demo model (about 1 GB of random weights) to {} — once only",
+        dir.display()
+    );
     synthesize(&args, true)?;
     Ok(dir)
 }
@@ -93,7 +97,10 @@ pub fn tokenizer_for(vocab: usize, specials: &[&str]) -> Result<Tokenizer> {
     let _added = inner.add_special_tokens(reserved);
     let tok = Tokenizer::from_inner(inner, "<synthetic tokenizer>");
     if tok.vocab_size() != vocab {
-        anyhow::bail!("synthetic tokenizer has {} entries, expected {vocab}", tok.vocab_size());
+        anyhow::bail!(
+            "synthetic tokenizer has {} entries, expected {vocab}",
+            tok.vocab_size()
+        );
     }
     Ok(tok)
 }

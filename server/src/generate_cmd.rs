@@ -79,13 +79,20 @@ pub fn run(args: RunArgs) -> Result<()> {
         top_k: args.top_k.or(g.top_k.map(|k| k as usize)).unwrap_or(40),
         top_p: args.top_p.or(g.top_p).unwrap_or(0.95),
         min_p: args.min_p.or(g.min_p).unwrap_or(0.05),
-        repetition_penalty: args.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
+        repetition_penalty: args
+            .repetition_penalty
+            .or(g.repetition_penalty)
+            .unwrap_or(1.0),
         seed: args.seed.unwrap_or_else(random_seed),
         ..SamplingParams::default()
     };
     let params = GenerateParams {
         max_tokens: args.max_tokens,
-        eos_token_ids: if args.ignore_eos { vec![] } else { loaded.eos_token_ids.clone() },
+        eos_token_ids: if args.ignore_eos {
+            vec![]
+        } else {
+            loaded.eos_token_ids.clone()
+        },
         stop_strings: args.stop.clone(),
         sampling,
     };

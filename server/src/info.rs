@@ -61,7 +61,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
     } else {
         println!("experts:      none (dense)");
     }
-    println!("parameters:   {} total, {} active per token", count(i.total_params), count(i.active_params));
+    println!(
+        "parameters:   {} total, {} active per token",
+        count(i.total_params),
+        count(i.active_params)
+    );
     println!(
         "weights:      {} dense (resident), {} routed experts; dtypes: {}",
         bytes(i.dense_bytes),
@@ -70,7 +74,11 @@ pub fn run(args: InfoArgs) -> Result<()> {
     );
     println!(
         "tokenizer:    {}",
-        if loaded.tokenizer.is_some() { "tokenizer.json" } else { "none" }
+        if loaded.tokenizer.is_some() {
+            "tokenizer.json"
+        } else {
+            "none"
+        }
     );
     println!(
         "chat template: {}",

@@ -44,7 +44,10 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(|t| t.trim())
         .filter(|t| !t.is_empty())
-        .map(|t| t.parse::<u32>().with_context(|| format!("--tokens: `{t}` is not a token id")))
+        .map(|t| {
+            t.parse::<u32>()
+                .with_context(|| format!("--tokens: `{t}` is not a token id"))
+        })
         .collect::<Result<_>>()?;
     if ids.is_empty() {
         bail!("--tokens: no token ids given (expected e.g. --tokens 3,17,42)");

@@ -34,6 +34,7 @@ impl ModelArgs {
     /// Resolve and load.
     pub fn load(&self, needs_text: bool) -> Result<LoadedModel> {
         let dir = self.prepare()?;
-        LoadedModel::open(&dir, needs_text).with_context(|| format!("cannot load the model in {}", dir.display()))
+        LoadedModel::open(&dir, needs_text)
+            .with_context(|| format!("cannot load the model in {}", dir.display()))
     }
 }

@@ -82,7 +82,11 @@ pub struct SynthArgs {
 pub fn run(args: SynthArgs) -> Result<()> {
     colibri::tensor::threads::init(args.threads)?;
     synthesize(&args, true)?;
-    eprintln!("coli: wrote {} (random weights, seed {})", args.out.display(), args.seed);
+    eprintln!(
+        "coli: wrote {} (random weights, seed {})",
+        args.out.display(),
+        args.seed
+    );
     Ok(())
 }
 
@@ -102,7 +106,11 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
     let mut out = Vec::new();
     let mut mat = |name: String, rows: usize, cols: usize| {
         out.push(Planned {
-            spec: TensorSpec { name, dtype, shape: vec![rows, cols] },
+            spec: TensorSpec {
+                name,
+                dtype,
+                shape: vec![rows, cols],
+            },
             scale: Some((3.0 / cols as f32).sqrt()),
         })
     };
@@ -158,12 +166,25 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
     norms.push(("model.norm.weight".into(), d));
     mat("lm_head.weight".into(), a.vocab, d);
     for (name, n) in norms {
-        out.push(Planned { spec: TensorSpec { name, dtype, shape: vec![n] }, scale: None });
+        out.push(Planned {
+            spec: TensorSpec {
+                name,
+                dtype,
+                shape: vec![n],
+            },
+            scale: None,
+        });
     }
     out
 }
 
-fn config_json(a: &SynthArgs, heads: usize, kv_heads: usize, eos: &[u32], bos: u32) -> serde_json::Value {
+fn config_json(
+    a: &SynthArgs,
+    heads: usize,
+    kv_heads: usize,
+    eos: &[u32],
+    bos: u32,
+) -> serde_json::Value {
     let common = json!({
         "vocab_size": a.vocab,
         "hidden_size": a.hidden,
@@ -242,7 +263,10 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
         }
     }
     match p.spec.dtype {
-        DType::BF16 => vals.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
         _ => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
@@ -250,20 +274,40 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
 /// Write the checkpoint described by `args` to `args.out`.
 pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     if args.out.exists() {
-        bail!("--out {}: already exists (choose a new directory)", args.out.display());
+        bail!(
+            "--out {}: already exists (choose a new directory)",
+            args.out.display()
+        );
     }
     if args.hidden == 0 || args.layers == 0 || args.vocab == 0 {
         bail!("--hidden, --layers and --vocab must be positive");
     }
     let heads = args.heads.unwrap_or((args.hidden / 128).max(1));
     let kv_heads = args.kv_heads.unwrap_or(heads);
-    if args.hidden % heads != 0 || heads % kv_heads != 0 {
-        bail!("--heads {heads} must divide --hidden {} and be a multiple of --kv-heads {kv_heads}", args.hidden);
+    if heads == 0
+        || kv_heads == 0
+        || !args.hidden.is_multiple_of(heads)
+        || !heads.is_multiple_of(kv_heads)
+    {
+        bail!(
+            "--heads {heads} must divide --hidden {} and be a multiple of --kv-heads {kv_heads}",
+            args.hidden
+        );
     }
-    if args.arch != SynthArch::Llama && (args.experts == 0 || args.top_k == 0 || args.top_k > args.experts) {
-        bail!("--top-k {} must be between 1 and --experts {}", args.top_k, args.experts);
+    if args.arch != SynthArch::Llama
+        && (args.experts == 0 || args.top_k == 0 || args.top_k > args.experts)
+    {
+        bail!(
+            "--top-k {} must be between 1 and --experts {}",
+            args.top_k,
+            args.experts
+        );
     }
-    let parent = args.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = args
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     let tmp = tmp_path(&args.out);
     let _ = std::fs::remove_dir_all(&tmp);
@@ -273,11 +317,18 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result?;
-    std::fs::rename(&tmp, &args.out).with_context(|| format!("renaming {} to {}", tmp.display(), args.out.display()))?;
+    std::fs::rename(&tmp, &args.out)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), args.out.display()))?;
     Ok(())
 }
 
-fn write_all(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize, progress: bool) -> Result<()> {
+fn write_all(
+    args: &SynthArgs,
+    dir: &Path,
+    heads: usize,
+    kv_heads: usize,
+    progress: bool,
+) -> Result<()> {
     // Text side first: the tokenizer decides the special token ids.
     let tok = crate::demo::tokenizer_for(args.vocab, &crate::demo::SPECIALS)?;
     tok.save(&dir.join("tokenizer.json"))?;
@@ -291,11 +342,20 @@ fn write_all(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize, progre
         "model_max_length": 4096,
         "chat_template": crate::demo::CHATML_TEMPLATE,
     });
-    write_atomic(&dir.join("tokenizer_config.json"), serde_json::to_string_pretty(&tokenizer_config)?.as_bytes())?;
+    write_atomic(
+        &dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&tokenizer_config)?.as_bytes(),
+    )?;
     let generation = json!({"bos_token_id": id("<|endoftext|>"), "eos_token_id": eos, "do_sample": true, "temperature": 0.8, "top_p": 0.95});
-    write_atomic(&dir.join("generation_config.json"), serde_json::to_string_pretty(&generation)?.as_bytes())?;
+    write_atomic(
+        &dir.join("generation_config.json"),
+        serde_json::to_string_pretty(&generation)?.as_bytes(),
+    )?;
     let config = config_json(args, heads, kv_heads, &eos, id("<|endoftext|>"));
-    write_atomic(&dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())?;
+    write_atomic(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
 
     // Weights, split into shards.
     let planned = plan(args, heads, kv_heads);
@@ -313,9 +373,11 @@ fn write_all(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize, progre
     let bar = if progress {
         let b = indicatif::ProgressBar::new(total as u64);
         b.set_style(
-            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})")
-                .unwrap()
-                .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+            )
+            .unwrap()
+            .progress_chars("=> "),
         );
         b.set_message("writing weights");
         b
@@ -330,7 +392,10 @@ fn write_all(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize, progre
         } else {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
-        let mut w = SafetensorsWriter::create(&dir.join(&file), shard.iter().map(|p| p.spec.clone()).collect())?;
+        let mut w = SafetensorsWriter::create(
+            &dir.join(&file),
+            shard.iter().map(|p| p.spec.clone()).collect(),
+        )?;
         for p in shard {
             weight_map.insert(p.spec.name.clone(), json!(file));
             let elems: usize = p.spec.shape.iter().product();
@@ -352,7 +417,10 @@ fn write_all(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize, progre
     }
     if n > 1 {
         let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write_atomic(&dir.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?.as_bytes())?;
+        write_atomic(
+            &dir.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)?.as_bytes(),
+        )?;
     }
     bar.finish_and_clear();
     Ok(())

@@ -8,23 +8,33 @@ use std::process::{Command, Output};
 const FAMILIES: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
 
 fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/fixtures").join(arch)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/fixtures")
+        .join(arch)
 }
 
 fn reference(arch: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap())
+        .unwrap()
 }
 
 fn coli(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_coli"))
         .args(args)
-        .env("COLI_CACHE_DIR", std::env::temp_dir().join("coli-test-cache-unused"))
+        .env(
+            "COLI_CACHE_DIR",
+            std::env::temp_dir().join("coli-test-cache-unused"),
+        )
         .output()
         .expect("coli runs")
 }
 
 fn ok_stdout(out: &Output) -> String {
-    assert!(out.status.success(), "coli failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "coli failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout.clone()).expect("utf-8 stdout")
 }
 
@@ -46,11 +56,17 @@ fn run_reproduces_the_reference_greedy_continuation() {
             "--ignore-eos",
         ]);
         let text = ok_stdout(&out);
-        assert_eq!(text.strip_suffix('\n').unwrap(), r["greedy_text"].as_str().unwrap(), "{arch}");
+        assert_eq!(
+            text.strip_suffix('\n').unwrap(),
+            r["greedy_text"].as_str().unwrap(),
+            "{arch}"
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
-            stderr.contains(&format!("prompt: {} tokens", r["prompt_ids"].as_array().unwrap().len()))
-                && stderr.contains("generated: 16 tokens")
+            stderr.contains(&format!(
+                "prompt: {} tokens",
+                r["prompt_ids"].as_array().unwrap().len()
+            )) && stderr.contains("generated: 16 tokens")
                 && stderr.contains("decode"),
             "{arch}: stats line missing: {stderr}"
         );
@@ -61,8 +77,19 @@ fn run_reproduces_the_reference_greedy_continuation() {
 fn logits_match_the_reference() {
     for arch in FAMILIES {
         let r = reference(arch);
-        let ids: Vec<String> = r["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
-        let out = coli(&["logits", "--model", fixture(arch).to_str().unwrap(), "--tokens", &ids.join(",")]);
+        let ids: Vec<String> = r["prompt_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_string())
+            .collect();
+        let out = coli(&[
+            "logits",
+            "--model",
+            fixture(arch).to_str().unwrap(),
+            "--tokens",
+            &ids.join(","),
+        ]);
         let got: serde_json::Value = serde_json::from_str(&ok_stdout(&out)).unwrap();
         let got = got["logits"].as_array().unwrap();
         let want = r["logits"].as_array().unwrap();
@@ -71,7 +98,10 @@ fn logits_match_the_reference() {
             let (g, w) = (g.as_array().unwrap(), w.as_array().unwrap());
             assert_eq!(g.len(), w.len(), "{arch}: full vocabulary");
             for (a, b) in g.iter().zip(w) {
-                assert!((a.as_f64().unwrap() - b.as_f64().unwrap()).abs() <= 1e-4, "{arch}: {a} vs {b}");
+                assert!(
+                    (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() <= 1e-4,
+                    "{arch}: {a} vs {b}"
+                );
             }
         }
     }
@@ -83,8 +113,20 @@ fn one_and_two_threads_give_the_same_tokens() {
         let dir = fixture(arch);
         let run = |threads: &str| {
             ok_stdout(&coli(&[
-                "run", "--model", dir.to_str().unwrap(), "--prompt", "The old clock", "--temperature", "0.9",
-                "--seed", "11", "--max-tokens", "24", "--ignore-eos", "--threads", threads,
+                "run",
+                "--model",
+                dir.to_str().unwrap(),
+                "--prompt",
+                "The old clock",
+                "--temperature",
+                "0.9",
+                "--seed",
+                "11",
+                "--max-tokens",
+                "24",
+                "--ignore-eos",
+                "--threads",
+                threads,
             ]))
         };
         assert_eq!(run("1"), run("2"), "{arch}");
@@ -96,8 +138,24 @@ fn a_seed_reproduces_sampled_text_and_another_seed_changes_it() {
     let dir = fixture("mixtral");
     let run = |seed: &str| {
         ok_stdout(&coli(&[
-            "run", "--model", dir.to_str().unwrap(), "--prompt", "Once upon a time", "--temperature", "1.0",
-            "--top-k", "0", "--top-p", "1", "--min-p", "0", "--seed", seed, "--max-tokens", "24", "--ignore-eos",
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "1.0",
+            "--top-k",
+            "0",
+            "--top-p",
+            "1",
+            "--min-p",
+            "0",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
         ]))
     };
     assert_eq!(run("5"), run("5"));
@@ -108,10 +166,28 @@ fn a_seed_reproduces_sampled_text_and_another_seed_changes_it() {
 fn chat_wraps_the_prompt_in_the_template() {
     let dir = fixture("olmoe");
     let plain = ok_stdout(&coli(&[
-        "run", "--model", dir.to_str().unwrap(), "--prompt", "Hi", "--temperature", "0", "--max-tokens", "8", "--ignore-eos",
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
     ]));
     let chat = ok_stdout(&coli(&[
-        "run", "--model", dir.to_str().unwrap(), "--prompt", "Hi", "--chat", "--temperature", "0", "--max-tokens", "8",
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
         "--ignore-eos",
     ]));
     assert_ne!(plain, chat, "the chat template must change the prompt");
@@ -122,16 +198,31 @@ fn missing_model_directory_is_a_clear_error() {
     let out = coli(&["run", "--model", "/nonexistent/model", "--prompt", "x"]);
     assert!(!out.status.success());
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("/nonexistent/model") && e.contains("not found"), "{e}");
+    assert!(
+        e.contains("/nonexistent/model") && e.contains("not found"),
+        "{e}"
+    );
 }
 
 #[test]
 fn out_of_vocabulary_token_is_rejected() {
-    let out = coli(&["logits", "--model", fixture("llama").to_str().unwrap(), "--tokens", "1,2,999999"]);
+    let out = coli(&[
+        "logits",
+        "--model",
+        fixture("llama").to_str().unwrap(),
+        "--tokens",
+        "1,2,999999",
+    ]);
     assert!(!out.status.success());
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("999999") && e.contains("vocabulary"), "{e}");
-    let out = coli(&["logits", "--model", fixture("llama").to_str().unwrap(), "--tokens", "1,x"]);
+    let out = coli(&[
+        "logits",
+        "--model",
+        fixture("llama").to_str().unwrap(),
+        "--tokens",
+        "1,x",
+    ]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
 }
 
@@ -142,19 +233,58 @@ fn synth_writes_a_runnable_checkpoint_deterministically() {
     for (name, shard) in [("a", "4000000000"), ("b", "100000")] {
         let out = tmp.path().join(name);
         let o = coli(&[
-            "synth", "--arch", "qwen3-moe", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
-            "--experts", "4", "--top-k", "2", "--moe-intermediate", "32", "--vocab", "400", "--dtype", "f32",
-            "--seed", "3", "--shard-bytes", shard, "--out", out.to_str().unwrap(),
+            "synth",
+            "--arch",
+            "qwen3-moe",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--moe-intermediate",
+            "32",
+            "--vocab",
+            "400",
+            "--dtype",
+            "f32",
+            "--seed",
+            "3",
+            "--shard-bytes",
+            shard,
+            "--out",
+            out.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let info = ok_stdout(&coli(&["info", "--model", out.to_str().unwrap()]));
-        assert!(info.contains("qwen3_moe") && info.contains("4 routed") && info.contains("2 active"), "{info}");
-        outputs.push(ok_stdout(&coli(&["logits", "--model", out.to_str().unwrap(), "--tokens", "1,5,300"])));
+        assert!(
+            info.contains("qwen3_moe") && info.contains("4 routed") && info.contains("2 active"),
+            "{info}"
+        );
+        outputs.push(ok_stdout(&coli(&[
+            "logits",
+            "--model",
+            out.to_str().unwrap(),
+            "--tokens",
+            "1,5,300",
+        ])));
     }
     // The sharded copy (b) holds the same seeded weights as the single file (a).
     assert!(tmp.path().join("b/model.safetensors.index.json").exists());
     assert_eq!(outputs[0], outputs[1]);
     // Writing over an existing directory is refused.
-    let o = coli(&["synth", "--arch", "llama", "--out", tmp.path().join("a").to_str().unwrap()]);
+    let o = coli(&[
+        "synth",
+        "--arch",
+        "llama",
+        "--out",
+        tmp.path().join("a").to_str().unwrap(),
+    ]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already exists"));
 }

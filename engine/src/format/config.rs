@@ -94,10 +94,9 @@ impl ModelConfig {
     pub fn opt_usize(&self, field: &str) -> Result<Option<usize>> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                self.err(field, format!("expected a non-negative integer, found {v}"))
+            }),
         }
     }
 
@@ -163,7 +162,9 @@ impl ModelConfig {
     /// The RoPE settings in either config form. `default_theta` is the architecture's default
     /// when no theta is given.
     pub fn rope(&self, default_theta: f64) -> Result<RopeParams> {
-        let params = self.get("rope_parameters").or_else(|| self.get("rope_scaling"));
+        let params = self
+            .get("rope_parameters")
+            .or_else(|| self.get("rope_scaling"));
         let field = if self.get("rope_parameters").is_some() {
             "rope_parameters"
         } else {
@@ -173,7 +174,10 @@ impl ModelConfig {
             match obj.and_then(|o| o.get(key)).filter(|v| !v.is_null()) {
                 None => Ok(None),
                 Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                    self.err(&format!("{field}.{key}"), format!("expected a number, found {v}"))
+                    self.err(
+                        &format!("{field}.{key}"),
+                        format!("expected a number, found {v}"),
+                    )
                 }),
             }
         };
@@ -204,9 +208,12 @@ impl ModelConfig {
         let omp = || -> Result<f64> {
             Ok(match num(params, "original_max_position_embeddings")? {
                 Some(v) => v,
-                None => self
-                    .opt_f64("max_position_embeddings")?
-                    .ok_or_else(|| self.err(&format!("{field}.original_max_position_embeddings"), "missing"))?,
+                None => self.opt_f64("max_position_embeddings")?.ok_or_else(|| {
+                    self.err(
+                        &format!("{field}.original_max_position_embeddings"),
+                        "missing",
+                    )
+                })?,
             })
         };
         let kind = match kind_name.as_str() {
@@ -290,12 +297,16 @@ mod tests {
 
     #[test]
     fn both_rope_forms_agree() {
-        let v5 = cfg(json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
+        let v5 = cfg(
+            json!({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}}));
-        let old = cfg(json!({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3",
+            "original_max_position_embeddings": 8192}}),
+        );
+        let old = cfg(
+            json!({"rope_theta": 500000.0, "rope_scaling": {"type": "llama3",
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}}));
+            "original_max_position_embeddings": 8192}}),
+        );
         assert_eq!(v5.rope(10000.0).unwrap(), old.rope(10000.0).unwrap());
         assert_eq!(v5.rope(10000.0).unwrap().theta, 500000.0);
     }
@@ -309,14 +320,21 @@ mod tests {
 
     #[test]
     fn unknown_rope_type_names_the_field() {
-        let e = cfg(json!({"rope_parameters": {"rope_type": "wavy"}})).rope(1e4).unwrap_err();
+        let e = cfg(json!({"rope_parameters": {"rope_type": "wavy"}}))
+            .rope(1e4)
+            .unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("rope_parameters.rope_type") && msg.contains("wavy"), "{msg}");
+        assert!(
+            msg.contains("rope_parameters.rope_type") && msg.contains("wavy"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn wrong_type_names_the_field() {
-        let e = cfg(json!({"hidden_size": "big"})).usize("hidden_size").unwrap_err();
+        let e = cfg(json!({"hidden_size": "big"}))
+            .usize("hidden_size")
+            .unwrap_err();
         assert!(e.to_string().contains("`hidden_size`"), "{e}");
         let e = cfg(json!({})).usize("num_hidden_layers").unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");

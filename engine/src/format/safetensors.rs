@@ -232,7 +232,9 @@ fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec
     if size < 8 {
         return Err(Error::corrupt(
             path,
-            format!("truncated safetensors file: {size} bytes, the 8-byte header length is missing"),
+            format!(
+                "truncated safetensors file: {size} bytes, the 8-byte header length is missing"
+            ),
         ));
     }
     let header_len = u64::from_le_bytes(map[..8].try_into().unwrap()) as usize;
@@ -246,7 +248,10 @@ fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec
     }
     let header: HashMap<String, serde_json::Value> =
         serde_json::from_slice(&map[8..8 + header_len]).map_err(|e| {
-            Error::corrupt(path, format!("corrupt safetensors header (invalid JSON: {e})"))
+            Error::corrupt(
+                path,
+                format!("corrupt safetensors header (invalid JSON: {e})"),
+            )
         })?;
     let data_start = 8 + header_len;
     let data_len = size - data_start;

@@ -74,7 +74,7 @@ impl SafetensorsWriter {
             offset += n;
         }
         let mut json = serde_json::to_vec(&header).expect("header serializes");
-        while (8 + json.len()) % 8 != 0 {
+        while !(8 + json.len()).is_multiple_of(8) {
             json.push(b' ');
         }
         let tmp = tmp_path(path);
@@ -96,7 +96,10 @@ impl SafetensorsWriter {
     /// Append bytes of the current tensor (a tensor may be written in several pieces).
     pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
         let spec = self.specs.get(self.next).ok_or_else(|| {
-            Error::Invalid(format!("{}: more data than declared tensors", self.path.display()))
+            Error::Invalid(format!(
+                "{}: more data than declared tensors",
+                self.path.display()
+            ))
         })?;
         let remaining = spec.nbytes() - self.written_in_tensor;
         if bytes.len() > remaining {

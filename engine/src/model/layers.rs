@@ -26,7 +26,13 @@ pub struct Linear {
 
 impl Linear {
     /// Load `{prefix}.weight` `[out, in]` and, if `bias`, `{prefix}.bias` `[out]`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Linear> {
         let weight = ckpt.weight(&format!("{prefix}.weight"), &[out, inp])?;
         let bias = if bias {
             Some(ckpt.vector_f32(&format!("{prefix}.bias"), out)?)
@@ -140,9 +146,13 @@ impl Rope {
                 let high_wavelen = omp / hi;
                 for f in &mut inv_freq {
                     let wavelen = 2.0 * std::f32::consts::PI / *f;
-                    let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                    let scaled = if wavelen > low_wavelen {
+                        *f / factor
+                    } else {
+                        *f
+                    };
                     let smooth = (omp / wavelen - lo) / (hi - lo);
-                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                     *f = if medium {
                         (1.0 - smooth) * scaled / factor + smooth * scaled
                     } else {
@@ -160,7 +170,13 @@ impl Rope {
                 attention_factor,
                 truncate,
             } => {
-                let get_mscale = |s: f64, m: f64| if s <= 1.0 { 1.0 } else { 0.1 * m * s.ln() + 1.0 };
+                let get_mscale = |s: f64, m: f64| {
+                    if s <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * s.ln() + 1.0
+                    }
+                };
                 scaling = match (attention_factor, mscale, mscale_all_dim) {
                     (Some(a), _, _) => *a,
                     (None, Some(m), Some(ma)) if *m != 0.0 && *ma != 0.0 => {
@@ -170,7 +186,8 @@ impl Rope {
                 } as f32;
                 let dim = d as f64;
                 let correction = |rot: f64| {
-                    dim * (omp / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * params.theta.ln())
+                    dim * (omp / (rot * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * params.theta.ln())
                 };
                 let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
                 if *truncate {
@@ -183,7 +200,8 @@ impl Rope {
                     high += 0.001;
                 }
                 for (i, f) in inv_freq.iter_mut().enumerate() {
-                    let ramp = ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                    let ramp =
+                        ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
                     let extrapolation_factor = 1.0 - ramp;
                     let extrap = 1.0 / base[i];
                     let interp = 1.0 / (*factor as f32 * base[i]);
@@ -200,7 +218,13 @@ impl Rope {
 
     /// Rotate `x` laid out `[tokens, heads, head_dim]` in place, half-split style (element
     /// `i` pairs with `i + rotary_dim/2`), token `t` at position `positions[t]`.
-    pub fn apply_half_split(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize]) {
+    pub fn apply_half_split(
+        &self,
+        x: &mut [f32],
+        heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+    ) {
         let half = self.rotary_dim / 2;
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
@@ -227,9 +251,15 @@ impl Rope {
 pub enum QkNorm {
     None,
     /// One RMSNorm over all heads jointly (OLMoE, MiniMax).
-    FullWidth { q: RmsNorm, k: RmsNorm },
+    FullWidth {
+        q: RmsNorm,
+        k: RmsNorm,
+    },
     /// RMSNorm over each head separately (Qwen3, GLM).
-    PerHead { q: RmsNorm, k: RmsNorm },
+    PerHead {
+        q: RmsNorm,
+        k: RmsNorm,
+    },
 }
 
 /// Grouped-query causal self-attention.
@@ -357,7 +387,13 @@ pub struct Mlp {
 
 impl Mlp {
     /// Load `{prefix}.{gate,up,down}_proj`.
-    pub fn load(ckpt: &Checkpoint, prefix: &str, hidden: usize, inter: usize, bias: bool) -> Result<Mlp> {
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+    ) -> Result<Mlp> {
         Ok(Mlp {
             gate: Linear::load(ckpt, &format!("{prefix}.gate_proj"), inter, hidden, bias)?,
             up: Linear::load(ckpt, &format!("{prefix}.up_proj"), inter, hidden, bias)?,
@@ -465,7 +501,8 @@ impl MoeBlock {
             }
             let ys = expert_swiglu(expert, &xs);
             for (i, &(t, s)) in rows.iter().enumerate() {
-                slots[(t * k + s) * d..(t * k + s + 1) * d].copy_from_slice(&ys[i * d..(i + 1) * d]);
+                slots[(t * k + s) * d..(t * k + s + 1) * d]
+                    .copy_from_slice(&ys[i * d..(i + 1) * d]);
             }
         }
         let mut out = vec![0.0f32; t_len * d];

@@ -18,7 +18,13 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window: None,
-            ffn: Ffn::Dense(Mlp::load(ckpt, &format!("model.layers.{l}.mlp"), d, inter, mlp_bias)?),
+            ffn: Ffn::Dense(Mlp::load(
+                ckpt,
+                &format!("model.layers.{l}.mlp"),
+                d,
+                inter,
+                mlp_bias,
+            )?),
         })
     })
 }

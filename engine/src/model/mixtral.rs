@@ -41,7 +41,13 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
             window,
             ffn: Ffn::Moe(MoeBlock {
                 layer: l,
-                gate: Linear::load(ckpt, &format!("model.layers.{l}.block_sparse_moe.gate"), experts, d, false)?,
+                gate: Linear::load(
+                    ckpt,
+                    &format!("model.layers.{l}.block_sparse_moe.gate"),
+                    experts,
+                    d,
+                    false,
+                )?,
                 router: Router::SoftmaxTopK { renormalize: true },
                 top_k,
                 num_experts: experts,

@@ -12,7 +12,11 @@ use crate::store::{ExpertNames, ExpertStore, ResidentStore};
 use crate::Result;
 
 /// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`.
-pub fn qwen_style_expert_names(layers: &[usize], total_layers: usize, experts: usize) -> Vec<Vec<ExpertNames>> {
+pub fn qwen_style_expert_names(
+    layers: &[usize],
+    total_layers: usize,
+    experts: usize,
+) -> Vec<Vec<ExpertNames>> {
     (0..total_layers)
         .map(|l| {
             if !layers.contains(&l) {
@@ -48,8 +52,18 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
         let p = format!("model.layers.{l}");
         Ok(LayerParts {
             qk_norm: QkNorm::FullWidth {
-                q: RmsNorm::load(ckpt, &format!("{p}.self_attn.q_norm.weight"), sc.heads * hd, sc.rms_norm_eps)?,
-                k: RmsNorm::load(ckpt, &format!("{p}.self_attn.k_norm.weight"), sc.kv_heads * hd, sc.rms_norm_eps)?,
+                q: RmsNorm::load(
+                    ckpt,
+                    &format!("{p}.self_attn.q_norm.weight"),
+                    sc.heads * hd,
+                    sc.rms_norm_eps,
+                )?,
+                k: RmsNorm::load(
+                    ckpt,
+                    &format!("{p}.self_attn.k_norm.weight"),
+                    sc.kv_heads * hd,
+                    sc.rms_norm_eps,
+                )?,
             },
             clip_qkv,
             window: None,

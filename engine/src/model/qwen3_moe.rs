@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::layers::{Linear, MoeBlock, Mlp, QkNorm, RmsNorm, Router};
+use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
 use super::olmoe::qwen_style_expert_names;
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
@@ -28,7 +28,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
         None
     };
     let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let is_moe = |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1) % sparse_step == 0;
+    let is_moe =
+        |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1).is_multiple_of(sparse_step);
     let moe_layers: Vec<usize> = (0..sc.layers).filter(|&l| is_moe(l)).collect();
     let names = qwen_style_expert_names(&moe_layers, sc.layers, experts);
     let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, moe_inter)?);
@@ -44,12 +45,28 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
                 store: store.clone(),
             })
         } else {
-            Ffn::Dense(Mlp::load(ckpt, &format!("{p}.mlp"), d, cfg.usize("intermediate_size")?, false)?)
+            Ffn::Dense(Mlp::load(
+                ckpt,
+                &format!("{p}.mlp"),
+                d,
+                cfg.usize("intermediate_size")?,
+                false,
+            )?)
         };
         Ok(LayerParts {
             qk_norm: QkNorm::PerHead {
-                q: RmsNorm::load(ckpt, &format!("{p}.self_attn.q_norm.weight"), hd, sc.rms_norm_eps)?,
-                k: RmsNorm::load(ckpt, &format!("{p}.self_attn.k_norm.weight"), hd, sc.rms_norm_eps)?,
+                q: RmsNorm::load(
+                    ckpt,
+                    &format!("{p}.self_attn.q_norm.weight"),
+                    hd,
+                    sc.rms_norm_eps,
+                )?,
+                k: RmsNorm::load(
+                    ckpt,
+                    &format!("{p}.self_attn.k_norm.weight"),
+                    hd,
+                    sc.rms_norm_eps,
+                )?,
             },
             clip_qkv: None,
             window,

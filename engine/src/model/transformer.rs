@@ -3,7 +3,7 @@
 //! differ only in how they fill these parts from their checkpoint (see their files).
 
 use super::cache::KvCache;
-use super::layers::{embed, Attention, Linear, MoeBlock, Mlp, RmsNorm};
+use super::layers::{embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
 use super::{CausalLm, Logits, ModelInfo};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -100,11 +100,19 @@ pub struct StandardConfig {
 
 impl StandardConfig {
     /// Read the common fields; `default_eps` and `default_theta` are the family's defaults.
-    pub fn read(cfg: &crate::format::config::ModelConfig, default_eps: f64, default_theta: f64) -> Result<Self> {
+    pub fn read(
+        cfg: &crate::format::config::ModelConfig,
+        default_eps: f64,
+        default_theta: f64,
+    ) -> Result<Self> {
         let hidden_size = cfg.usize("hidden_size")?;
         let heads = cfg.usize("num_attention_heads")?;
         if heads == 0 || hidden_size == 0 {
-            return Err(Error::config(cfg.path(), "num_attention_heads", "must be positive"));
+            return Err(Error::config(
+                cfg.path(),
+                "num_attention_heads",
+                "must be positive",
+            ));
         }
         let kv_heads = cfg.usize_or("num_key_value_heads", heads)?;
         if kv_heads == 0 || heads % kv_heads != 0 {
@@ -162,10 +170,34 @@ pub fn load_standard(
         let p = format!("model.layers.{l}");
         let parts = layer_parts(l)?;
         let attn = Attention {
-            q: Linear::load(ckpt, &format!("{p}.self_attn.q_proj"), sc.heads * hd, d, sc.attention_bias)?,
-            k: Linear::load(ckpt, &format!("{p}.self_attn.k_proj"), sc.kv_heads * hd, d, sc.attention_bias)?,
-            v: Linear::load(ckpt, &format!("{p}.self_attn.v_proj"), sc.kv_heads * hd, d, sc.attention_bias)?,
-            o: Linear::load(ckpt, &format!("{p}.self_attn.o_proj"), d, sc.heads * hd, sc.attention_bias)?,
+            q: Linear::load(
+                ckpt,
+                &format!("{p}.self_attn.q_proj"),
+                sc.heads * hd,
+                d,
+                sc.attention_bias,
+            )?,
+            k: Linear::load(
+                ckpt,
+                &format!("{p}.self_attn.k_proj"),
+                sc.kv_heads * hd,
+                d,
+                sc.attention_bias,
+            )?,
+            v: Linear::load(
+                ckpt,
+                &format!("{p}.self_attn.v_proj"),
+                sc.kv_heads * hd,
+                d,
+                sc.attention_bias,
+            )?,
+            o: Linear::load(
+                ckpt,
+                &format!("{p}.self_attn.o_proj"),
+                d,
+                sc.heads * hd,
+                sc.attention_bias,
+            )?,
             heads: sc.heads,
             kv_heads: sc.kv_heads,
             head_dim: hd,
@@ -176,9 +208,19 @@ pub fn load_standard(
             scale: (hd as f32).powf(-0.5),
         };
         blocks.push(Block {
-            attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, sc.rms_norm_eps)?,
+            attn_norm: RmsNorm::load(
+                ckpt,
+                &format!("{p}.input_layernorm.weight"),
+                d,
+                sc.rms_norm_eps,
+            )?,
             attn,
-            ffn_norm: RmsNorm::load(ckpt, &format!("{p}.post_attention_layernorm.weight"), d, sc.rms_norm_eps)?,
+            ffn_norm: RmsNorm::load(
+                ckpt,
+                &format!("{p}.post_attention_layernorm.weight"),
+                d,
+                sc.rms_norm_eps,
+            )?,
             ffn: parts.ffn,
         });
     }
@@ -200,11 +242,19 @@ fn standard_info(
     blocks: &[Block],
     store: Option<&dyn crate::store::ExpertStore>,
 ) -> Result<ModelInfo> {
-    let mut dtypes: Vec<String> = ckpt.tensors().values().map(|t| t.dtype.to_string()).collect();
+    let mut dtypes: Vec<String> = ckpt
+        .tensors()
+        .values()
+        .map(|t| t.dtype.to_string())
+        .collect();
     dtypes.sort();
     dtypes.dedup();
     let total_bytes = ckpt.total_bytes();
-    let total_params: usize = ckpt.tensors().values().map(|t| t.shape.iter().product::<usize>()).sum();
+    let total_params: usize = ckpt
+        .tensors()
+        .values()
+        .map(|t| t.shape.iter().product::<usize>())
+        .sum();
     let routed_expert_bytes = store.map_or(0, |s| s.total_bytes());
     let mut moe_layers = 0;
     let (mut routed, mut active, mut expert_params) = (0, 0, 0);

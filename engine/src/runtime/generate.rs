@@ -72,7 +72,9 @@ pub fn generate(
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
     if prompt.is_empty() {
-        return Err(Error::Invalid("the prompt is empty: nothing to continue from".into()));
+        return Err(Error::Invalid(
+            "the prompt is empty: nothing to continue from".into(),
+        ));
     }
     params.sampling.validate()?;
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
@@ -87,7 +89,7 @@ pub fn generate(
     }
     let max_len = (prompt.len() + params.max_tokens).min(ctx);
     let mut cache = model.new_cache(max_len);
-    let mut sampler = Sampler::new(params.sampling.clone());
+    let mut sampler = Sampler::new(params.sampling);
     let mut history: Vec<u32> = prompt.to_vec();
     let mut tokens = Vec::new();
     let mut stream = TextStream::new();
@@ -127,7 +129,8 @@ pub fn generate(
         logits = model.forward(&[id], &mut cache, Logits::Last)?;
     }
     if let Some(tok) = tokenizer {
-        if finish_reason == FinishReason::Length || find_stop(&text, &params.stop_strings).is_none() {
+        if finish_reason == FinishReason::Length || find_stop(&text, &params.stop_strings).is_none()
+        {
             text.push_str(&stream.finish(tok)?);
             if let Some(cut) = find_stop(&text, &params.stop_strings) {
                 text.truncate(cut);
@@ -163,7 +166,11 @@ fn held_back(text: &str, stops: &[String]) -> usize {
     let mut hold = 0;
     for s in stops {
         for n in (1..s.len()).rev() {
-            if n <= text.len() && text.is_char_boundary(text.len() - n) && s.is_char_boundary(n) && text.ends_with(&s[..n]) {
+            if n <= text.len()
+                && text.is_char_boundary(text.len() - n)
+                && s.is_char_boundary(n)
+                && text.ends_with(&s[..n])
+            {
                 hold = hold.max(n);
                 break;
             }
@@ -179,7 +186,7 @@ mod tests {
     #[test]
     fn stop_prefixes_are_held_back() {
         let stops = vec!["</end>".to_string()];
-        assert_eq!(held_back("hello </e", &stops), 4);
+        assert_eq!(held_back("hello </e", &stops), 3);
         assert_eq!(held_back("hello", &stops), 0);
         assert_eq!(find_stop("ab</end>cd", &stops), Some(2));
     }

@@ -59,7 +59,10 @@ impl LoadedModel {
         self.tokenizer.as_ref().ok_or_else(|| {
             Error::io(
                 self.dir.join("tokenizer.json"),
-                std::io::Error::new(std::io::ErrorKind::NotFound, "this command needs a tokenizer"),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "this command needs a tokenizer",
+                ),
             )
         })
     }

@@ -102,20 +102,15 @@ impl ExpertStore for ResidentStore {
         let experts = experts
             .iter()
             .map(|&e| {
-                table
-                    .get(e)
-                    .map(|x| (e, x.clone()))
-                    .ok_or_else(|| Error::Invalid(format!("expert {e} out of range in layer {layer}")))
+                table.get(e).map(|x| (e, x.clone())).ok_or_else(|| {
+                    Error::Invalid(format!("expert {e} out of range in layer {layer}"))
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Lease { experts })
     }
 
     fn total_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|e| e.nbytes())
-            .sum()
+        self.layers.iter().flatten().map(|e| e.nbytes()).sum()
     }
 }

@@ -308,7 +308,10 @@ mod tests {
             let w = pseudo_random(n, 2);
             let got = dot_scalar(&a, &w) as f64;
             let want = dot_f64(&a, &w);
-            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "n={n}: {got} vs {want}");
+            assert!(
+                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                "n={n}: {got} vs {want}"
+            );
         }
     }
 

@@ -21,18 +21,27 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[i·n + j] = Σ_k x[i·k_dim + k] · w[j, k]` for `m = x.len() / w.cols` rows.
 pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     let k_dim = w.cols;
     let n = w.rows;
-    assert!(k_dim > 0 && x.len() % k_dim == 0, "matmul: x is not a whole number of rows");
+    assert!(
+        k_dim > 0 && x.len().is_multiple_of(k_dim),
+        "matmul: x is not a whole number of rows"
+    );
     let m = x.len() / k_dim;
     assert_eq!(out.len(), m * n, "matmul: output has the wrong size");
     let isa = Isa::detect();
     let ptr = OutPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(ROWS_PER_TASK);
     let run = |t: usize| {
-        let ptr = ptr;
         let j0 = t * ROWS_PER_TASK;
         let j1 = (j0 + ROWS_PER_TASK).min(n);
         let block = w.rows_range(j0, j1 - j0);
@@ -42,7 +51,7 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
                 let v = dot(isa, &x[i * k_dim..(i + 1) * k_dim], row);
                 // SAFETY: index i*n + j0 + jj < m*n = out.len(), and each (i, j) is written
                 // by exactly one task (the one owning row j).
-                unsafe { *ptr.0.add(i * n + j0 + jj) = v };
+                unsafe { *ptr.get().add(i * n + j0 + jj) = v };
             }
         }
     };
@@ -67,10 +76,14 @@ mod tests {
     use crate::tensor::WeightData;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
             })
             .collect()
@@ -81,11 +94,17 @@ mod tests {
         let (m, n, k) = (5, 37, 70);
         let x = values(m * k, 1);
         let w = values(n * k, 2);
-        let view = WeightView { rows: n, cols: k, data: WeightData::F32(&w) };
+        let view = WeightView {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(&w),
+        };
         let out = matmul_new(&x, &view);
         for i in 0..m {
             for j in 0..n {
-                let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum();
+                let want: f64 = (0..k)
+                    .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                    .sum();
                 assert!((out[i * n + j] as f64 - want).abs() < 1e-5);
             }
         }
@@ -96,13 +115,20 @@ mod tests {
         let (m, n, k) = (64, 300, 515);
         let x = values(m * k, 3);
         let w = values(n * k, 4);
-        let view = WeightView { rows: n, cols: k, data: WeightData::F32(&w) };
+        let view = WeightView {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(&w),
+        };
         let batch = matmul_new(&x, &view);
         for i in [0, 17, 63] {
             let alone = matmul_new(&x[i * k..(i + 1) * k], &view);
             assert_eq!(
                 alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                batch[i * n..(i + 1) * n].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                batch[i * n..(i + 1) * n]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
             );
         }
     }
@@ -112,9 +138,19 @@ mod tests {
         let (m, n, k) = (8, 1000, 333);
         let x = values(m * k, 5);
         let w = values(n * k, 6);
-        let view = WeightView { rows: n, cols: k, data: WeightData::F32(&w) };
-        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let view = WeightView {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(&w),
+        };
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let three = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         let a = one.install(|| matmul_new(&x, &view));
         let b = three.install(|| matmul_new(&x, &view));
         assert_eq!(

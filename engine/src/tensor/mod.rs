@@ -154,7 +154,7 @@ impl Tensor {
     /// Make sure the bytes are aligned for the dtype; copies into an owned buffer if not.
     pub fn aligned(self) -> Tensor {
         let ptr = self.storage.bytes().as_ptr() as usize;
-        if ptr % self.dtype.size().max(1) == 0 {
+        if ptr.is_multiple_of(self.dtype.size().max(1)) {
             self
         } else {
             let storage = Storage::owned(self.storage.bytes());
@@ -166,7 +166,7 @@ impl Tensor {
     pub fn view(&self) -> Result<WeightView<'_>> {
         let bytes = self.storage.bytes();
         let cols = *self.shape.last().unwrap_or(&1);
-        let rows = if cols == 0 { 0 } else { self.numel() / cols };
+        let rows = self.numel().checked_div(cols).unwrap_or(0);
         let data = match self.dtype {
             DType::F32 => WeightData::F32(cast(bytes, &self.name)?),
             DType::BF16 => WeightData::BF16(cast(bytes, &self.name)?),

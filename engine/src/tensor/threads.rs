@@ -6,7 +6,11 @@ use crate::{Error, Result};
 /// Configure the global compute pool with `threads` threads (0 = all cores).
 /// Can be called once per process; later calls with the same count are no-ops.
 pub fn init(threads: usize) -> Result<usize> {
-    let n = if threads == 0 { default_threads() } else { threads };
+    let n = if threads == 0 {
+        default_threads()
+    } else {
+        threads
+    };
     match rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .thread_name(|i| format!("coli-compute-{i}"))
