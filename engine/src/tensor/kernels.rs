@@ -122,14 +122,7 @@ pub fn dot_scalar<W: WeightElem>(a: &[f32], w: &[W]) -> f32 {
 pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
     match (isa, w) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 is only chosen when AVX2, FMA and F16C were detected.
-        (Isa::Avx2, WeightData::F32(w)) => unsafe { avx2::dot_f32(a, w) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        (Isa::Avx2, WeightData::BF16(w)) => unsafe { avx2::dot_bf16(a, w) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        (Isa::Avx2, WeightData::F16(w)) => unsafe { avx2::dot_f16(a, w) },
+        (Isa::Avx2, w) => dot_block::<1, 1>(isa, [a], [w])[0][0],
         #[cfg(target_arch = "aarch64")]
         // SAFETY: Isa::Neon is only chosen when NEON was detected.
         (Isa::Neon, w) => unsafe { neon::dot(a, w) },
@@ -141,12 +134,15 @@ pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{fold_lanes, LANES};
+    //! AVX2 blocks: `R` activation rows against `C` weight rows at once (R·C ≤ 3, so the
+    //! 4·R·C accumulators stay in registers). Every output keeps the canonical order: its
+    //! lanes, its chunk order, its zero-padded tail and its fold are those of `dot_scalar`.
+    use super::LANES;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
     /// Load 8 weights as f32 from `p`.
-    trait Load8 {
+    pub trait Load8: Copy + Default {
         unsafe fn load8(p: *const Self) -> __m256;
     }
     impl Load8 for f32 {
@@ -169,58 +165,153 @@ mod avx2 {
         }
     }
 
+    /// The canonical fold of 32 lanes held in 4 registers (lanes 0-7, 8-15, 16-23, 24-31):
+    /// `l += l+16`, `l += l+8`, `l += l+4`, `l += l+2`, `l += l+1`, as vertical adds.
     #[inline(always)]
-    unsafe fn chunk<W: Load8>(a: *const f32, w: *const W, acc: &mut [__m256; 4]) {
-        for (r, reg) in acc.iter_mut().enumerate() {
-            *reg = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(8 * r)), W::load8(w.add(8 * r)), *reg);
-        }
+    unsafe fn fold(acc: [__m256; 4]) -> f32 {
+        let lo = _mm256_add_ps(acc[0], acc[2]); // lanes 0-7 (+16)
+        let hi = _mm256_add_ps(acc[1], acc[3]); // lanes 8-15 (+16)
+        let v8 = _mm256_add_ps(lo, hi); // l += l+8
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1)); // l += l+4
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4)); // l += l+2
+        let v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 0b01)); // l += l+1
+        _mm_cvtss_f32(v1)
     }
 
+    /// One 32-element chunk of `R` activation rows against `C` weight rows.
     #[inline(always)]
-    unsafe fn dot<W: Load8 + Copy + Default>(a: &[f32], w: &[W]) -> f32 {
-        assert_eq!(a.len(), w.len());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let full = a.len() / LANES * LANES;
-        let mut c = 0;
-        while c < full {
-            chunk(a.as_ptr().add(c), w.as_ptr().add(c), &mut acc);
-            c += LANES;
+    unsafe fn chunk<W: Load8, const R: usize, const C: usize>(
+        a: &[*const f32; R],
+        w: &[*const W; C],
+        acc: &mut [[[__m256; 4]; C]; R],
+    ) {
+        for g in 0..4 {
+            let mut wv = [_mm256_setzero_ps(); C];
+            for c in 0..C {
+                wv[c] = W::load8(w[c].add(8 * g));
+            }
+            for r in 0..R {
+                let av = _mm256_loadu_ps(a[r].add(8 * g));
+                for c in 0..C {
+                    acc[r][c][g] = _mm256_fmadd_ps(av, wv[c], acc[r][c][g]);
+                }
+            }
         }
-        if full < a.len() {
-            let mut ta = [0.0f32; LANES];
-            let mut tw = [W::default(); LANES];
-            let n = a.len() - full;
-            ta[..n].copy_from_slice(&a[full..]);
-            tw[..n].copy_from_slice(&w[full..]);
-            chunk(ta.as_ptr(), tw.as_ptr(), &mut acc);
-        }
-        let mut lanes = [0.0f32; LANES];
-        for (r, reg) in acc.iter().enumerate() {
-            _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * r), *reg);
-        }
-        fold_lanes(&mut lanes)
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_f32(a: &[f32], w: &[f32]) -> f32 {
-        dot(a, w)
+    /// `out[r][c] = dot(a[r], w[c])` in the canonical order.
+    #[inline(always)]
+    pub unsafe fn block<W: Load8, const R: usize, const C: usize>(
+        a: [&[f32]; R],
+        w: [&[W]; C],
+    ) -> [[f32; C]; R] {
+        let n = a[0].len();
+        let mut acc = [[[_mm256_setzero_ps(); 4]; C]; R];
+        let full = n / LANES * LANES;
+        let mut ap = [std::ptr::null::<f32>(); R];
+        let mut wp = [std::ptr::null::<W>(); C];
+        let mut c0 = 0;
+        while c0 < full {
+            for r in 0..R {
+                ap[r] = a[r].as_ptr().add(c0);
+            }
+            for c in 0..C {
+                wp[c] = w[c].as_ptr().add(c0);
+            }
+            chunk(&ap, &wp, &mut acc);
+            c0 += LANES;
+        }
+        if full < n {
+            let tail = n - full;
+            let mut ta = [[0.0f32; LANES]; R];
+            let mut tw = [[W::default(); LANES]; C];
+            for r in 0..R {
+                ta[r][..tail].copy_from_slice(&a[r][full..]);
+                ap[r] = ta[r].as_ptr();
+            }
+            for c in 0..C {
+                tw[c][..tail].copy_from_slice(&w[c][full..]);
+                wp[c] = tw[c].as_ptr();
+            }
+            chunk(&ap, &wp, &mut acc);
+        }
+        let mut out = [[0.0f32; C]; R];
+        for r in 0..R {
+            for c in 0..C {
+                out[r][c] = fold(acc[r][c]);
+            }
+        }
+        out
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_bf16(a: &[f32], w: &[bf16]) -> f32 {
-        dot(a, w)
+    macro_rules! entry {
+        ($name:ident, $w:ty, $feat:literal) => {
+            /// # Safety
+            /// The CPU must support the enabled features; all slices have the same length.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn $name<const R: usize, const C: usize>(
+                a: [&[f32]; R],
+                w: [&[$w]; C],
+            ) -> [[f32; C]; R] {
+                block(a, w)
+            }
+        };
     }
+    entry!(block_f32, f32, "avx2,fma");
+    entry!(block_bf16, bf16, "avx2,fma");
+    entry!(block_f16, f16, "avx2,fma,f16c");
+}
 
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_f16(a: &[f32], w: &[f16]) -> f32 {
-        dot(a, w)
+/// `out[r][c] = dot(a[r], w[c])` for `R` activation rows and `C` weight rows of one dtype,
+/// each output in the canonical order (identical bits to [`dot`] on each pair). `R·C ≤ 3`.
+#[inline]
+pub fn dot_block<const R: usize, const C: usize>(
+    isa: Isa,
+    a: [&[f32]; R],
+    w: [WeightData<'_>; C],
+) -> [[f32; C]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        let n = a[0].len();
+        macro_rules! go {
+            ($variant:ident, $f:ident) => {{
+                let mut ws = [&[][..]; C];
+                for c in 0..C {
+                    match w[c] {
+                        WeightData::$variant(x) => ws[c] = x,
+                        _ => return dot_block_each(isa, a, w),
+                    }
+                    assert_eq!(ws[c].len(), n);
+                }
+                for r in a.iter() {
+                    assert_eq!(r.len(), n);
+                }
+                // SAFETY: Isa::Avx2 is only chosen when AVX2, FMA and F16C were detected,
+                // and every slice was checked to have length n.
+                return unsafe { avx2::$f(a, ws) };
+            }};
+        }
+        match w[0] {
+            WeightData::F32(_) => go!(F32, block_f32),
+            WeightData::BF16(_) => go!(BF16, block_bf16),
+            WeightData::F16(_) => go!(F16, block_f16),
+        }
     }
+    dot_block_each(isa, a, w)
+}
+
+fn dot_block_each<const R: usize, const C: usize>(
+    isa: Isa,
+    a: [&[f32]; R],
+    w: [WeightData<'_>; C],
+) -> [[f32; C]; R] {
+    let mut out = [[0.0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = dot(isa, a[r], w[c]);
+        }
+    }
+    out
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -335,6 +426,43 @@ mod tests {
                     "{isa:?} n={n}: {got} vs {reference}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn blocks_of_rows_give_the_bits_of_single_dots() {
+        let isa = Isa::best_available();
+        for n in [3, 32, 45, 96, 1000] {
+            let a: Vec<Vec<f32>> = (0..3).map(|i| pseudo_random(n, 10 + i)).collect();
+            let wf: Vec<Vec<f32>> = (0..2).map(|i| pseudo_random(n, 20 + i)).collect();
+            let wb: Vec<Vec<bf16>> = wf
+                .iter()
+                .map(|w| w.iter().map(|&x| bf16::from_f32(x)).collect())
+                .collect();
+            let single = |r: usize, w: WeightData<'_>| dot_scalar_data(&a[r], w).to_bits();
+            for (w0, w1) in [
+                (WeightData::F32(&wf[0]), WeightData::F32(&wf[1])),
+                (WeightData::BF16(&wb[0]), WeightData::BF16(&wb[1])),
+            ] {
+                let b = dot_block::<1, 2>(isa, [&a[0]], [w0, w1]);
+                assert_eq!(
+                    [b[0][0].to_bits(), b[0][1].to_bits()],
+                    [single(0, w0), single(0, w1)],
+                    "n={n}"
+                );
+                let b = dot_block::<3, 1>(isa, [&a[0], &a[1], &a[2]], [w1]);
+                for r in 0..3 {
+                    assert_eq!(b[r][0].to_bits(), single(r, w1), "n={n} r={r}");
+                }
+            }
+        }
+    }
+
+    fn dot_scalar_data(a: &[f32], w: WeightData<'_>) -> f32 {
+        match w {
+            WeightData::F32(w) => dot_scalar(a, w),
+            WeightData::BF16(w) => dot_scalar(a, w),
+            WeightData::F16(w) => dot_scalar(a, w),
         }
     }
 

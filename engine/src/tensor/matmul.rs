@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::kernels::{dot, Isa};
+use super::kernels::{dot, dot_block, Isa};
 use super::WeightView;
 
 /// Weight rows per parallel task.
@@ -44,14 +44,44 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     let run = |t: usize| {
         let j0 = t * ROWS_PER_TASK;
         let j1 = (j0 + ROWS_PER_TASK).min(n);
-        let block = w.rows_range(j0, j1 - j0);
-        for jj in 0..(j1 - j0) {
-            let row = block.rows_range(jj, 1).data;
-            for i in 0..m {
-                let v = dot(isa, &x[i * k_dim..(i + 1) * k_dim], row);
-                // SAFETY: index i*n + j0 + jj < m*n = out.len(), and each (i, j) is written
-                // by exactly one task (the one owning row j).
-                unsafe { *ptr.get().add(i * n + j0 + jj) = v };
+        let x_row = |i: usize| &x[i * k_dim..(i + 1) * k_dim];
+        let w_row = |j: usize| w.rows_range(j, 1).data;
+        // SAFETY: every index i*n + j written below has i < m and j0 <= j < j1 <= n, so it is
+        // inside `out`, and each (i, j) is written by exactly one task (the one owning row j).
+        let put = |i: usize, j: usize, v: f32| unsafe { *ptr.get().add(i * n + j) = v };
+        if m == 1 {
+            // Decode: two weight rows per step, two independent streams in flight.
+            let mut j = j0;
+            while j + 2 <= j1 {
+                let r = dot_block::<1, 2>(isa, [x_row(0)], [w_row(j), w_row(j + 1)]);
+                put(0, j, r[0][0]);
+                put(0, j + 1, r[0][1]);
+                j += 2;
+            }
+            if j < j1 {
+                put(0, j, dot(isa, x_row(0), w_row(j)));
+            }
+            return;
+        }
+        // Prefill: each weight chunk is loaded once for three activation rows.
+        for j in j0..j1 {
+            let wr = w_row(j);
+            let mut i = 0;
+            while i + 3 <= m {
+                let r = dot_block::<3, 1>(isa, [x_row(i), x_row(i + 1), x_row(i + 2)], [wr]);
+                for (d, v) in r.iter().enumerate() {
+                    put(i + d, j, v[0]);
+                }
+                i += 3;
+            }
+            if i + 2 <= m {
+                let r = dot_block::<2, 1>(isa, [x_row(i), x_row(i + 1)], [wr]);
+                put(i, j, r[0][0]);
+                put(i + 1, j, r[1][0]);
+                i += 2;
+            }
+            if i < m {
+                put(i, j, dot(isa, x_row(i), wr));
             }
         }
     };
