@@ -133,6 +133,7 @@ pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register blocks read best as index loops
 mod avx2 {
     //! AVX2 blocks: `R` activation rows against `C` weight rows at once (R·C ≤ 3, so the
     //! 4·R·C accumulators stay in registers). Every output keeps the canonical order: its
@@ -300,6 +301,7 @@ pub fn dot_block<const R: usize, const C: usize>(
     dot_block_each(isa, a, w)
 }
 
+#[allow(clippy::needless_range_loop)]
 fn dot_block_each<const R: usize, const C: usize>(
     isa: Isa,
     a: [&[f32]; R],
@@ -430,6 +432,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn blocks_of_rows_give_the_bits_of_single_dots() {
         let isa = Isa::best_available();
         for n in [3, 32, 45, 96, 1000] {
