@@ -15,6 +15,10 @@ pub struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// RAM budget for resident weights plus the expert cache (e.g. 512M, 6G). Routed experts
+    /// are then read from disk into the cache on demand. Default: every weight memory-mapped.
+    #[arg(long)]
+    pub ram: Option<String>,
 }
 
 impl ModelArgs {
@@ -34,7 +38,26 @@ impl ModelArgs {
     /// Resolve and load.
     pub fn load(&self, needs_text: bool) -> Result<LoadedModel> {
         let dir = self.prepare()?;
-        LoadedModel::open(&dir, needs_text)
-            .with_context(|| format!("cannot load the model in {}", dir.display()))
+        let ram_budget = match &self.ram {
+            Some(s) => Some(colibri::store::budget::parse_size(s).context("--ram")?),
+            None => None,
+        };
+        let opts = colibri::store::StoreOptions {
+            ram_budget,
+            io_threads: 0,
+        };
+        let loaded = LoadedModel::open_with(&dir, needs_text, &opts)
+            .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        if let Some(b) = ram_budget {
+            let i = loaded.model.info();
+            eprintln!(
+                "coli: RAM budget {:.2} GB: {:.2} GB resident, {:.2} GB expert cache for {:.2} GB of routed experts (read from disk on demand)",
+                b as f64 / 1e9,
+                i.dense_bytes as f64 / 1e9,
+                b.saturating_sub(i.dense_bytes as u64) as f64 / 1e9,
+                i.routed_expert_bytes as f64 / 1e9
+            );
+        }
+        Ok(loaded)
     }
 }

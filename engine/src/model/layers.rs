@@ -466,6 +466,8 @@ pub struct MoeBlock {
     pub router: Router,
     pub top_k: usize,
     pub num_experts: usize,
+    /// Width of each expert.
+    pub intermediate: usize,
     pub store: Arc<dyn ExpertStore>,
 }
 
@@ -482,11 +484,12 @@ impl MoeBlock {
         let mut union: Vec<usize> = routes.iter().flatten().map(|r| r.0).collect();
         union.sort_unstable();
         union.dedup();
-        let lease = self.store.acquire(self.layer, &union)?;
+        let mut lease = self.store.acquire(self.layer, &union)?;
         // slots[(t * k + s) * d ..] holds expert (t, s)'s output.
         let k = self.top_k;
         let mut slots = vec![0.0f32; t_len * k * d];
-        for (e, expert) in lease.ready() {
+        while let Some(item) = lease.next_expert() {
+            let (e, expert) = item?;
             let mut rows: Vec<(usize, usize)> = Vec::new();
             for (t, r) in routes.iter().enumerate() {
                 for (s, &(id, _)) in r.iter().enumerate() {
@@ -499,7 +502,7 @@ impl MoeBlock {
             for &(t, _) in &rows {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
-            let ys = expert_swiglu(expert, &xs);
+            let ys = expert_swiglu(&expert, &xs);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]
                     .copy_from_slice(&ys[i * d..(i + 1) * d]);

@@ -5,10 +5,11 @@ use super::layers::{Mlp, QkNorm};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
+use crate::store::StoreOptions;
 use crate::Result;
 
 /// Build a Llama model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &StoreOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
     let inter = cfg.usize("intermediate_size")?;
     let mlp_bias = cfg.bool_or("mlp_bias", false)?;

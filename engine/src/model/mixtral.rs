@@ -8,11 +8,11 @@ use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{ExpertNames, ExpertStore, ResidentStore};
+use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
 use crate::Result;
 
 /// Build a Mixtral model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, 1e-5, 1e6)?;
     let experts = cfg.usize("num_local_experts")?;
     let top_k = cfg.usize("num_experts_per_tok")?;
@@ -33,7 +33,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
                 .collect()
         })
         .collect();
-    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, inter)?);
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
         Ok(LayerParts {
             qk_norm: QkNorm::None,
@@ -51,6 +51,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
                 router: Router::SoftmaxTopK { renormalize: true },
                 top_k,
                 num_experts: experts,
+                intermediate: inter,
                 store: store.clone(),
             }),
         })

@@ -15,6 +15,7 @@ use std::path::Path;
 
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
+use crate::store::StoreOptions;
 use crate::{Error, Result};
 use cache::KvCache;
 
@@ -61,8 +62,13 @@ pub trait CausalLm: Send + Sync {
 /// The `model_type`s this build runs.
 pub const SUPPORTED: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
 
-/// Load the model in `dir`.
+/// Load the model in `dir` with every weight resident.
 pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
+    load_with(dir, &StoreOptions::default())
+}
+
+/// Load the model in `dir`, placing routed experts as `opts` says.
+pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
     let cfg = ModelConfig::from_model_dir(dir)?;
     let model_type = cfg.model_type()?;
     // Check the family before touching the weights, so the error is about the real problem.
@@ -78,10 +84,10 @@ pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
     }
     let ckpt = Checkpoint::open(dir)?;
     let model: Box<dyn CausalLm> = match model_type.as_str() {
-        "llama" => Box::new(llama::load(&ckpt, &cfg)?),
-        "mixtral" => Box::new(mixtral::load(&ckpt, &cfg)?),
-        "olmoe" => Box::new(olmoe::load(&ckpt, &cfg)?),
-        "qwen3_moe" => Box::new(qwen3_moe::load(&ckpt, &cfg)?),
+        "llama" => Box::new(llama::load(&ckpt, &cfg, opts)?),
+        "mixtral" => Box::new(mixtral::load(&ckpt, &cfg, opts)?),
+        "olmoe" => Box::new(olmoe::load(&ckpt, &cfg, opts)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(&ckpt, &cfg, opts)?),
         _ => unreachable!("checked above"),
     };
     Ok(model)

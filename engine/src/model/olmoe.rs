@@ -8,7 +8,7 @@ use super::layers::{Linear, MoeBlock, QkNorm, RmsNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{ExpertNames, ExpertStore, ResidentStore};
+use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
 use crate::Result;
 
 /// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`.
@@ -37,7 +37,7 @@ pub fn qwen_style_expert_names(
 }
 
 /// Build an OLMoE model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, 1e-5, 10000.0)?;
     let experts = cfg.usize("num_experts")?;
     let top_k = cfg.usize("num_experts_per_tok")?;
@@ -47,7 +47,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
     let (d, hd) = (sc.hidden_size, sc.head_dim);
     let all: Vec<usize> = (0..sc.layers).collect();
     let names = qwen_style_expert_names(&all, sc.layers, experts);
-    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, inter)?);
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
         let p = format!("model.layers.{l}");
         Ok(LayerParts {
@@ -73,6 +73,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
                 router: Router::SoftmaxTopK { renormalize },
                 top_k,
                 num_experts: experts,
+                intermediate: inter,
                 store: store.clone(),
             }),
         })

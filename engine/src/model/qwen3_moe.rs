@@ -10,11 +10,11 @@ use super::olmoe::qwen_style_expert_names;
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{ExpertStore, ResidentStore};
+use crate::store::{self, ExpertStore, StoreOptions};
 use crate::Result;
 
 /// Build a Qwen3-MoE model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
     let experts = cfg.usize_or("num_experts", 0)?;
     let top_k = cfg.usize("num_experts_per_tok")?;
@@ -32,7 +32,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
         |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1).is_multiple_of(sparse_step);
     let moe_layers: Vec<usize> = (0..sc.layers).filter(|&l| is_moe(l)).collect();
     let names = qwen_style_expert_names(&moe_layers, sc.layers, experts);
-    let store: Arc<dyn ExpertStore> = Arc::new(ResidentStore::open(ckpt, &names, d, moe_inter)?);
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
         let p = format!("model.layers.{l}");
         let ffn = if is_moe(l) {
@@ -42,6 +42,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<Transformer> {
                 router: Router::SoftmaxTopK { renormalize },
                 top_k,
                 num_experts: experts,
+                intermediate: moe_inter,
                 store: store.clone(),
             })
         } else {

@@ -300,9 +300,5 @@ fn standard_info(
 }
 
 fn expert_intermediate(m: &MoeBlock) -> usize {
-    m.store
-        .acquire(m.layer, &[0])
-        .ok()
-        .and_then(|l| l.ready().next().map(|(_, e)| e.gate.shape[0]))
-        .unwrap_or(0)
+    m.intermediate
 }

@@ -9,6 +9,7 @@ use crate::format::config::ModelConfig;
 use crate::format::generation_config::GenerationConfig;
 use crate::format::tokenizer::Tokenizer;
 use crate::model::{self, CausalLm};
+use crate::store::StoreOptions;
 use crate::{Error, Result};
 
 /// A loaded model directory.
@@ -23,15 +24,21 @@ pub struct LoadedModel {
 }
 
 impl LoadedModel {
-    /// Open `dir`. With `needs_text`, a missing or broken `tokenizer.json` is an error.
+    /// Open `dir` with every weight resident. With `needs_text`, a missing or broken
+    /// `tokenizer.json` is an error.
     pub fn open(dir: &Path, needs_text: bool) -> Result<LoadedModel> {
+        Self::open_with(dir, needs_text, &StoreOptions::default())
+    }
+
+    /// Open `dir`, placing routed experts as `store` says.
+    pub fn open_with(dir: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
         if !dir.is_dir() {
             return Err(Error::io(
                 dir,
                 std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
             ));
         }
-        let model = model::load(dir)?;
+        let model = model::load_with(dir, store)?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.is_file() || needs_text {
             Some(Tokenizer::from_file(&tok_path)?)

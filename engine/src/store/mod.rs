@@ -9,6 +9,11 @@
 //! This first store, [`ResidentStore`], keeps every expert mapped in memory. The tiered store
 //! (RAM budget, disk streaming, cache and prefetch) implements the same trait.
 
+pub mod budget;
+pub mod reader;
+pub mod tiered;
+
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use crate::format::safetensors::Checkpoint;
@@ -38,15 +43,56 @@ pub struct ExpertNames {
     pub down: String,
 }
 
-/// Experts of one layer, ready to compute, held for the duration of a MoE block.
+/// Experts of one layer, handed out as they become ready (cached ones at once, misses as
+/// their reads complete), and held while the lease lives.
 pub struct Lease {
-    experts: Vec<(usize, Arc<Expert>)>,
+    ready: std::vec::IntoIter<(usize, Arc<Expert>)>,
+    pending: usize,
+    arrivals: Option<Receiver<Arrival>>,
 }
 
+/// An expert delivered to a lease: its id and matrices, or the read error.
+pub type Arrival = Result<(usize, Arc<Expert>)>;
+
 impl Lease {
-    /// The leased experts with their ids, in the order they became ready.
-    pub fn ready(&self) -> impl Iterator<Item = (usize, &Expert)> {
-        self.experts.iter().map(|(id, e)| (*id, e.as_ref()))
+    /// A lease whose experts are all ready now.
+    pub fn ready_now(experts: Vec<(usize, Arc<Expert>)>) -> Lease {
+        Lease {
+            ready: experts.into_iter(),
+            pending: 0,
+            arrivals: None,
+        }
+    }
+
+    /// A lease with some experts ready and `pending` more arriving on `arrivals`.
+    pub fn with_pending(
+        ready: Vec<(usize, Arc<Expert>)>,
+        pending: usize,
+        arrivals: Receiver<Arrival>,
+    ) -> Lease {
+        Lease {
+            ready: ready.into_iter(),
+            pending,
+            arrivals: Some(arrivals),
+        }
+    }
+
+    /// The next ready expert (blocking until one arrives), or `None` when all were handed out.
+    /// A failed read is returned as an error.
+    pub fn next_expert(&mut self) -> Option<Result<(usize, Arc<Expert>)>> {
+        if let Some(e) = self.ready.next() {
+            return Some(Ok(e));
+        }
+        if self.pending == 0 {
+            return None;
+        }
+        self.pending -= 1;
+        match self.arrivals.as_ref()?.recv() {
+            Ok(r) => Some(r),
+            Err(_) => Some(Err(Error::Invalid(
+                "the expert reader stopped before delivering every expert".into(),
+            ))),
+        }
     }
 }
 
@@ -107,10 +153,51 @@ impl ExpertStore for ResidentStore {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Lease { experts })
+        Ok(Lease::ready_now(experts))
     }
 
     fn total_bytes(&self) -> usize {
         self.layers.iter().flatten().map(|e| e.nbytes()).sum()
+    }
+}
+
+/// How routed experts are placed.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// RAM budget in bytes for resident weights plus the expert cache. `None`: everything
+    /// resident (memory-mapped).
+    pub ram_budget: Option<u64>,
+    /// I/O threads reading expert misses (0: a default of 4).
+    pub io_threads: usize,
+}
+
+/// The expert store for these experts under `opts`: all resident without a budget, tiered
+/// (read from disk into a cache of what the budget leaves after the resident set) with one.
+pub fn open(
+    ckpt: &Checkpoint,
+    names: &[Vec<ExpertNames>],
+    hidden: usize,
+    intermediate: usize,
+    opts: &StoreOptions,
+) -> Result<Arc<dyn ExpertStore>> {
+    match opts.ram_budget {
+        None => Ok(Arc::new(ResidentStore::open(
+            ckpt,
+            names,
+            hidden,
+            intermediate,
+        )?)),
+        Some(budget) => Ok(Arc::new(tiered::TieredStore::open(
+            ckpt,
+            names,
+            hidden,
+            intermediate,
+            budget,
+            if opts.io_threads == 0 {
+                4
+            } else {
+                opts.io_threads
+            },
+        )?)),
     }
 }
