@@ -20,6 +20,19 @@ pub struct ByteRange {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// What a finished read hands back: the buffers of the ranges, in order, or the first error.
+pub type ReadDone = Box<dyn FnOnce(Result<Vec<Storage>>) + Send>;
+
+/// Something that reads byte ranges of the checkpoint files asynchronously: a pool of `pread`
+/// threads, io-uring, or a set of mirror drives in front of them.
+pub trait RangeReader: Send + Sync {
+    /// Read every range of `ranges`; `done` is called once, on any thread, with the buffers in
+    /// order or the first error (which names the file and offset).
+    fn submit(&self, ranges: Vec<ByteRange>, done: ReadDone);
+    /// How it reads, for the start-up report (e.g. "pread pool, 4 threads").
+    fn describe(&self) -> String;
+}
+
 /// A bounded pool of threads doing `pread`s.
 pub struct PreadPool {
     files: Arc<Vec<(PathBuf, File)>>,
@@ -68,14 +81,10 @@ impl PreadPool {
     pub fn threads(&self) -> usize {
         self.threads
     }
+}
 
-    /// Read every range of `ranges` on the pool; `done` is called on an I/O thread with the
-    /// buffers in order, or the first error.
-    pub fn submit(
-        &self,
-        ranges: Vec<ByteRange>,
-        done: impl FnOnce(Result<Vec<Storage>>) + Send + 'static,
-    ) {
+impl RangeReader for PreadPool {
+    fn submit(&self, ranges: Vec<ByteRange>, done: ReadDone) {
         let files = self.files.clone();
         let job: Job = Box::new(move || done(read_ranges(&files, &ranges)));
         let sent = self.jobs.lock().map(|tx| tx.send(job));
@@ -83,6 +92,10 @@ impl PreadPool {
             // The pool is gone (only at shutdown): run the read here.
             (failed.0)();
         }
+    }
+
+    fn describe(&self) -> String {
+        format!("pread pool, {} threads", self.threads)
     }
 }
 

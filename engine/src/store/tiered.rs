@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Mutex};
 
-use super::reader::{ByteRange, PreadPool};
+use super::reader::{ByteRange, PreadPool, RangeReader};
 use super::{Expert, ExpertNames, ExpertStore, Lease};
 use crate::format::safetensors::Checkpoint;
 use crate::tensor::{DType, Tensor};
@@ -47,7 +47,7 @@ struct Inner {
 /// Routed experts read from disk into a bounded LRU cache.
 pub struct TieredStore {
     locations: Vec<Vec<[MatrixLocation; 3]>>,
-    reader: PreadPool,
+    reader: Arc<dyn RangeReader>,
     inner: Arc<Inner>,
     total_bytes: usize,
 }
@@ -109,7 +109,7 @@ impl TieredStore {
             .collect();
         Ok(TieredStore {
             locations,
-            reader: PreadPool::new(&paths, io_threads)?,
+            reader: Arc::new(PreadPool::new(&paths, io_threads)?),
             inner: Arc::new(Inner {
                 cache: Mutex::new(Cache {
                     entries: HashMap::new(),
@@ -212,27 +212,30 @@ impl ExpertStore for TieredStore {
             let tx = tx.clone();
             let inner = self.inner.clone();
             let ranges = loc.iter().map(|m| m.range.clone()).collect();
-            self.reader.submit(ranges, move |bufs| {
-                let result = bufs.map(|mut b| {
-                    let make = |m: &MatrixLocation, storage| Tensor {
-                        name: m.name.clone(),
-                        shape: m.shape.clone(),
-                        dtype: m.dtype,
-                        storage,
-                    };
-                    let down = make(&loc[2], b.pop().unwrap());
-                    let up = make(&loc[1], b.pop().unwrap());
-                    let gate = make(&loc[0], b.pop().unwrap());
-                    let expert = Arc::new(Expert { gate, up, down });
-                    inner
-                        .stats
-                        .bytes_read
-                        .fetch_add(expert.nbytes() as u64, Ordering::Relaxed);
-                    inner.insert((layer, e), &expert);
-                    (e, expert)
-                });
-                let _ = tx.send(result);
-            });
+            self.reader.submit(
+                ranges,
+                Box::new(move |bufs| {
+                    let result = bufs.map(|mut b| {
+                        let make = |m: &MatrixLocation, storage| Tensor {
+                            name: m.name.clone(),
+                            shape: m.shape.clone(),
+                            dtype: m.dtype,
+                            storage,
+                        };
+                        let down = make(&loc[2], b.pop().unwrap());
+                        let up = make(&loc[1], b.pop().unwrap());
+                        let gate = make(&loc[0], b.pop().unwrap());
+                        let expert = Arc::new(Expert { gate, up, down });
+                        inner
+                            .stats
+                            .bytes_read
+                            .fetch_add(expert.nbytes() as u64, Ordering::Relaxed);
+                        inner.insert((layer, e), &expert);
+                        (e, expert)
+                    });
+                    let _ = tx.send(result);
+                }),
+            );
         }
         Ok(Lease::with_pending(ready, misses.len(), rx))
     }
