@@ -64,7 +64,7 @@ fn every_budget_and_thread_count_gives_identical_bits() {
             ("half", dense + experts / 2),
             ("all", dense + experts),
         ] {
-            for threads in [1, 2] {
+            for (threads, prefetch) in [(1, false), (2, false), (1, true), (2, true)] {
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .build()
@@ -72,6 +72,7 @@ fn every_budget_and_thread_count_gives_identical_bits() {
                 let opts = StoreOptions {
                     ram_budget: Some(budget),
                     io_threads: 2,
+                    prefetch,
                 };
                 let got = pool.install(|| {
                     let m = model::load_with(&dir, &opts).unwrap();
@@ -79,11 +80,11 @@ fn every_budget_and_thread_count_gives_identical_bits() {
                 });
                 assert!(
                     got.0 == reference.0,
-                    "{arch}: logits differ with budget `{what}`, {threads} threads"
+                    "{arch}: logits differ: budget `{what}`, {threads} threads, prefetch {prefetch}"
                 );
                 assert_eq!(
                     got.1, reference.1,
-                    "{arch}: tokens differ with budget `{what}`, {threads} threads"
+                    "{arch}: tokens differ: budget `{what}`, {threads} threads, prefetch {prefetch}"
                 );
             }
         }
@@ -95,7 +96,7 @@ fn a_budget_below_the_resident_set_is_refused_with_numbers() {
     let dir = fixture("olmoe");
     let opts = StoreOptions {
         ram_budget: Some(1000),
-        io_threads: 1,
+        ..StoreOptions::default()
     };
     let e = model::load_with(&dir, &opts)
         .err()
@@ -104,5 +105,47 @@ fn a_budget_below_the_resident_set_is_refused_with_numbers() {
     assert!(
         e.contains("resident") && e.contains("budget") && e.contains("--ram"),
         "{e}"
+    );
+}
+
+#[test]
+fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
+    let dir = fixture("olmoe");
+    let ids = prompt("olmoe");
+    let resident = model::load(&dir).unwrap().info().dense_bytes as u64;
+    // Budget for no expert: every expert of every step is read.
+    let m = model::load_with(
+        &dir,
+        &StoreOptions {
+            ram_budget: Some(resident),
+            io_threads: 2,
+            prefetch: true,
+        },
+    )
+    .unwrap();
+    let _ = outputs(m.as_ref(), &ids);
+    let s = m.store_stats().expect("tiered store keeps stats");
+    assert_eq!(s.hits, 0, "nothing fits, so nothing can hit");
+    assert!(s.misses > 0 && s.bytes_read >= s.miss_bytes, "{s:?}");
+    assert!(
+        s.prefetch_needed > 0,
+        "hints were given before layer 1: {s:?}"
+    );
+    // Budget for everything: after the first step, steps hit.
+    let all = resident + m.info().routed_expert_bytes as u64;
+    let m = model::load_with(
+        &dir,
+        &StoreOptions {
+            ram_budget: Some(all),
+            io_threads: 2,
+            prefetch: false,
+        },
+    )
+    .unwrap();
+    let _ = outputs(m.as_ref(), &ids);
+    let s = m.store_stats().unwrap();
+    assert!(
+        s.hits > 0 && s.bytes_read <= m.info().routed_expert_bytes as u64,
+        "{s:?}"
     );
 }

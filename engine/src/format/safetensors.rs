@@ -3,8 +3,9 @@
 //!
 //! Opening a checkpoint reads and validates every header (truncation, overlapping or
 //! out-of-range offsets, unknown dtypes, shape/size mismatch) and produces one
-//! [`TensorDesc`] per tensor: where its bytes are. Tensors are memory-mapped views; nothing is
-//! copied until a caller asks for an aligned copy.
+//! [`TensorDesc`] per tensor: where its bytes are. With [`Access::Mapped`] tensors are
+//! memory-mapped views; with [`Access::Read`] (streaming mode) nothing is mapped and a tensor
+//! is read with a positioned read when asked for.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -28,9 +29,24 @@ pub struct TensorDesc {
     pub len: usize,
 }
 
+/// How tensor bytes are reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Access {
+    /// Memory-map each file; tensors are views of the mapping.
+    #[default]
+    Mapped,
+    /// Positioned reads into owned buffers; nothing is mapped (streaming mode).
+    Read,
+}
+
+enum Backing {
+    Mapped(Arc<memmap2::Mmap>),
+    Read(File),
+}
+
 struct ShardFile {
     path: PathBuf,
-    map: Arc<memmap2::Mmap>,
+    backing: Backing,
 }
 
 /// All tensors of a model directory.
@@ -41,13 +57,18 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Open the safetensors weights of a model directory.
+    /// Open the safetensors weights of a model directory, memory-mapped.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        Self::open_with(dir, Access::Mapped)
+    }
+
+    /// Open the safetensors weights of a model directory with the given access.
+    pub fn open_with(dir: &Path, access: Access) -> Result<Checkpoint> {
         let shards = shard_paths(dir)?;
         let mut files = Vec::new();
         let mut tensors = BTreeMap::new();
         for (index, path) in shards.iter().enumerate() {
-            let (map, descs) = read_shard(path, index)?;
+            let (backing, descs) = read_shard(path, index, access)?;
             for d in descs {
                 if let Some(prev) = tensors.insert(d.name.clone(), d) {
                     return Err(Error::tensor(
@@ -66,7 +87,7 @@ impl Checkpoint {
             }
             files.push(ShardFile {
                 path: path.clone(),
-                map,
+                backing,
             });
         }
         Ok(Checkpoint {
@@ -115,7 +136,35 @@ impl Checkpoint {
         }
     }
 
-    /// A tensor, memory-mapped, aligned for its dtype, with its shape checked.
+    /// The number of shard files.
+    pub fn file_count(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Check that a tensor exists with this shape and a float dtype, without reading it.
+    pub fn check_weight(&self, name: &str, shape: &[usize]) -> Result<&TensorDesc> {
+        let d = self.desc(name)?;
+        if d.shape != shape {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                name,
+                format!(
+                    "has shape {:?}, expected {:?} from config.json",
+                    d.shape, shape
+                ),
+            ));
+        }
+        if !d.dtype.is_float() {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                name,
+                format!("has dtype {}, expected f32, bf16 or f16", d.dtype),
+            ));
+        }
+        Ok(d)
+    }
+
+    /// A tensor, aligned for its dtype, with its shape checked.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let d = self.desc(name)?;
         if d.shape != shape {
@@ -134,15 +183,40 @@ impl Checkpoint {
     /// A tensor with whatever shape it has.
     pub fn tensor_any_shape(&self, name: &str) -> Result<Tensor> {
         let d = self.desc(name)?;
+        let shard = &self.files[d.file];
+        let storage = match &shard.backing {
+            Backing::Mapped(map) => Storage::Mapped {
+                map: map.clone(),
+                start: d.offset,
+                len: d.len,
+            },
+            Backing::Read(file) => {
+                use std::os::unix::fs::FileExt;
+                let mut words = vec![0u64; d.len.div_ceil(8)];
+                let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..d.len];
+                file.read_exact_at(buf, d.offset as u64).map_err(|e| {
+                    Error::io(
+                        &shard.path,
+                        std::io::Error::new(
+                            e.kind(),
+                            format!(
+                                "reading tensor `{name}` ({} bytes at offset {}): {e}",
+                                d.len, d.offset
+                            ),
+                        ),
+                    )
+                })?;
+                Storage::Owned {
+                    words: Arc::new(words),
+                    len: d.len,
+                }
+            }
+        };
         let t = Tensor {
             name: name.to_string(),
             shape: d.shape.clone(),
             dtype: d.dtype,
-            storage: Storage::Mapped {
-                map: self.files[d.file].map.clone(),
-                start: d.offset,
-                len: d.len,
-            },
+            storage,
         };
         Ok(t.aligned())
     }
@@ -222,13 +296,20 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Map one shard and validate its header.
-fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec<TensorDesc>)> {
+fn read_shard(
+    path: &Path,
+    file_index: usize,
+    access: Access,
+) -> Result<(Backing, Vec<TensorDesc>)> {
+    use std::os::unix::fs::FileExt;
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: the file is opened read-only; we treat the mapping as immutable bytes. A file
-    // truncated underneath us by another process would fault; checkpoints are not modified
-    // while being served.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let size = map.len();
+    let size = file.metadata().map_err(|e| Error::io(path, e))?.len() as usize;
+    let read_at = |offset: usize, len: usize| -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, offset as u64)
+            .map_err(|e| Error::io(path, e))?;
+        Ok(buf)
+    };
     if size < 8 {
         return Err(Error::corrupt(
             path,
@@ -237,7 +318,7 @@ fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec
             ),
         ));
     }
-    let header_len = u64::from_le_bytes(map[..8].try_into().unwrap()) as usize;
+    let header_len = u64::from_le_bytes(read_at(0, 8)?.try_into().unwrap()) as usize;
     if header_len > 100 << 20 || 8 + header_len > size {
         return Err(Error::corrupt(
             path,
@@ -247,7 +328,7 @@ fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec
         ));
     }
     let header: HashMap<String, serde_json::Value> =
-        serde_json::from_slice(&map[8..8 + header_len]).map_err(|e| {
+        serde_json::from_slice(&read_at(8, header_len)?).map_err(|e| {
             Error::corrupt(
                 path,
                 format!("corrupt safetensors header (invalid JSON: {e})"),
@@ -325,5 +406,14 @@ fn read_shard(path: &Path, file_index: usize) -> Result<(Arc<memmap2::Mmap>, Vec
             ));
         }
     }
-    Ok((Arc::new(map), descs))
+    let backing = match access {
+        // SAFETY: the file is opened read-only; we treat the mapping as immutable bytes. A file
+        // truncated underneath us by another process would fault; checkpoints are not modified
+        // while being served.
+        Access::Mapped => Backing::Mapped(Arc::new(
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
+        )),
+        Access::Read => Backing::Read(file),
+    };
+    Ok((backing, descs))
 }

@@ -472,18 +472,26 @@ pub struct MoeBlock {
 }
 
 impl MoeBlock {
+    /// The `k` (expert, weight) choices of every row of `[T, D]`.
+    pub fn route(&self, x: &[f32]) -> Vec<Vec<(usize, f32)>> {
+        self.gate
+            .forward(x)
+            .chunks(self.num_experts)
+            .map(|l| self.router.route(l, self.top_k))
+            .collect()
+    }
+
+    /// The sorted union of the experts the rows of `x` route to.
+    pub fn route_union(&self, x: &[f32]) -> Vec<usize> {
+        union_of(&self.route(x))
+    }
+
     /// Apply to `[T, D]`.
     pub fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
         let d = self.gate.weight.shape[1];
         let t_len = x.len() / d;
-        let logits = self.gate.forward(x);
-        let routes: Vec<Vec<(usize, f32)>> = logits
-            .chunks(self.num_experts)
-            .map(|l| self.router.route(l, self.top_k))
-            .collect();
-        let mut union: Vec<usize> = routes.iter().flatten().map(|r| r.0).collect();
-        union.sort_unstable();
-        union.dedup();
+        let routes = self.route(x);
+        let union = union_of(&routes);
         let mut lease = self.store.acquire(self.layer, &union)?;
         // slots[(t * k + s) * d ..] holds expert (t, s)'s output.
         let k = self.top_k;
@@ -502,7 +510,9 @@ impl MoeBlock {
             for &(t, _) in &rows {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
+            let t0 = std::time::Instant::now();
             let ys = expert_swiglu(&expert, &xs);
+            super::telemetry::add(super::telemetry::Part::Experts, t0);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]
                     .copy_from_slice(&ys[i * d..(i + 1) * d]);
@@ -520,6 +530,13 @@ impl MoeBlock {
         }
         Ok(out)
     }
+}
+
+fn union_of(routes: &[Vec<(usize, f32)>]) -> Vec<usize> {
+    let mut union: Vec<usize> = routes.iter().flatten().map(|r| r.0).collect();
+    union.sort_unstable();
+    union.dedup();
+    union
 }
 
 /// Look up embedding rows as f32.

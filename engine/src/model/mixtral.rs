@@ -34,7 +34,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
         })
         .collect();
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
-    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+    load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         Ok(LayerParts {
             qk_norm: QkNorm::None,
             clip_qkv: None,

@@ -9,12 +9,13 @@ pub mod llama;
 pub mod mixtral;
 pub mod olmoe;
 pub mod qwen3_moe;
+pub mod telemetry;
 pub mod transformer;
 
 use std::path::Path;
 
 use crate::format::config::ModelConfig;
-use crate::format::safetensors::Checkpoint;
+use crate::format::safetensors::{Access, Checkpoint};
 use crate::store::StoreOptions;
 use crate::{Error, Result};
 use cache::KvCache;
@@ -57,6 +58,14 @@ pub trait CausalLm: Send + Sync {
     /// Run `tokens` (a prefill chunk or one decode token) at the cache's next positions,
     /// appending them to the cache, and return logits rows (`vocab_size` each).
     fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>>;
+    /// Counters of the expert store, if it keeps any.
+    fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
+        None
+    }
+    /// Persist what the expert store learned (usage history).
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The `model_type`s this build runs.
@@ -82,7 +91,13 @@ pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
             ),
         ));
     }
-    let ckpt = Checkpoint::open(dir)?;
+    // Streaming mode never maps the files: dense weights are read once, experts on demand.
+    let access = if opts.ram_budget.is_some() {
+        Access::Read
+    } else {
+        Access::Mapped
+    };
+    let ckpt = Checkpoint::open_with(dir, access)?;
     let model: Box<dyn CausalLm> = match model_type.as_str() {
         "llama" => Box::new(llama::load(&ckpt, &cfg, opts)?),
         "mixtral" => Box::new(mixtral::load(&ckpt, &cfg, opts)?),

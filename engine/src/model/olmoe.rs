@@ -48,7 +48,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     let all: Vec<usize> = (0..sc.layers).collect();
     let names = qwen_style_expert_names(&all, sc.layers, experts);
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
-    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+    load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         Ok(LayerParts {
             qk_norm: QkNorm::FullWidth {

@@ -33,7 +33,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     let moe_layers: Vec<usize> = (0..sc.layers).filter(|&l| is_moe(l)).collect();
     let names = qwen_style_expert_names(&moe_layers, sc.layers, experts);
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, opts)?;
-    load_standard(ckpt, cfg, &sc, Some(store.as_ref()), |l| {
+    load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         let ffn = if is_moe(l) {
             Ffn::Moe(MoeBlock {

@@ -2,8 +2,11 @@
 //! `h += Attn(Norm(h)); h += Ffn(Norm(h))`, then a final norm and the LM head. Families
 //! differ only in how they fill these parts from their checkpoint (see their files).
 
+use std::time::Instant;
+
 use super::cache::KvCache;
 use super::layers::{embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
+use super::telemetry::{self, Part};
 use super::{CausalLm, Logits, ModelInfo};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -29,6 +32,8 @@ pub struct Transformer {
     pub norm: RmsNorm,
     pub lm_head: Linear,
     pub info: ModelInfo,
+    /// The routed-expert store, if the model has one.
+    pub store: Option<std::sync::Arc<dyn crate::store::ExpertStore>>,
 }
 
 impl CausalLm for Transformer {
@@ -55,24 +60,70 @@ impl CausalLm for Transformer {
         let start = cache.len;
         let d = self.info.hidden_size;
         let mut h = embed(&self.embed, tokens)?;
-        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+        for (l, (block, kv)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let t0 = Instant::now();
             let x = block.attn_norm.forward(&h);
             let a = block.attn.forward(&x, start, kv);
             add_inplace(&mut h, &a);
+            telemetry::add(Part::Attention, t0);
+            self.prefetch_next(l, &h);
             let x = block.ffn_norm.forward(&h);
             let f = match &block.ffn {
-                Ffn::Dense(mlp) => mlp.forward(&x),
+                Ffn::Dense(mlp) => {
+                    let t0 = Instant::now();
+                    let y = mlp.forward(&x);
+                    telemetry::add(Part::DenseMlp, t0);
+                    y
+                }
                 Ffn::Moe(moe) => moe.forward(&x)?,
             };
             add_inplace(&mut h, &f);
         }
         cache.len += tokens.len();
+        if let Some(store) = &self.store {
+            store.step_done(tokens.len());
+        }
         let rows = match logits {
             Logits::All => &h[..],
             Logits::Last => &h[(tokens.len() - 1) * d..],
         };
+        let t0 = Instant::now();
         let x = self.norm.forward(rows);
-        Ok(self.lm_head.forward(&x))
+        let out = self.lm_head.forward(&x);
+        telemetry::add(Part::LmHead, t0);
+        Ok(out)
+    }
+
+    fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
+        self.store.as_ref().and_then(|s| s.stats())
+    }
+
+    fn flush(&self) -> Result<()> {
+        match &self.store {
+            Some(s) => s.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Transformer {
+    /// One-layer-ahead prefetch: apply layer `l + 1`'s norm and router to the hidden state
+    /// after layer `l`'s attention and hint the store with the experts it would choose. A
+    /// guess only starts reads; it never changes a result.
+    fn prefetch_next(&self, l: usize, h: &[f32]) {
+        let Some(Block {
+            ffn_norm,
+            ffn: Ffn::Moe(next),
+            ..
+        }) = self.blocks.get(l + 1)
+        else {
+            return;
+        };
+        if !next.store.wants_hints() {
+            return;
+        }
+        let x = ffn_norm.forward(h);
+        next.store.hint(l + 1, &next.route_union(&x));
     }
 }
 
@@ -154,7 +205,7 @@ pub fn load_standard(
     ckpt: &crate::format::safetensors::Checkpoint,
     cfg: &crate::format::config::ModelConfig,
     sc: &StandardConfig,
-    store: Option<&dyn crate::store::ExpertStore>,
+    store: Option<std::sync::Arc<dyn crate::store::ExpertStore>>,
     mut layer_parts: impl FnMut(usize) -> Result<LayerParts>,
 ) -> Result<Transformer> {
     use super::layers::Rope;
@@ -225,13 +276,14 @@ pub fn load_standard(
         });
     }
     let norm = RmsNorm::load(ckpt, "model.norm.weight", d, sc.rms_norm_eps)?;
-    let info = standard_info(ckpt, cfg, sc, &blocks, store)?;
+    let info = standard_info(ckpt, cfg, sc, &blocks, store.as_deref())?;
     Ok(Transformer {
         embed,
         blocks,
         norm,
         lm_head,
         info,
+        store,
     })
 }
 

@@ -10,6 +10,8 @@
 //! (RAM budget, disk streaming, cache and prefetch) implements the same trait.
 
 pub mod budget;
+pub mod history;
+pub mod mirror;
 pub mod reader;
 pub mod tiered;
 
@@ -49,6 +51,7 @@ pub struct Lease {
     ready: std::vec::IntoIter<(usize, Arc<Expert>)>,
     pending: usize,
     arrivals: Option<Receiver<Arrival>>,
+    wait_ns: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// An expert delivered to a lease: its id and matrices, or the read error.
@@ -61,19 +64,23 @@ impl Lease {
             ready: experts.into_iter(),
             pending: 0,
             arrivals: None,
+            wait_ns: None,
         }
     }
 
-    /// A lease with some experts ready and `pending` more arriving on `arrivals`.
+    /// A lease with some experts ready and `pending` more arriving on `arrivals`; time spent
+    /// waiting for them is added to `wait_ns`.
     pub fn with_pending(
         ready: Vec<(usize, Arc<Expert>)>,
         pending: usize,
         arrivals: Receiver<Arrival>,
+        wait_ns: Arc<std::sync::atomic::AtomicU64>,
     ) -> Lease {
         Lease {
             ready: ready.into_iter(),
             pending,
             arrivals: Some(arrivals),
+            wait_ns: Some(wait_ns),
         }
     }
 
@@ -87,7 +94,15 @@ impl Lease {
             return None;
         }
         self.pending -= 1;
-        match self.arrivals.as_ref()?.recv() {
+        let t0 = std::time::Instant::now();
+        let got = self.arrivals.as_ref()?.recv();
+        if let Some(w) = &self.wait_ns {
+            w.fetch_add(
+                t0.elapsed().as_nanos() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+        match got {
             Ok(r) => Some(r),
             Err(_) => Some(Err(Error::Invalid(
                 "the expert reader stopped before delivering every expert".into(),
@@ -100,10 +115,102 @@ impl Lease {
 pub trait ExpertStore: Send + Sync {
     /// Make the given experts of `layer` available and hold them while the lease lives.
     fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease>;
-    /// Advisory: these experts of `layer` will probably be wanted soon.
+    /// Advisory: these experts of `layer` will probably be wanted soon. Only changes what is
+    /// in memory, never a result.
     fn hint(&self, _layer: usize, _experts: &[usize]) {}
+    /// Whether [`hint`](Self::hint) does anything (so callers can skip computing guesses).
+    fn wants_hints(&self) -> bool {
+        false
+    }
+    /// `tokens` more tokens went through the model (for usage history).
+    fn step_done(&self, _tokens: usize) {}
+    /// Persist what the store learned (usage history). Called at the end of a run.
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Counters so far, if this store keeps any.
+    fn stats(&self) -> Option<StoreSnapshot> {
+        None
+    }
     /// Bytes of all routed experts.
     fn total_bytes(&self) -> usize;
+}
+
+/// Counters of an expert store at one moment.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StoreSnapshot {
+    /// Experts asked for that were in memory, and their bytes.
+    pub hits: u64,
+    pub hit_bytes: u64,
+    /// Experts asked for that had to be read (or were still being read), and their bytes.
+    pub misses: u64,
+    pub miss_bytes: u64,
+    /// Bytes read from disk (misses and prefetches).
+    pub bytes_read: u64,
+    /// Time the model spent waiting for expert reads.
+    pub io_wait_seconds: f64,
+    /// Prefetch reads started, their bytes, and the bytes later used.
+    pub prefetch_reads: u64,
+    pub prefetch_bytes: u64,
+    pub prefetch_useful_bytes: u64,
+    /// Of the experts a layer used after a hint, how many the hint had guessed.
+    pub prefetch_guessed: u64,
+    pub prefetch_needed: u64,
+    /// Bytes the cache may hold, bytes it holds, bytes pinned.
+    pub cache_capacity: u64,
+    pub cache_used: u64,
+    pub pinned_bytes: u64,
+    /// How experts are read (for the start-up report).
+    pub reader: String,
+}
+
+impl StoreSnapshot {
+    /// Hit rate by count.
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+
+    /// Hit rate by bytes.
+    pub fn byte_hit_rate(&self) -> f64 {
+        let n = self.hit_bytes + self.miss_bytes;
+        if n == 0 {
+            0.0
+        } else {
+            self.hit_bytes as f64 / n as f64
+        }
+    }
+
+    /// Prefetch recall: guessed ∩ used over used.
+    pub fn prefetch_recall(&self) -> f64 {
+        if self.prefetch_needed == 0 {
+            0.0
+        } else {
+            self.prefetch_guessed as f64 / self.prefetch_needed as f64
+        }
+    }
+
+    /// The difference `self − earlier` of the counters (capacity and usage are `self`'s).
+    pub fn since(&self, earlier: &StoreSnapshot) -> StoreSnapshot {
+        StoreSnapshot {
+            hits: self.hits - earlier.hits,
+            hit_bytes: self.hit_bytes - earlier.hit_bytes,
+            misses: self.misses - earlier.misses,
+            miss_bytes: self.miss_bytes - earlier.miss_bytes,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            io_wait_seconds: self.io_wait_seconds - earlier.io_wait_seconds,
+            prefetch_reads: self.prefetch_reads - earlier.prefetch_reads,
+            prefetch_bytes: self.prefetch_bytes - earlier.prefetch_bytes,
+            prefetch_useful_bytes: self.prefetch_useful_bytes - earlier.prefetch_useful_bytes,
+            prefetch_guessed: self.prefetch_guessed - earlier.prefetch_guessed,
+            prefetch_needed: self.prefetch_needed - earlier.prefetch_needed,
+            ..self.clone()
+        }
+    }
 }
 
 /// Every expert memory-mapped and resident.
@@ -169,6 +276,8 @@ pub struct StoreOptions {
     pub ram_budget: Option<u64>,
     /// I/O threads reading expert misses (0: a default of 4).
     pub io_threads: usize,
+    /// Start reads of the next layer's likely experts early.
+    pub prefetch: bool,
 }
 
 /// The expert store for these experts under `opts`: all resident without a budget, tiered
@@ -193,11 +302,7 @@ pub fn open(
             hidden,
             intermediate,
             budget,
-            if opts.io_threads == 0 {
-                4
-            } else {
-                opts.io_threads
-            },
+            opts,
         )?)),
     }
 }

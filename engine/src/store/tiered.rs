@@ -1,19 +1,23 @@
 //! The tiered expert store: dense weights stay resident; routed experts live on disk and are
 //! read with positioned reads into an LRU cache sized by what the RAM budget leaves after the
 //! resident set. All misses of a layer are issued at once; cached experts are handed out
-//! immediately so they compute while the misses load. Placement changes speed, never results:
-//! an expert read from disk is byte-for-byte the expert a memory map would show.
+//! immediately so they compute while the misses load; an expert already being read (by a
+//! prefetch hint or another request) is waited for, never read twice. Pinned experts are never
+//! evicted. Placement changes speed, never results: an expert read from disk is byte-for-byte
+//! the expert a memory map would show.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::channel;
+use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 
 use super::reader::{ByteRange, PreadPool, RangeReader};
-use super::{Expert, ExpertNames, ExpertStore, Lease};
+use super::{Arrival, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot};
 use crate::format::safetensors::Checkpoint;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
+
+type Key = (usize, usize);
 
 /// Where one expert matrix is on disk.
 #[derive(Debug, Clone)]
@@ -24,52 +28,74 @@ struct MatrixLocation {
     range: ByteRange,
 }
 
-/// Counters of a tiered store.
-#[derive(Debug, Default)]
-pub struct StoreStats {
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
-    pub bytes_read: AtomicU64,
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    hit_bytes: AtomicU64,
+    misses: AtomicU64,
+    miss_bytes: AtomicU64,
+    bytes_read: AtomicU64,
+    io_wait_ns: Arc<AtomicU64>,
+    prefetch_reads: AtomicU64,
+    prefetch_bytes: AtomicU64,
+    prefetch_useful_bytes: AtomicU64,
+    prefetch_guessed: AtomicU64,
+    prefetch_needed: AtomicU64,
 }
 
-struct Cache {
-    entries: HashMap<(usize, usize), (Arc<Expert>, u64)>,
-    used: u64,
+struct Entry {
+    expert: Arc<Expert>,
     tick: u64,
+    pinned: bool,
+    /// Brought in by a prefetch hint and not used yet.
+    prefetched: bool,
+}
+
+#[derive(Default)]
+struct Cache {
+    entries: HashMap<Key, Entry>,
+    used: u64,
+    pinned: u64,
+    tick: u64,
+    /// Reads in progress, with whoever waits for them.
+    inflight: HashMap<Key, (Vec<Sender<Arrival>>, bool)>,
+    /// The last hint per layer, to measure prefetch recall.
+    last_hint: HashMap<usize, HashSet<usize>>,
 }
 
 struct Inner {
     cache: Mutex<Cache>,
     capacity: u64,
-    stats: StoreStats,
+    counters: Counters,
 }
 
-/// Routed experts read from disk into a bounded LRU cache.
+/// Routed experts read from disk into a bounded cache.
 pub struct TieredStore {
     locations: Vec<Vec<[MatrixLocation; 3]>>,
+    expert_bytes: Vec<Vec<u64>>,
     reader: Arc<dyn RangeReader>,
     inner: Arc<Inner>,
     total_bytes: usize,
+    prefetch: bool,
 }
 
 impl TieredStore {
-    /// Describe the experts named by `names[layer][expert]` (shapes checked) and size the cache
-    /// as `budget` less the checkpoint's resident (non-expert) bytes.
+    /// Describe the experts named by `names[layer][expert]` (shapes checked, nothing read)
+    /// and size the cache as `budget` less the checkpoint's resident (non-expert) bytes.
     pub fn open(
         ckpt: &Checkpoint,
         names: &[Vec<ExpertNames>],
         hidden: usize,
         intermediate: usize,
         budget: u64,
-        io_threads: usize,
+        opts: &StoreOptions,
     ) -> Result<TieredStore> {
         let locate = |name: &str, shape: [usize; 2]| -> Result<MatrixLocation> {
-            let t = ckpt.weight(name, &shape)?; // checks existence, shape and dtype
-            let d = ckpt.desc(name)?;
+            let d = ckpt.check_weight(name, &shape)?; // existence, shape and dtype, no read
             Ok(MatrixLocation {
                 name: name.to_string(),
-                shape: t.shape.clone(),
-                dtype: t.dtype,
+                shape: d.shape.clone(),
+                dtype: d.dtype,
                 range: ByteRange {
                     file: d.file,
                     offset: d.offset as u64,
@@ -104,22 +130,33 @@ impl TieredStore {
                 resident as f64 / 1e9
             )));
         }
-        let paths: Vec<_> = (0..ckpt_file_count(ckpt))
+        let expert_bytes = locations
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|m| m.iter().map(|x| x.range.len as u64).sum())
+                    .collect()
+            })
+            .collect();
+        let paths: Vec<_> = (0..ckpt.file_count())
             .map(|i| ckpt.file_path(i).to_path_buf())
             .collect();
+        let threads = if opts.io_threads == 0 {
+            4
+        } else {
+            opts.io_threads
+        };
         Ok(TieredStore {
             locations,
-            reader: Arc::new(PreadPool::new(&paths, io_threads)?),
+            expert_bytes,
+            reader: Arc::new(PreadPool::new(&paths, threads)?),
             inner: Arc::new(Inner {
-                cache: Mutex::new(Cache {
-                    entries: HashMap::new(),
-                    used: 0,
-                    tick: 0,
-                }),
+                cache: Mutex::new(Cache::default()),
                 capacity: budget - resident,
-                stats: StoreStats::default(),
+                counters: Counters::default(),
             }),
             total_bytes,
+            prefetch: opts.prefetch,
         })
     }
 
@@ -128,44 +165,144 @@ impl TieredStore {
         self.inner.capacity
     }
 
-    /// Hit, miss and read counters.
-    pub fn stats(&self) -> &StoreStats {
-        &self.inner.stats
+    /// Bytes of one expert.
+    pub fn expert_bytes(&self, layer: usize, expert: usize) -> u64 {
+        self.expert_bytes[layer][expert]
+    }
+
+    /// Read these experts now and keep them for good (never evicted), as far as they fit the
+    /// cache. Returns the bytes pinned.
+    pub fn pin(&self, experts: &[Key]) -> Result<u64> {
+        let mut leases = Vec::new();
+        for &(layer, e) in experts {
+            leases.push(self.acquire(layer, &[e])?);
+        }
+        for mut lease in leases {
+            while let Some(item) = lease.next_expert() {
+                item?;
+            }
+        }
+        let mut c = self.lock()?;
+        let mut pinned = 0;
+        for key in experts {
+            if let Some(entry) = c.entries.get_mut(key) {
+                if !entry.pinned {
+                    entry.pinned = true;
+                    pinned += entry.expert.nbytes() as u64;
+                }
+            }
+        }
+        c.pinned += pinned;
+        Ok(pinned)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Cache>> {
+        self.inner
+            .cache
+            .lock()
+            .map_err(|_| Error::Invalid("expert cache poisoned by an earlier panic".into()))
+    }
+
+    /// Start reading `key` unless cached or already in flight; `waiter` (if any) receives it.
+    fn start_read(&self, c: &mut Cache, key: Key, waiter: Option<Sender<Arrival>>, prefetch: bool) {
+        if let Some((waiters, _)) = c.inflight.get_mut(&key) {
+            waiters.extend(waiter);
+            return;
+        }
+        c.inflight
+            .insert(key, (waiter.into_iter().collect(), prefetch));
+        let loc = self.locations[key.0][key.1].clone();
+        let inner = self.inner.clone();
+        let ranges = loc.iter().map(|m| m.range.clone()).collect();
+        self.reader.submit(
+            ranges,
+            Box::new(move |bufs| {
+                let result = bufs.map(|mut b| {
+                    let make = |m: &MatrixLocation, storage| Tensor {
+                        name: m.name.clone(),
+                        shape: m.shape.clone(),
+                        dtype: m.dtype,
+                        storage,
+                    };
+                    let down = make(&loc[2], b.pop().expect("three buffers"));
+                    let up = make(&loc[1], b.pop().expect("three buffers"));
+                    let gate = make(&loc[0], b.pop().expect("three buffers"));
+                    Arc::new(Expert { gate, up, down })
+                });
+                inner.complete(key, result);
+            }),
+        );
     }
 }
 
-fn ckpt_file_count(ckpt: &Checkpoint) -> usize {
-    ckpt.tensors()
-        .values()
-        .map(|d| d.file + 1)
-        .max()
-        .unwrap_or(0)
-}
-
 impl Inner {
-    /// Keep `expert` in the cache, evicting least recently used entries to make room. An
-    /// expert larger than the whole cache is not kept.
-    fn insert(&self, key: (usize, usize), expert: &Arc<Expert>) {
-        let size = expert.nbytes() as u64;
-        if size > self.capacity {
-            return;
-        }
+    /// A read finished: keep the expert (if it fits), wake whoever waits.
+    fn complete(&self, key: Key, result: Result<Arc<Expert>>) {
         let Ok(mut c) = self.cache.lock() else { return };
+        let (waiters, prefetch) = c.inflight.remove(&key).unwrap_or_default();
+        match result {
+            Ok(expert) => {
+                self.counters
+                    .bytes_read
+                    .fetch_add(expert.nbytes() as u64, Ordering::Relaxed);
+                let kept = self.insert(&mut c, key, &expert, prefetch && waiters.is_empty());
+                if !kept && waiters.is_empty() {
+                    tracing::debug!("prefetched expert {key:?} did not fit the cache");
+                }
+                drop(c);
+                for w in waiters {
+                    let _ = w.send(Ok((key.1, expert.clone())));
+                }
+            }
+            Err(e) => {
+                drop(c);
+                let message = e.to_string();
+                let mut first = Some(e);
+                for w in waiters {
+                    let err = first
+                        .take()
+                        .unwrap_or_else(|| Error::Invalid(message.clone()));
+                    let _ = w.send(Err(err));
+                }
+            }
+        }
+    }
+
+    /// Keep `expert`, evicting least recently used unpinned entries to make room. An expert
+    /// that cannot fit is not kept.
+    fn insert(&self, c: &mut Cache, key: Key, expert: &Arc<Expert>, prefetched: bool) -> bool {
+        let size = expert.nbytes() as u64;
         if c.entries.contains_key(&key) {
-            return;
+            return true;
+        }
+        if size > self.capacity.saturating_sub(c.pinned) {
+            return false;
         }
         while c.used + size > self.capacity {
-            let Some((&victim, _)) = c.entries.iter().min_by_key(|(_, (_, t))| *t) else {
-                break;
-            };
-            if let Some((e, _)) = c.entries.remove(&victim) {
-                c.used -= e.nbytes() as u64;
+            let victim = c
+                .entries
+                .iter()
+                .filter(|(_, e)| !e.pinned)
+                .min_by_key(|(_, e)| e.tick)
+                .map(|(k, _)| *k);
+            let Some(victim) = victim else { return false };
+            if let Some(e) = c.entries.remove(&victim) {
+                c.used -= e.expert.nbytes() as u64;
             }
         }
         c.tick += 1;
         let tick = c.tick;
         c.used += size;
-        c.entries.insert(key, (expert.clone(), tick));
+        c.entries.insert(
+            key,
+            Entry {
+                expert: expert.clone(),
+                tick,
+                pinned: false,
+                prefetched,
+            },
+        );
+        true
     }
 }
 
@@ -176,68 +313,111 @@ impl ExpertStore for TieredStore {
             .get(layer)
             .filter(|t| !t.is_empty())
             .ok_or_else(|| Error::Invalid(format!("no routed experts in layer {layer}")))?;
+        if let Some(&e) = experts.iter().find(|&&e| e >= table.len()) {
+            return Err(Error::Invalid(format!(
+                "expert {e} out of range in layer {layer}"
+            )));
+        }
+        let counters = &self.inner.counters;
+        let (tx, rx) = channel();
         let mut ready = Vec::new();
-        let mut misses = Vec::new();
-        {
-            let mut c = self
-                .inner
-                .cache
-                .lock()
-                .map_err(|_| Error::Invalid("expert cache poisoned".into()))?;
-            for &e in experts {
-                if e >= table.len() {
-                    return Err(Error::Invalid(format!(
-                        "expert {e} out of range in layer {layer}"
-                    )));
-                }
-                c.tick += 1;
-                let tick = c.tick;
-                match c.entries.get_mut(&(layer, e)) {
-                    Some((x, t)) => {
-                        *t = tick;
-                        ready.push((e, x.clone()));
+        let mut pending = 0;
+        let mut c = self.lock()?;
+        if let Some(guess) = c.last_hint.remove(&layer) {
+            let guessed = experts.iter().filter(|e| guess.contains(e)).count();
+            counters
+                .prefetch_guessed
+                .fetch_add(guessed as u64, Ordering::Relaxed);
+            counters
+                .prefetch_needed
+                .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        }
+        for &e in experts {
+            let bytes = self.expert_bytes[layer][e];
+            c.tick += 1;
+            let tick = c.tick;
+            match c.entries.get_mut(&(layer, e)) {
+                Some(entry) => {
+                    entry.tick = tick;
+                    if std::mem::take(&mut entry.prefetched) {
+                        counters
+                            .prefetch_useful_bytes
+                            .fetch_add(bytes, Ordering::Relaxed);
                     }
-                    None => misses.push(e),
+                    counters.hits.fetch_add(1, Ordering::Relaxed);
+                    counters.hit_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    ready.push((e, entry.expert.clone()));
+                }
+                None => {
+                    if let Some((_, true)) = c.inflight.get(&(layer, e)) {
+                        counters
+                            .prefetch_useful_bytes
+                            .fetch_add(bytes, Ordering::Relaxed);
+                    }
+                    counters.misses.fetch_add(1, Ordering::Relaxed);
+                    counters.miss_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    self.start_read(&mut c, (layer, e), Some(tx.clone()), false);
+                    pending += 1;
                 }
             }
         }
-        let stats = &self.inner.stats;
-        stats.hits.fetch_add(ready.len() as u64, Ordering::Relaxed);
-        stats
-            .misses
-            .fetch_add(misses.len() as u64, Ordering::Relaxed);
-        let (tx, rx) = channel();
-        for &e in &misses {
-            let loc = table[e].clone();
-            let tx = tx.clone();
-            let inner = self.inner.clone();
-            let ranges = loc.iter().map(|m| m.range.clone()).collect();
-            self.reader.submit(
-                ranges,
-                Box::new(move |bufs| {
-                    let result = bufs.map(|mut b| {
-                        let make = |m: &MatrixLocation, storage| Tensor {
-                            name: m.name.clone(),
-                            shape: m.shape.clone(),
-                            dtype: m.dtype,
-                            storage,
-                        };
-                        let down = make(&loc[2], b.pop().unwrap());
-                        let up = make(&loc[1], b.pop().unwrap());
-                        let gate = make(&loc[0], b.pop().unwrap());
-                        let expert = Arc::new(Expert { gate, up, down });
-                        inner
-                            .stats
-                            .bytes_read
-                            .fetch_add(expert.nbytes() as u64, Ordering::Relaxed);
-                        inner.insert((layer, e), &expert);
-                        (e, expert)
-                    });
-                    let _ = tx.send(result);
-                }),
-            );
+        drop(c);
+        Ok(Lease::with_pending(
+            ready,
+            pending,
+            rx,
+            counters.io_wait_ns.clone(),
+        ))
+    }
+
+    fn hint(&self, layer: usize, experts: &[usize]) {
+        if !self.prefetch {
+            return;
         }
-        Ok(Lease::with_pending(ready, misses.len(), rx))
+        let Some(table) = self.locations.get(layer).filter(|t| !t.is_empty()) else {
+            return;
+        };
+        let Ok(mut c) = self.lock() else { return };
+        c.last_hint.insert(layer, experts.iter().copied().collect());
+        for &e in experts.iter().filter(|&&e| e < table.len()) {
+            let key = (layer, e);
+            if c.entries.contains_key(&key) || c.inflight.contains_key(&key) {
+                continue;
+            }
+            let counters = &self.inner.counters;
+            counters.prefetch_reads.fetch_add(1, Ordering::Relaxed);
+            counters
+                .prefetch_bytes
+                .fetch_add(self.expert_bytes[layer][e], Ordering::Relaxed);
+            self.start_read(&mut c, key, None, true);
+        }
+    }
+
+    fn wants_hints(&self) -> bool {
+        self.prefetch
+    }
+
+    fn stats(&self) -> Option<StoreSnapshot> {
+        let k = &self.inner.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (used, pinned) = self.lock().map(|c| (c.used, c.pinned)).unwrap_or((0, 0));
+        Some(StoreSnapshot {
+            hits: get(&k.hits),
+            hit_bytes: get(&k.hit_bytes),
+            misses: get(&k.misses),
+            miss_bytes: get(&k.miss_bytes),
+            bytes_read: get(&k.bytes_read),
+            io_wait_seconds: get(&k.io_wait_ns) as f64 / 1e9,
+            prefetch_reads: get(&k.prefetch_reads),
+            prefetch_bytes: get(&k.prefetch_bytes),
+            prefetch_useful_bytes: get(&k.prefetch_useful_bytes),
+            prefetch_guessed: get(&k.prefetch_guessed),
+            prefetch_needed: get(&k.prefetch_needed),
+            cache_capacity: self.inner.capacity,
+            cache_used: used,
+            pinned_bytes: pinned,
+            reader: self.reader.describe(),
+        })
     }
 
     fn total_bytes(&self) -> usize {
