@@ -73,6 +73,7 @@ fn every_budget_and_thread_count_gives_identical_bits() {
                     ram_budget: Some(budget),
                     io_threads: 2,
                     prefetch,
+                    ..StoreOptions::default()
                 };
                 let got = pool.install(|| {
                     let m = model::load_with(&dir, &opts).unwrap();
@@ -120,6 +121,7 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
             ram_budget: Some(resident),
             io_threads: 2,
             prefetch: true,
+            ..StoreOptions::default()
         },
     )
     .unwrap();
@@ -139,6 +141,7 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
             ram_budget: Some(all),
             io_threads: 2,
             prefetch: false,
+            ..StoreOptions::default()
         },
     )
     .unwrap();
@@ -148,4 +151,228 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
         s.hits > 0 && s.bytes_read <= m.info().routed_expert_bytes as u64,
         "{s:?}"
     );
+}
+
+/// Copy `arch`'s fixture split into two shards (so a mirror can hold only one of them).
+fn sharded_copy(arch: &str, to: &Path) {
+    use colibri::format::write::{SafetensorsWriter, TensorSpec};
+    for name in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture(arch).join(name), to.join(name)).unwrap();
+    }
+    let ck = Checkpoint::open(&fixture(arch)).unwrap();
+    let names: Vec<String> = ck.tensors().keys().cloned().collect();
+    let half = names.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (i, part) in [&names[..half], &names[half..]].iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let specs = part
+            .iter()
+            .map(|n| {
+                let d = ck.desc(n).unwrap();
+                TensorSpec {
+                    name: n.clone(),
+                    dtype: d.dtype,
+                    shape: d.shape.clone(),
+                }
+            })
+            .collect();
+        let mut w = SafetensorsWriter::create(&to.join(&file), specs).unwrap();
+        for n in part.iter() {
+            w.write(ck.tensor_any_shape(n).unwrap().storage.bytes())
+                .unwrap();
+            map.insert(n.clone(), file.clone().into());
+        }
+        w.finish().unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(to.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+#[test]
+fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
+    use colibri::store::mirror::Mirror;
+    use colibri::store::reader::ReaderKind;
+    let arch = "olmoe";
+    let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let primary = tmp.path().join("primary");
+    let full = tmp.path().join("mirror-full");
+    let partial = tmp.path().join("mirror-partial");
+    let state = tmp.path().join("state");
+    for d in [&primary, &full, &partial] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    sharded_copy(arch, &primary);
+    for entry in std::fs::read_dir(&primary).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        std::fs::copy(&p, full.join(&name)).unwrap();
+        if name == "model-00002-of-00002.safetensors" {
+            std::fs::copy(&p, partial.join(&name)).unwrap();
+        }
+    }
+    let ids = prompt(arch);
+    let reference = outputs(model::load(&fixture(arch)).unwrap().as_ref(), &ids);
+    let info = model::load(&primary).unwrap().info().clone();
+    let one_expert = (info.routed_expert_bytes / (info.moe_layers * info.routed_experts)) as u64;
+    let base = StoreOptions {
+        ram_budget: Some(info.dense_bytes as u64 + 3 * one_expert),
+        io_threads: 2,
+        prefetch: true,
+        ..StoreOptions::default()
+    };
+    let variants: Vec<(&str, StoreOptions)> = vec![
+        (
+            "pread pool",
+            StoreOptions {
+                reader: ReaderKind::Pool,
+                ..base.clone()
+            },
+        ),
+        (
+            "io-uring or fallback",
+            StoreOptions {
+                reader: ReaderKind::Auto,
+                ..base.clone()
+            },
+        ),
+        (
+            "direct I/O",
+            StoreOptions {
+                direct_io: true,
+                ..base.clone()
+            },
+        ),
+        (
+            "direct I/O, no prefetch",
+            StoreOptions {
+                direct_io: true,
+                prefetch: false,
+                ..base.clone()
+            },
+        ),
+        (
+            "full mirror",
+            StoreOptions {
+                mirrors: vec![Mirror {
+                    dir: full.clone(),
+                    weight: 2.0,
+                }],
+                ..base.clone()
+            },
+        ),
+        (
+            "partial mirror",
+            StoreOptions {
+                mirrors: vec![Mirror {
+                    dir: partial.clone(),
+                    weight: 1.0,
+                }],
+                ..base.clone()
+            },
+        ),
+        (
+            "learning",
+            StoreOptions {
+                learn: true,
+                state_dir: Some(state.clone()),
+                ..base.clone()
+            },
+        ),
+    ];
+    for (what, opts) in &variants {
+        let m = model::load_with(&primary, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(outputs(m.as_ref(), &ids), reference, "{what}");
+        m.flush().unwrap();
+    }
+    // The learning run left a history; loading again pins its hottest experts and still
+    // gives the same bits.
+    let opts = StoreOptions {
+        learn: true,
+        state_dir: Some(state.clone()),
+        ..base.clone()
+    };
+    let m = model::load_with(&primary, &opts).unwrap();
+    let s = m.store_stats().unwrap();
+    assert!(s.pinned_bytes > 0, "learned pins were loaded: {s:?}");
+    assert_eq!(outputs(m.as_ref(), &ids), reference, "with learned pins");
+    assert!(std::fs::read_dir(state.join("usage")).unwrap().count() == 1);
+    assert!(
+        !primary.join("usage").exists(),
+        "history is never written into the model directory"
+    );
+}
+
+#[test]
+fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() {
+    use colibri::store::mirror::Mirror;
+    let arch = "olmoe";
+    let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let primary = tmp.path().join("primary");
+    let mirror = tmp.path().join("mirror");
+    std::fs::create_dir_all(&primary).unwrap();
+    std::fs::create_dir_all(&mirror).unwrap();
+    sharded_copy(arch, &primary);
+    for entry in std::fs::read_dir(&primary).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, mirror.join(p.file_name().unwrap())).unwrap();
+    }
+    let ids = prompt(arch);
+    let reference = outputs(model::load(&fixture(arch)).unwrap().as_ref(), &ids);
+    let dense = model::load(&primary).unwrap().info().dense_bytes as u64;
+    let opts = StoreOptions {
+        ram_budget: Some(dense), // nothing cached: every step reads
+        io_threads: 2,
+        mirrors: vec![Mirror {
+            dir: mirror.clone(),
+            weight: 100.0,
+        }],
+        ..StoreOptions::default()
+    };
+    let m = model::load_with(&primary, &opts).unwrap();
+    // The mirror's files lose their data after validation: every mirror read fails.
+    for entry in std::fs::read_dir(&mirror).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_len(64)
+                .unwrap();
+        }
+    }
+    assert_eq!(
+        outputs(m.as_ref(), &ids),
+        reference,
+        "fallback to the primary keeps the tokens"
+    );
+
+    // Now the primary loses its data mid-run: a clear error naming the file and offset.
+    let no_mirror = StoreOptions {
+        mirrors: vec![],
+        ..opts
+    };
+    let m = model::load_with(&primary, &no_mirror).unwrap();
+    for entry in std::fs::read_dir(&primary).unwrap() {
+        let p = entry.unwrap().path();
+        if p.extension().is_some_and(|e| e == "safetensors") {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_len(64)
+                .unwrap();
+        }
+    }
+    let mut cache = m.new_cache(ids.len());
+    let e = m
+        .forward(&ids, &mut cache, Logits::All)
+        .expect_err("reads must fail")
+        .to_string();
+    assert!(e.contains("safetensors") && e.contains("offset"), "{e}");
 }

@@ -32,6 +32,19 @@ pub fn cache_dir() -> Result<PathBuf> {
     Ok(PathBuf::from(home).join(".cache").join("colibri"))
 }
 
+/// The demo's default budget: the resident set plus a quarter of its expert bytes, so its
+/// experts visibly stream.
+pub fn demo_budget(dir: &std::path::Path) -> Option<u64> {
+    let ckpt = colibri::format::safetensors::Checkpoint::open(dir).ok()?;
+    let experts: u64 = ckpt
+        .tensors()
+        .values()
+        .filter(|d| d.name.contains(".experts."))
+        .map(|d| d.len as u64)
+        .sum();
+    Some(ckpt.total_bytes() as u64 - experts + experts / 4)
+}
+
 /// The demo model's shape.
 pub fn demo_args(out: PathBuf) -> SynthArgs {
     SynthArgs {

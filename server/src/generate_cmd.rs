@@ -116,7 +116,21 @@ pub fn run(args: RunArgs) -> Result<()> {
     if let Some(e) = write_error {
         return Err(e).context("writing stdout");
     }
+    loaded
+        .model
+        .flush()
+        .context("saving the expert usage history")?;
     writeln!(out)?;
+    if let Some(s) = loaded.model.store_stats() {
+        eprintln!(
+            "experts: hit rate {:.1} % ({:.1} % of bytes), {:.2} GB read from disk, {:.2} s waiting for reads, prefetch recall {:.0} %",
+            100.0 * s.hit_rate(),
+            100.0 * s.byte_hit_rate(),
+            s.bytes_read as f64 / 1e9,
+            s.io_wait_seconds,
+            100.0 * s.prefetch_recall(),
+        );
+    }
     eprintln!(
         "prompt: {} tokens, prefill {:.1} tok/s | generated: {} tokens, decode {:.1} tok/s | finish: {:?} | threads: {}",
         result.prompt_tokens,

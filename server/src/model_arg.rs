@@ -1,10 +1,12 @@
-//! Resolving `--model` (a directory, or `demo`) and the `--threads` setting shared by every
-//! command that computes.
+//! Resolving `--model` (a directory, or `demo`), the `--threads` setting and the placement
+//! options (`--ram`, prefetch, pins) shared by every command that computes.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use colibri::runtime::loaded::LoadedModel;
+use colibri::store::budget::{default_budget, parse_size};
+use colibri::store::StoreOptions;
 
 /// Options every computing command takes.
 #[derive(clap::Args, Debug, Clone)]
@@ -15,10 +17,39 @@ pub struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// RAM budget for resident weights plus the expert cache (e.g. 512M, 6G). Routed experts
-    /// are then read from disk into the cache on demand. Default: every weight memory-mapped.
+    /// RAM budget for resident weights plus the expert cache, e.g. 512M or 6G (default: 80 %
+    /// of available memory less 1 GiB). Routed experts beyond it are read from disk on demand.
     #[arg(long)]
     pub ram: Option<String>,
+    /// Memory-map every weight instead of reading experts into a budgeted cache.
+    #[arg(long, conflicts_with = "ram")]
+    pub mmap: bool,
+    /// Do not read the next layer's likely experts ahead of time.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// I/O threads reading experts.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Do not record expert usage nor pin the experts it shows to be hot.
+    #[arg(long)]
+    pub no_learn: bool,
+    /// Bytes of the expert cache the learned hot set may pin (default: half of the cache).
+    #[arg(long)]
+    pub pin_budget: Option<String>,
+    /// A byte-identical copy of the checkpoint on another drive (repeatable); reads are
+    /// spread over the drives by their weights.
+    #[arg(long = "mirror")]
+    pub mirrors: Vec<PathBuf>,
+    /// Read expert files with O_DIRECT (bypassing the page cache), if the filesystem allows.
+    #[arg(long)]
+    pub direct_io: bool,
+    /// How to read experts: auto (io-uring if the kernel allows, else a pread pool), uring or pool.
+    #[arg(long, default_value = "auto")]
+    pub io: String,
+    /// Relative read bandwidth of each --mirror, in order (default 1 each; the model
+    /// directory's drive counts 1).
+    #[arg(long, value_delimiter = ',')]
+    pub mirror_weights: Vec<f64>,
 }
 
 impl ModelArgs {
@@ -35,29 +66,82 @@ impl ModelArgs {
         Ok(PathBuf::from(&self.model))
     }
 
-    /// Resolve and load.
-    pub fn load(&self, needs_text: bool) -> Result<LoadedModel> {
-        let dir = self.prepare()?;
-        let ram_budget = match &self.ram {
-            Some(s) => Some(colibri::store::budget::parse_size(s).context("--ram")?),
-            None => None,
+    /// The placement options these flags ask for (`demo_budget` overrides the default budget).
+    pub fn store_options(&self, default: Option<u64>) -> Result<StoreOptions> {
+        let ram_budget = if self.mmap {
+            None
+        } else {
+            Some(match &self.ram {
+                Some(s) => parse_size(s).context("--ram")?,
+                None => default.unwrap_or_else(default_budget),
+            })
         };
-        let opts = colibri::store::StoreOptions {
-            ram_budget,
-            io_threads: 0,
-        };
-        let loaded = LoadedModel::open_with(&dir, needs_text, &opts)
-            .with_context(|| format!("cannot load the model in {}", dir.display()))?;
-        if let Some(b) = ram_budget {
-            let i = loaded.model.info();
-            eprintln!(
-                "coli: RAM budget {:.2} GB: {:.2} GB resident, {:.2} GB expert cache for {:.2} GB of routed experts (read from disk on demand)",
-                b as f64 / 1e9,
-                i.dense_bytes as f64 / 1e9,
-                b.saturating_sub(i.dense_bytes as u64) as f64 / 1e9,
-                i.routed_expert_bytes as f64 / 1e9
+        if !self.mirror_weights.is_empty() && self.mirror_weights.len() != self.mirrors.len() {
+            anyhow::bail!(
+                "--mirror-weights has {} values for {} --mirror drives",
+                self.mirror_weights.len(),
+                self.mirrors.len()
             );
         }
+        let mirrors = self
+            .mirrors
+            .iter()
+            .enumerate()
+            .map(|(i, dir)| colibri::store::mirror::Mirror {
+                dir: dir.clone(),
+                weight: self.mirror_weights.get(i).copied().unwrap_or(1.0),
+            })
+            .collect();
+        Ok(StoreOptions {
+            ram_budget,
+            io_threads: self.io_threads,
+            prefetch: !self.no_prefetch,
+            learn: !self.no_learn,
+            pin_budget: match &self.pin_budget {
+                Some(s) => Some(parse_size(s).context("--pin-budget")?),
+                None => None,
+            },
+            state_dir: None,
+            mirrors,
+            reader: self.io.parse().map_err(|e| anyhow::anyhow!("--io: {e}"))?,
+            direct_io: self.direct_io,
+        })
+    }
+
+    /// Resolve and load, reporting the placement on stderr.
+    pub fn load(&self, needs_text: bool) -> Result<LoadedModel> {
+        let dir = self.prepare()?;
+        let default = if self.model == "demo" {
+            crate::demo::demo_budget(&dir)
+        } else {
+            None
+        };
+        let opts = self.store_options(default)?;
+        let loaded = LoadedModel::open_with(&dir, needs_text, &opts)
+            .with_context(|| format!("cannot load the model in {}", dir.display()))?;
+        report_placement(&loaded, &opts, self.ram.is_none());
         Ok(loaded)
+    }
+}
+
+/// One line on stderr saying where the weights live.
+pub fn report_placement(loaded: &LoadedModel, opts: &StoreOptions, default_budget: bool) {
+    let i = loaded.model.info();
+    let gb = |b: u64| b as f64 / 1e9;
+    match (opts.ram_budget, loaded.model.store_stats()) {
+        (Some(b), Some(s)) => eprintln!(
+            "coli: RAM budget {:.2} GB{}: {:.2} GB resident + {:.2} GB expert cache for {:.2} GB of routed experts; reader: {}; prefetch {}",
+            gb(b),
+            if default_budget { " (default)" } else { "" },
+            gb(i.dense_bytes as u64),
+            gb(s.cache_capacity),
+            gb(i.routed_expert_bytes as u64),
+            s.reader,
+            if opts.prefetch { "on" } else { "off" },
+        ),
+        _ => eprintln!(
+            "coli: all {:.2} GB of weights memory-mapped",
+            gb((i.dense_bytes + i.routed_expert_bytes) as u64)
+        ),
     }
 }

@@ -278,6 +278,18 @@ pub struct StoreOptions {
     pub io_threads: usize,
     /// Start reads of the next layer's likely experts early.
     pub prefetch: bool,
+    /// Learn which experts are hot (usage history in `state_dir`) and pin the hottest at start.
+    pub learn: bool,
+    /// Bytes of the cache the learned pins may take (`None`: half of the cache).
+    pub pin_budget: Option<u64>,
+    /// Where usage history lives (`None`: [`history::state_dir`]).
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Byte-identical copies of the checkpoint on other drives.
+    pub mirrors: Vec<mirror::Mirror>,
+    /// How expert misses are read (io-uring or a pread pool; auto picks io-uring if it works).
+    pub reader: reader::ReaderKind,
+    /// Open the checkpoint files with O_DIRECT (falls back with one warning if refused).
+    pub direct_io: bool,
 }
 
 /// The expert store for these experts under `opts`: all resident without a budget, tiered

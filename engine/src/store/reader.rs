@@ -129,13 +129,22 @@ pub fn open_reader(
     paths: &[PathBuf],
     opts: &ReaderOptions,
 ) -> Result<(Arc<dyn RangeReader>, Vec<String>)> {
+    open_reader_at_depth(paths, opts, QUEUE_DEPTH)
+}
+
+/// [`open_reader`] with an io-uring of `depth` reads in flight.
+fn open_reader_at_depth(
+    paths: &[PathBuf],
+    opts: &ReaderOptions,
+    depth: usize,
+) -> Result<(Arc<dyn RangeReader>, Vec<String>)> {
     let files = Arc::new(OpenFiles::open(paths, opts.direct_io)?);
     let mut warnings: Vec<String> = files.warning().map(str::to_string).into_iter().collect();
     let threads = if opts.threads == 0 { 4 } else { opts.threads };
     let reader: Arc<dyn RangeReader> = match opts.kind {
         ReaderKind::Pool => Arc::new(PreadPool::with_files(files, threads)?),
-        ReaderKind::Uring => Arc::new(UringReader::with_files(files, QUEUE_DEPTH)?),
-        ReaderKind::Auto => match UringReader::with_files(files.clone(), QUEUE_DEPTH) {
+        ReaderKind::Uring => Arc::new(UringReader::with_files(files, depth)?),
+        ReaderKind::Auto => match UringReader::with_files(files.clone(), depth) {
             Ok(r) => Arc::new(r),
             Err(e) => {
                 warnings.push(format!(
@@ -572,9 +581,10 @@ pub struct UringReader {
 
 impl UringReader {
     /// Create a ring of `depth` reads in flight (at least 1) over `files`, check that it works
-    /// (the kernel or a seccomp filter may refuse io-uring) and start its thread.
+    /// (the kernel or a seccomp filter may refuse io-uring, and the kernel refuses rings of
+    /// more than 32768 entries) and start its thread.
     pub fn with_files(files: Arc<OpenFiles>, depth: usize) -> Result<UringReader> {
-        let depth = depth.clamp(1, 4096);
+        let depth = depth.clamp(1, 1 << 20);
         let unavailable = |what: &str, e: io::Error| Error::Unsupported(format!("{what}: {e}"));
         // Room for every read in flight plus the wake-up poll.
         let entries = (depth as u32 + 1).next_power_of_two();
@@ -1254,6 +1264,69 @@ mod tests {
     }
 
     #[test]
+    fn refused_direct_io_falls_back_with_one_warning() {
+        // procfs refuses O_DIRECT (EINVAL); the checkpoint file next to it is read buffered.
+        let f = fixture();
+        let proc_file = PathBuf::from("/proc/version");
+        let paths = vec![f.paths[0].clone(), proc_file];
+        for kind in kinds(&f) {
+            let opts = ReaderOptions {
+                kind,
+                threads: 2,
+                direct_io: true,
+            };
+            let (reader, warnings) = open_reader(&paths, &opts).unwrap();
+            let desc = reader.describe();
+            eprintln!("{kind:?} with /proc/version: {desc} {warnings:?}");
+            let direct_warnings: Vec<_> =
+                warnings.iter().filter(|w| w.contains("O_DIRECT")).collect();
+            if desc.contains("O_DIRECT") {
+                assert!(direct_warnings.is_empty(), "{warnings:?}");
+            } else {
+                assert_eq!(direct_warnings.len(), 1, "{warnings:?}");
+                assert!(direct_warnings[0].contains("/proc/version"), "{warnings:?}");
+                assert!(desc.ends_with("buffered"), "{desc}");
+            }
+            let r = ByteRange {
+                file: 0,
+                offset: 4095,
+                len: 70_001,
+            };
+            let got = read(reader.as_ref(), vec![r.clone()]).unwrap();
+            assert!(got[0].bytes() == expect(&f, &r));
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_the_pool_when_no_ring_can_be_made() {
+        // The kernel refuses rings this deep, as it would refuse io-uring under seccomp.
+        let f = fixture();
+        let (reader, warnings) =
+            open_reader_at_depth(&f.paths, &ReaderOptions::default(), 1 << 20).unwrap();
+        assert_eq!(reader.describe(), "pread pool, 4 threads, buffered");
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("io-uring is not available"),
+            "{warnings:?}"
+        );
+        let opts = ReaderOptions {
+            kind: ReaderKind::Uring,
+            ..ReaderOptions::default()
+        };
+        let err = open_reader_at_depth(&f.paths, &opts, 1 << 20)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("ring"), "{err}");
+        let r = ByteRange {
+            file: 1,
+            offset: 1,
+            len: 9999,
+        };
+        let got = read(reader.as_ref(), vec![r.clone()]).unwrap();
+        assert!(got[0].bytes() == expect(&f, &r));
+    }
+
+    #[test]
     fn dropping_a_reader_finishes_what_was_submitted() {
         let f = fixture();
         for kind in kinds(&f) {
@@ -1287,7 +1360,10 @@ mod tests {
                 offset: 100,
                 len: 100,
             };
-            reader.submit(vec![r.clone()], Box::new(|_| panic!("handler panics")));
+            reader.submit(
+                vec![r.clone()],
+                Box::new(|_| panic!("a deliberate panic in a test handler")),
+            );
             let got = read(reader.as_ref(), vec![r.clone()]).unwrap();
             assert!(got[0].bytes() == expect(&f, &r));
         }

@@ -11,7 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 
-use super::reader::{ByteRange, PreadPool, RangeReader};
+use std::path::PathBuf;
+
+use super::history::{self, UsageHistory};
+use super::mirror::MirroredReader;
+use super::reader::{open_reader, ByteRange, RangeReader, ReaderOptions};
 use super::{Arrival, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot};
 use crate::format::safetensors::Checkpoint;
 use crate::tensor::{DType, Tensor};
@@ -77,6 +81,48 @@ pub struct TieredStore {
     inner: Arc<Inner>,
     total_bytes: usize,
     prefetch: bool,
+    learning: Option<Learning>,
+    warnings: Vec<String>,
+}
+
+/// The reader for the primary files, behind the mirror drives if any.
+fn make_reader(
+    dir: &std::path::Path,
+    paths: &[PathBuf],
+    threads: usize,
+    opts: &StoreOptions,
+) -> Result<(Arc<dyn RangeReader>, Vec<String>)> {
+    let ropts = ReaderOptions {
+        kind: opts.reader,
+        threads,
+        direct_io: opts.direct_io,
+    };
+    let (primary, mut warnings) = open_reader(paths, &ropts)?;
+    if opts.mirrors.is_empty() {
+        return Ok((primary, warnings));
+    }
+    let (mirrored, more) = MirroredReader::open(
+        dir,
+        paths,
+        primary,
+        opts.mirrors.clone(),
+        |files: &[PathBuf]| -> Result<Arc<dyn RangeReader>> {
+            let (r, w) = open_reader(files, &ropts)?;
+            for w in w {
+                tracing::warn!("{w}");
+            }
+            Ok(r)
+        },
+    )?;
+    warnings.extend(more);
+    Ok((Arc::new(mirrored), warnings))
+}
+
+/// The usage history being recorded, and where it is saved.
+struct Learning {
+    history: Mutex<UsageHistory>,
+    dir: PathBuf,
+    warning: Option<String>,
 }
 
 impl TieredStore {
@@ -146,10 +192,33 @@ impl TieredStore {
         } else {
             opts.io_threads
         };
-        Ok(TieredStore {
+        let (reader, warnings) = make_reader(ckpt.dir(), &paths, threads, opts)?;
+        for w in &warnings {
+            tracing::warn!("{w}");
+        }
+        let experts_per_layer: Vec<usize> = names.iter().map(|l| l.len()).collect();
+        let learning = match (
+            opts.learn,
+            opts.state_dir.clone().or_else(history::state_dir),
+        ) {
+            (true, Some(dir)) => {
+                let fp = history::fingerprint(ckpt.dir())?;
+                let (h, warning) = UsageHistory::load(&dir, &fp, &experts_per_layer)?;
+                if let Some(w) = &warning {
+                    tracing::warn!("{w}");
+                }
+                Some(Learning {
+                    history: Mutex::new(h),
+                    dir,
+                    warning,
+                })
+            }
+            _ => None,
+        };
+        let store = TieredStore {
             locations,
             expert_bytes,
-            reader: Arc::new(PreadPool::new(&paths, threads)?),
+            reader,
             inner: Arc::new(Inner {
                 cache: Mutex::new(Cache::default()),
                 capacity: budget - resident,
@@ -157,7 +226,31 @@ impl TieredStore {
             }),
             total_bytes,
             prefetch: opts.prefetch,
-        })
+            learning,
+            warnings,
+        };
+        if let Some(l) = &store.learning {
+            let pin_budget = opts
+                .pin_budget
+                .unwrap_or(store.inner.capacity / 2)
+                .min(store.inner.capacity);
+            let hot = l
+                .history
+                .lock()
+                .map_err(|_| Error::Invalid("usage history poisoned".into()))?
+                .hottest(|layer, e| store.expert_bytes[layer][e], pin_budget);
+            if !hot.is_empty() {
+                store.pin(&hot)?;
+            }
+        }
+        Ok(store)
+    }
+
+    /// Warnings from start-up (usage history, direct I/O, mirrors).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = self.warnings.clone();
+        w.extend(self.learning.as_ref().and_then(|l| l.warning.clone()));
+        w
     }
 
     /// Bytes the expert cache may hold.
@@ -318,6 +411,11 @@ impl ExpertStore for TieredStore {
                 "expert {e} out of range in layer {layer}"
             )));
         }
+        if let Some(l) = &self.learning {
+            if let Ok(mut h) = l.history.lock() {
+                h.record(layer, experts);
+            }
+        }
         let counters = &self.inner.counters;
         let (tx, rx) = channel();
         let mut ready = Vec::new();
@@ -395,6 +493,27 @@ impl ExpertStore for TieredStore {
 
     fn wants_hints(&self) -> bool {
         self.prefetch
+    }
+
+    fn step_done(&self, tokens: usize) {
+        if let Some(l) = &self.learning {
+            if let Ok(mut h) = l.history.lock() {
+                for _ in 0..tokens {
+                    h.end_step();
+                }
+            }
+        }
+    }
+
+    fn flush(&self) -> Result<()> {
+        match &self.learning {
+            Some(l) => l
+                .history
+                .lock()
+                .map_err(|_| Error::Invalid("usage history poisoned".into()))?
+                .save(&l.dir),
+            None => Ok(()),
+        }
     }
 
     fn stats(&self) -> Option<StoreSnapshot> {
