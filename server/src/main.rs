@@ -1,9 +1,11 @@
 //! `coli`: colibri's command line — operator commands now, the HTTP server later.
 
+mod bench;
 mod demo;
 mod generate_cmd;
 mod info;
 mod logits;
+mod machine;
 mod model_arg;
 mod synth;
 
@@ -23,6 +25,8 @@ enum Command {
     Run(generate_cmd::RunArgs),
     /// Print the logits of a teacher-forced token sequence as JSON.
     Logits(logits::LogitsArgs),
+    /// Measure prefill and decode speed, expert cache behaviour and bandwidth use.
+    Bench(bench::BenchArgs),
     /// Describe a model: architecture, experts, parameters, bytes.
     Info(info::InfoArgs),
     /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
@@ -42,6 +46,7 @@ fn main() {
         Command::Run(a) => generate_cmd::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Info(a) => info::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth::run(a),
     };
     if let Err(e) = result {

@@ -1,0 +1,248 @@
+//! `coli bench`: prefill and decode speed of a model under a placement, with the expert
+//! store's counters (hit rate, GB read per token, I/O wait, prefetch recall), where the
+//! forward time went, and the fraction of this machine's disk and memory bandwidth reached.
+//! The machine's bandwidths are measured once and cached.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use colibri::model::telemetry::Times;
+use colibri::model::Logits;
+use colibri::store::StoreSnapshot;
+use serde::Serialize;
+
+use crate::model_arg::ModelArgs;
+
+/// Arguments of `coli bench`.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens to prefill (synthetic ids).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens to decode greedily after the prompt.
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Drop the page cache first (needs root), for a cold-start measurement.
+    #[arg(long)]
+    pub cold: bool,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Re-measure the machine's disk and memory bandwidth instead of using the cached numbers.
+    #[arg(long)]
+    pub remeasure: bool,
+}
+
+/// What `coli bench` reports.
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub ram_budget_bytes: Option<u64>,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub cold: bool,
+    pub ttft_seconds: f64,
+    pub prefill_tok_per_s: f64,
+    pub decode_tok_per_s: f64,
+    pub decode_hit_rate: f64,
+    pub decode_byte_hit_rate: f64,
+    pub decode_gb_read_per_token: f64,
+    pub decode_io_wait_seconds_per_token: f64,
+    pub prefetch_recall: f64,
+    pub prefetch_useful_fraction: f64,
+    pub active_gb_per_token: f64,
+    pub disk_gb_per_s: f64,
+    pub memory_gb_per_s: f64,
+    pub disk_bandwidth_fraction: f64,
+    pub disk_roofline_tok_per_s: Option<f64>,
+    pub memory_bandwidth_fraction: f64,
+    pub decode_time: Times,
+    pub prefill_store: Option<StoreSnapshot>,
+    pub decode_store: Option<StoreSnapshot>,
+    pub loadavg: String,
+}
+
+/// Run `coli bench`.
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.prompt_tokens == 0 {
+        anyhow::bail!("--prompt-tokens must be at least 1");
+    }
+    let cold = if args.cold { drop_page_cache() } else { false };
+    let machine = crate::machine::bandwidths(args.remeasure)?;
+    let loaded = args.model.load(false)?;
+    let model = loaded.model.as_ref();
+    let info = model.info().clone();
+    let vocab = info.vocab_size as u64;
+    let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
+        .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
+        .collect();
+    let mut cache = model.new_cache(args.prompt_tokens + args.gen_tokens + 1);
+
+    let s0 = model.store_stats();
+    let t0 = Instant::now();
+    let logits = model.forward(&prompt, &mut cache, Logits::Last)?;
+    let prefill = t0.elapsed().as_secs_f64();
+    let s1 = model.store_stats();
+    let mut next = argmax(&logits);
+    let ttft = t0.elapsed().as_secs_f64();
+
+    let times0 = Times::now();
+    let t1 = Instant::now();
+    for _ in 0..args.gen_tokens {
+        let l = model.forward(&[next], &mut cache, Logits::Last)?;
+        next = argmax(&l);
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    let decode_time = Times::now().since(&times0);
+    let s2 = model.store_stats();
+    model.flush().context("saving the expert usage history")?;
+
+    let n = args.gen_tokens.max(1) as f64;
+    let prefill_store = match (&s1, &s0) {
+        (Some(b), Some(a)) => Some(b.since(a)),
+        _ => None,
+    };
+    let decode_store = match (&s2, &s1) {
+        (Some(b), Some(a)) => Some(b.since(a)),
+        _ => None,
+    };
+    let decode_tok_per_s = if args.gen_tokens > 0 {
+        args.gen_tokens as f64 / decode
+    } else {
+        0.0
+    };
+    let gb_read = decode_store
+        .as_ref()
+        .map_or(0.0, |s| s.bytes_read as f64 / 1e9 / n);
+    let active_gb = active_bytes(&info) as f64 / 1e9;
+    let report = BenchReport {
+        model: loaded.dir.display().to_string(),
+        threads: colibri::tensor::threads::current(),
+        ram_budget_bytes: args.model.store_options(None)?.ram_budget,
+        prompt_tokens: args.prompt_tokens,
+        gen_tokens: args.gen_tokens,
+        cold,
+        ttft_seconds: ttft,
+        prefill_tok_per_s: args.prompt_tokens as f64 / prefill,
+        decode_tok_per_s,
+        decode_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.hit_rate()),
+        decode_byte_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.byte_hit_rate()),
+        decode_gb_read_per_token: gb_read,
+        decode_io_wait_seconds_per_token: decode_store
+            .as_ref()
+            .map_or(0.0, |s| s.io_wait_seconds / n),
+        prefetch_recall: decode_store.as_ref().map_or(0.0, |s| s.prefetch_recall()),
+        prefetch_useful_fraction: decode_store.as_ref().map_or(0.0, |s| {
+            if s.prefetch_bytes == 0 {
+                0.0
+            } else {
+                s.prefetch_useful_bytes as f64 / s.prefetch_bytes as f64
+            }
+        }),
+        active_gb_per_token: active_gb,
+        disk_gb_per_s: machine.disk_gb_per_s,
+        memory_gb_per_s: machine.memory_gb_per_s,
+        disk_bandwidth_fraction: gb_read * decode_tok_per_s / machine.disk_gb_per_s,
+        disk_roofline_tok_per_s: (gb_read > 0.0).then(|| machine.disk_gb_per_s / gb_read),
+        memory_bandwidth_fraction: active_gb * decode_tok_per_s / machine.memory_gb_per_s,
+        decode_time,
+        prefill_store,
+        decode_store,
+        loadavg: std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_text(&report, &machine);
+    }
+    Ok(())
+}
+
+fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
+    println!("model:    {}", r.model);
+    println!(
+        "prefill:  {} tokens in {:.2} s = {:.1} tok/s (TTFT {:.2} s)",
+        r.prompt_tokens,
+        r.prompt_tokens as f64 / r.prefill_tok_per_s,
+        r.prefill_tok_per_s,
+        r.ttft_seconds
+    );
+    println!(
+        "decode:   {} tokens, {:.2} tok/s",
+        r.gen_tokens, r.decode_tok_per_s
+    );
+    if let Some(s) = &r.decode_store {
+        println!(
+            "experts:  hit rate {:.1} % ({:.1} % of bytes), {:.3} GB read per token, {:.1} ms I/O wait per token, prefetch recall {:.0} % (useful {:.0} % of prefetched bytes)",
+            100.0 * r.decode_hit_rate,
+            100.0 * r.decode_byte_hit_rate,
+            r.decode_gb_read_per_token,
+            1e3 * r.decode_io_wait_seconds_per_token,
+            100.0 * r.prefetch_recall,
+            100.0 * r.prefetch_useful_fraction,
+        );
+        println!(
+            "cache:    {:.2} GB capacity, {:.2} GB used, {:.2} GB pinned; reader: {}",
+            s.cache_capacity as f64 / 1e9,
+            s.cache_used as f64 / 1e9,
+            s.pinned_bytes as f64 / 1e9,
+            s.reader
+        );
+    }
+    let t = &r.decode_time;
+    println!(
+        "time:     attention {:.2} s, experts {:.2} s, dense MLP {:.2} s, LM head {:.2} s (decode)",
+        t.attention, t.experts, t.dense_mlp, t.lm_head
+    );
+    println!(
+        "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reaches {:.0} % of disk{} and {:.0} % of memory bandwidth ({:.2} GB active weights per token)",
+        m.disk_gb_per_s,
+        m.disk_source,
+        m.memory_gb_per_s,
+        100.0 * r.disk_bandwidth_fraction,
+        r.disk_roofline_tok_per_s
+            .map(|x| format!(" (roofline {x:.2} tok/s)"))
+            .unwrap_or_default(),
+        100.0 * r.memory_bandwidth_fraction,
+        r.active_gb_per_token
+    );
+    println!("loadavg:  {}", r.loadavg);
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Weight bytes one decode token touches: the dense weights plus the active experts.
+fn active_bytes(i: &colibri::model::ModelInfo) -> u64 {
+    let per_expert = if i.moe_layers * i.routed_experts > 0 {
+        i.routed_expert_bytes / (i.moe_layers * i.routed_experts)
+    } else {
+        0
+    };
+    (i.dense_bytes + per_expert * i.active_experts * i.moe_layers) as u64
+}
+
+fn drop_page_cache() -> bool {
+    // Write back dirty pages, then ask the kernel to drop clean caches (root only).
+    let _ = std::process::Command::new("sync").status();
+    match std::fs::write("/proc/sys/vm/drop_caches", "3") {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("coli: --cold: cannot drop the page cache ({e}); measuring warm");
+            false
+        }
+    }
+}
