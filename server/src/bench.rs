@@ -227,11 +227,10 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Weight bytes one decode token touches: the dense weights plus the active experts.
 fn active_bytes(i: &colibri::model::ModelInfo) -> u64 {
-    let per_expert = if i.moe_layers * i.routed_experts > 0 {
-        i.routed_expert_bytes / (i.moe_layers * i.routed_experts)
-    } else {
-        0
-    };
+    let per_expert = i
+        .routed_expert_bytes
+        .checked_div(i.moe_layers * i.routed_experts)
+        .unwrap_or(0);
     (i.dense_bytes + per_expert * i.active_experts * i.moe_layers) as u64
 }
 
