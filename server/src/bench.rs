@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use colibri::model::telemetry::Times;
 use colibri::model::Logits;
+use colibri::runtime::sampling::{Sampler, SamplingParams};
 use colibri::store::StoreSnapshot;
 use serde::Serialize;
 
@@ -86,14 +87,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let logits = model.forward(&prompt, &mut cache, Logits::Last)?;
     let prefill = t0.elapsed().as_secs_f64();
     let s1 = model.store_stats();
-    let mut next = argmax(&logits);
+    // Decode samples (temperature 1, fixed seed) rather than taking the argmax: a random-weight
+    // model's greedy text repeats one token, which would make routing (and the cache) look
+    // far kinder than real text does. The cost of a step does not depend on the token.
+    let mut sampler = Sampler::new(SamplingParams {
+        seed: 7,
+        ..SamplingParams::default()
+    });
+    let mut history = prompt.clone();
+    let mut next = sampler.sample(&logits, &history);
     let ttft = t0.elapsed().as_secs_f64();
 
     let times0 = Times::now();
     let t1 = Instant::now();
     for _ in 0..args.gen_tokens {
+        history.push(next);
         let l = model.forward(&[next], &mut cache, Logits::Last)?;
-        next = argmax(&l);
+        next = sampler.sample(&l, &history);
     }
     let decode = t1.elapsed().as_secs_f64();
     let decode_time = Times::now().since(&times0);
@@ -194,6 +204,14 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             s.pinned_bytes as f64 / 1e9,
             s.reader
         );
+        if !s.drives.is_empty() {
+            let parts: Vec<String> = s
+                .drives
+                .iter()
+                .map(|(d, b)| format!("{d}: {:.2} GB", *b as f64 / 1e9))
+                .collect();
+            println!("drives:   {}", parts.join(", "));
+        }
     }
     let t = &r.decode_time;
     println!(
@@ -213,16 +231,6 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         r.active_gb_per_token
     );
     println!("loadavg:  {}", r.loadavg);
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Weight bytes one decode token touches: the dense weights plus the active experts.

@@ -10,7 +10,7 @@ use colibri::format::tokenizer::{train_byte_level_bpe, Tokenizer};
 use crate::synth::{synthesize, SynthArch, SynthArgs, SynthDType};
 
 /// Bumped whenever the demo model's shape changes, so an old cache is not reused.
-const DEMO_NAME: &str = "demo-olmoe-1g-v1";
+const DEMO_NAME: &str = "demo-olmoe-1g-v2";
 
 /// ChatML, the template synthetic models carry.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";

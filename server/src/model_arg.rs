@@ -40,6 +40,9 @@ pub struct ModelArgs {
     /// spread over the drives by their weights.
     #[arg(long = "mirror")]
     pub mirrors: Vec<PathBuf>,
+    /// Expert cache eviction: lru, or lfru (least frequently, then least recently used).
+    #[arg(long, default_value = "lru")]
+    pub cache_policy: String,
     /// Read expert files with O_DIRECT (bypassing the page cache), if the filesystem allows.
     #[arg(long)]
     pub direct_io: bool,
@@ -105,6 +108,10 @@ impl ModelArgs {
             mirrors,
             reader: self.io.parse().map_err(|e| anyhow::anyhow!("--io: {e}"))?,
             direct_io: self.direct_io,
+            policy: self
+                .cache_policy
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--cache-policy: {e}"))?,
         })
     }
 

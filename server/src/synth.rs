@@ -106,12 +106,12 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
     let mut out = Vec::new();
     let mut mat = |name: String, rows: usize, cols: usize| {
         out.push(Planned {
+            scale: Some(init_scale(&name, cols)),
             spec: TensorSpec {
                 name,
                 dtype,
                 shape: vec![rows, cols],
             },
-            scale: Some((3.0 / cols as f32).sqrt()),
         })
     };
     mat("model.embed_tokens.weight".into(), a.vocab, d);
@@ -176,6 +176,23 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
         });
     }
     out
+}
+
+/// Half-width of the uniform init of a matrix. Like a trained model's, the residual stream
+/// stays dominated by the token (embeddings of unit scale, residual-branch outputs scaled down),
+/// so routing differs from token to token instead of collapsing onto a few experts.
+fn init_scale(name: &str, fan_in: usize) -> f32 {
+    let unit = (3.0 / fan_in as f32).sqrt();
+    if name.ends_with("embed_tokens.weight") {
+        3.0f32.sqrt()
+    } else if name.ends_with("o_proj.weight")
+        || name.ends_with("down_proj.weight")
+        || name.ends_with(".w2.weight")
+    {
+        unit * 0.1
+    } else {
+        unit
+    }
 }
 
 fn config_json(

@@ -372,6 +372,13 @@ impl RangeReader for MirroredReader {
         );
     }
 
+    fn drive_bytes(&self) -> Vec<(PathBuf, u64)> {
+        self.stats()
+            .into_iter()
+            .map(|(d, b, _, _)| (d, b))
+            .collect()
+    }
+
     fn describe(&self) -> String {
         let total = self.set.drives.first().map_or(0, |d| d.local.len());
         let drives: Vec<String> = self

@@ -162,6 +162,8 @@ pub struct StoreSnapshot {
     pub pinned_bytes: u64,
     /// How experts are read (for the start-up report).
     pub reader: String,
+    /// Bytes served per drive when mirrors spread the reads (model directory first).
+    pub drives: Vec<(String, u64)>,
 }
 
 impl StoreSnapshot {
@@ -290,6 +292,34 @@ pub struct StoreOptions {
     pub reader: reader::ReaderKind,
     /// Open the checkpoint files with O_DIRECT (falls back with one warning if refused).
     pub direct_io: bool,
+    /// Which expert is evicted when the cache is full.
+    pub policy: CachePolicy,
+}
+
+/// Expert cache eviction policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CachePolicy {
+    /// Least recently used.
+    #[default]
+    Lru,
+    /// Least frequently used first, then least recently used (frequencies halve
+    /// periodically, so the cache follows a changing workload).
+    Lfru,
+}
+
+impl std::str::FromStr for CachePolicy {
+    type Err = Error;
+
+    /// `lru` or `lfru`.
+    fn from_str(s: &str) -> Result<CachePolicy> {
+        match s.to_ascii_lowercase().as_str() {
+            "lru" => Ok(CachePolicy::Lru),
+            "lfru" => Ok(CachePolicy::Lfru),
+            other => Err(Error::Invalid(format!(
+                "unknown cache policy `{other}`; expected lru or lfru"
+            ))),
+        }
+    }
 }
 
 /// The expert store for these experts under `opts`: all resident without a budget, tiered

@@ -58,6 +58,10 @@ pub trait RangeReader: Send + Sync {
     fn submit(&self, ranges: Vec<ByteRange>, done: ReadDone);
     /// How it reads, for the start-up report (e.g. "pread pool, 4 threads, buffered").
     fn describe(&self) -> String;
+    /// Bytes served per drive (directory), where the reader spreads reads over several.
+    fn drive_bytes(&self) -> Vec<(std::path::PathBuf, u64)> {
+        Vec::new()
+    }
 }
 
 /// Alignment of `O_DIRECT` reads: file offsets, lengths and buffer addresses are multiples of

@@ -16,7 +16,9 @@ use std::path::PathBuf;
 use super::history::{self, UsageHistory};
 use super::mirror::MirroredReader;
 use super::reader::{open_reader, ByteRange, RangeReader, ReaderOptions};
-use super::{Arrival, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot};
+use super::{
+    Arrival, CachePolicy, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot,
+};
 use crate::format::safetensors::Checkpoint;
 use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
@@ -50,6 +52,8 @@ struct Counters {
 struct Entry {
     expert: Arc<Expert>,
     tick: u64,
+    /// Uses, halved every time the cache has seen as many inserts as it holds entries (LFRU).
+    uses: u32,
     pinned: bool,
     /// Brought in by a prefetch hint and not used yet.
     prefetched: bool,
@@ -65,12 +69,15 @@ struct Cache {
     inflight: HashMap<Key, (Vec<Sender<Arrival>>, bool)>,
     /// The last hint per layer, to measure prefetch recall.
     last_hint: HashMap<usize, HashSet<usize>>,
+    /// Inserts since the LFRU use counts were last halved.
+    inserts_since_aging: usize,
 }
 
 struct Inner {
     cache: Mutex<Cache>,
     capacity: u64,
     counters: Counters,
+    policy: CachePolicy,
 }
 
 /// Routed experts read from disk into a bounded cache.
@@ -223,6 +230,7 @@ impl TieredStore {
                 cache: Mutex::new(Cache::default()),
                 capacity: budget - resident,
                 counters: Counters::default(),
+                policy: opts.policy,
             }),
             total_bytes,
             prefetch: opts.prefetch,
@@ -372,11 +380,15 @@ impl Inner {
             return false;
         }
         while c.used + size > self.capacity {
+            let policy = self.policy;
             let victim = c
                 .entries
                 .iter()
                 .filter(|(_, e)| !e.pinned)
-                .min_by_key(|(_, e)| e.tick)
+                .min_by_key(|(_, e)| match policy {
+                    CachePolicy::Lru => (0, e.tick),
+                    CachePolicy::Lfru => (e.uses, e.tick),
+                })
                 .map(|(k, _)| *k);
             let Some(victim) = victim else { return false };
             if let Some(e) = c.entries.remove(&victim) {
@@ -386,11 +398,19 @@ impl Inner {
         c.tick += 1;
         let tick = c.tick;
         c.used += size;
+        c.inserts_since_aging += 1;
+        if c.inserts_since_aging > c.entries.len().max(16) {
+            c.inserts_since_aging = 0;
+            for e in c.entries.values_mut() {
+                e.uses /= 2;
+            }
+        }
         c.entries.insert(
             key,
             Entry {
                 expert: expert.clone(),
                 tick,
+                uses: 1,
                 pinned: false,
                 prefetched,
             },
@@ -437,6 +457,7 @@ impl ExpertStore for TieredStore {
             match c.entries.get_mut(&(layer, e)) {
                 Some(entry) => {
                     entry.tick = tick;
+                    entry.uses = entry.uses.saturating_add(1);
                     if std::mem::take(&mut entry.prefetched) {
                         counters
                             .prefetch_useful_bytes
@@ -536,6 +557,12 @@ impl ExpertStore for TieredStore {
             cache_used: used,
             pinned_bytes: pinned,
             reader: self.reader.describe(),
+            drives: self
+                .reader
+                .drive_bytes()
+                .into_iter()
+                .map(|(d, b)| (d.display().to_string(), b))
+                .collect(),
         })
     }
 
