@@ -51,6 +51,7 @@ pub struct BenchReport {
     pub decode_hit_rate: f64,
     pub decode_byte_hit_rate: f64,
     pub decode_gb_read_per_token: f64,
+    pub decode_miss_gb_per_token: f64,
     pub decode_io_wait_seconds_per_token: f64,
     pub prefetch_recall: f64,
     pub prefetch_useful_fraction: f64,
@@ -58,7 +59,10 @@ pub struct BenchReport {
     pub disk_gb_per_s: f64,
     pub memory_gb_per_s: f64,
     pub disk_bandwidth_fraction: f64,
+    /// Disk GB/s ÷ miss GB per token: the decode speed if reading misses were all it did.
     pub disk_roofline_tok_per_s: Option<f64>,
+    /// Decode tok/s ÷ the disk roofline.
+    pub disk_roofline_fraction: Option<f64>,
     pub memory_bandwidth_fraction: f64,
     pub decode_time: Times,
     pub prefill_store: Option<StoreSnapshot>,
@@ -127,6 +131,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let gb_read = decode_store
         .as_ref()
         .map_or(0.0, |s| s.bytes_read as f64 / 1e9 / n);
+    let miss_gb = decode_store
+        .as_ref()
+        .map_or(0.0, |s| s.miss_bytes as f64 / 1e9 / n);
+    let roofline = (miss_gb > 0.0).then(|| machine.disk_gb_per_s / miss_gb);
     let active_gb = active_bytes(&info) as f64 / 1e9;
     let report = BenchReport {
         model: loaded.dir.display().to_string(),
@@ -141,6 +149,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         decode_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.hit_rate()),
         decode_byte_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.byte_hit_rate()),
         decode_gb_read_per_token: gb_read,
+        decode_miss_gb_per_token: miss_gb,
         decode_io_wait_seconds_per_token: decode_store
             .as_ref()
             .map_or(0.0, |s| s.io_wait_seconds / n),
@@ -156,7 +165,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         disk_gb_per_s: machine.disk_gb_per_s,
         memory_gb_per_s: machine.memory_gb_per_s,
         disk_bandwidth_fraction: gb_read * decode_tok_per_s / machine.disk_gb_per_s,
-        disk_roofline_tok_per_s: (gb_read > 0.0).then(|| machine.disk_gb_per_s / gb_read),
+        disk_roofline_tok_per_s: roofline,
+        disk_roofline_fraction: roofline.map(|r| decode_tok_per_s / r),
         memory_bandwidth_fraction: active_gb * decode_tok_per_s / machine.memory_gb_per_s,
         decode_time,
         prefill_store,
@@ -189,9 +199,10 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
     );
     if let Some(s) = &r.decode_store {
         println!(
-            "experts:  hit rate {:.1} % ({:.1} % of bytes), {:.3} GB read per token, {:.1} ms I/O wait per token, prefetch recall {:.0} % (useful {:.0} % of prefetched bytes)",
+            "experts:  hit rate {:.1} % ({:.1} % of bytes), {:.3} GB missed and {:.3} GB read per token, {:.1} ms I/O wait per token, prefetch recall {:.0} % (useful {:.0} % of prefetched bytes)",
             100.0 * r.decode_hit_rate,
             100.0 * r.decode_byte_hit_rate,
+            r.decode_miss_gb_per_token,
             r.decode_gb_read_per_token,
             1e3 * r.decode_io_wait_seconds_per_token,
             100.0 * r.prefetch_recall,
@@ -219,14 +230,15 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         t.attention, t.experts, t.dense_mlp, t.lm_head
     );
     println!(
-        "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reaches {:.0} % of disk{} and {:.0} % of memory bandwidth ({:.2} GB active weights per token)",
+        "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reads at {:.0} % of disk bandwidth{} and streams {:.0} % of memory bandwidth ({:.2} GB active weights per token)",
         m.disk_gb_per_s,
         m.disk_source,
         m.memory_gb_per_s,
         100.0 * r.disk_bandwidth_fraction,
-        r.disk_roofline_tok_per_s
-            .map(|x| format!(" (roofline {x:.2} tok/s)"))
-            .unwrap_or_default(),
+        match (r.disk_roofline_tok_per_s, r.disk_roofline_fraction) {
+            (Some(x), Some(f)) => format!(", {:.0} % of the disk roofline ({x:.2} tok/s)", 100.0 * f),
+            _ => String::new(),
+        },
         100.0 * r.memory_bandwidth_fraction,
         r.active_gb_per_token
     );

@@ -25,6 +25,10 @@ fn coli(args: &[&str]) -> Output {
             "COLI_CACHE_DIR",
             std::env::temp_dir().join("coli-test-cache-unused"),
         )
+        .env(
+            "COLI_STATE_DIR",
+            std::env::temp_dir().join("coli-test-state"),
+        )
         .output()
         .expect("coli runs")
 }
@@ -287,4 +291,56 @@ fn synth_writes_a_runnable_checkpoint_deterministically() {
         tmp.path().join("a").to_str().unwrap(),
     ]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already exists"));
+}
+
+#[test]
+fn bench_reports_streaming_under_a_small_budget() {
+    // A cached machine measurement, so the test does not measure this machine's bandwidth.
+    let cache = tempfile::tempdir().unwrap();
+    std::fs::write(
+        cache.path().join("machine.json"),
+        r#"{"disk_gb_per_s": 1.0, "memory_gb_per_s": 10.0, "disk_source": "test", "measured_unix": 0}"#,
+    )
+    .unwrap();
+    let dir = fixture("olmoe");
+    let run = |ram: &str| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+            .args([
+                "bench",
+                "--model",
+                dir.to_str().unwrap(),
+                "--ram",
+                ram,
+                "--no-learn",
+            ])
+            .args(["--prompt-tokens", "8", "--gen-tokens", "8", "--json"])
+            .env("COLI_CACHE_DIR", cache.path())
+            .env("COLI_STATE_DIR", cache.path().join("state"))
+            .output()
+            .unwrap();
+        serde_json::from_str(&ok_stdout(&out)).unwrap()
+    };
+    // The fixture holds ~334 kB of resident weights and ~393 kB of experts (16 of ~25 kB).
+    let small = run("400K");
+    let large = run("10M");
+    for r in [&small, &large] {
+        assert!(r["decode_tok_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(
+            r["disk_gb_per_s"].as_f64().unwrap(),
+            1.0,
+            "uses the cached measurement"
+        );
+    }
+    let hit = |r: &serde_json::Value| r["decode_hit_rate"].as_f64().unwrap();
+    let read = |r: &serde_json::Value| r["decode_gb_read_per_token"].as_f64().unwrap();
+    assert!(
+        hit(&small) < hit(&large),
+        "a smaller cache hits less: {} vs {}",
+        hit(&small),
+        hit(&large)
+    );
+    assert!(
+        read(&small) > 0.0,
+        "a small cache reads during decode: {small}"
+    );
 }
