@@ -195,9 +195,15 @@ fn sharded_copy(arch: &str, to: &Path) {
 
 #[test]
 fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
+    for arch in ["mixtral", "olmoe", "qwen3_moe"] {
+        variants_never_change_bits(arch);
+    }
+}
+
+fn variants_never_change_bits(arch: &str) {
     use colibri::store::mirror::Mirror;
     use colibri::store::reader::ReaderKind;
-    let arch = "olmoe";
+    use colibri::store::CachePolicy;
     let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let primary = tmp.path().join("primary");
     let full = tmp.path().join("mirror-full");
@@ -272,6 +278,13 @@ fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
                     dir: partial.clone(),
                     weight: 1.0,
                 }],
+                ..base.clone()
+            },
+        ),
+        (
+            "LFRU",
+            StoreOptions {
+                policy: CachePolicy::Lfru,
                 ..base.clone()
             },
         ),
