@@ -114,3 +114,35 @@ fn disk_bandwidth(dir: &std::path::Path) -> Result<(f64, String)> {
     result.context("reading the bandwidth probe file")?;
     Ok(((BLOCK * BLOCKS) as f64 / secs / 1e9, source))
 }
+
+/// GB/s reading up to 256 MiB of the largest `*.safetensors` file in `dir` (O_DIRECT where the
+/// filesystem allows, else buffered), or `None` if there is none or it cannot be read.
+pub fn drive_read_bandwidth(dir: &std::path::Path) -> Option<f64> {
+    const BLOCK: usize = 4 << 20;
+    let largest = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .max_by_key(|p| p.metadata().map(|m| m.len()).unwrap_or(0))?;
+    let len = largest.metadata().ok()?.len() as usize;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&largest)
+        .or_else(|_| std::fs::File::open(&largest))
+        .ok()?;
+    let blocks = (len / BLOCK).clamp(1, 64);
+    let mut raw = vec![0u8; BLOCK + 4096];
+    let off = raw.as_ptr().align_offset(4096);
+    let buf = &mut raw[off..off + BLOCK];
+    let t = Instant::now();
+    let mut read = 0usize;
+    for b in 0..blocks {
+        let n = file.read_at(buf, (b * BLOCK) as u64).ok()?;
+        read += n;
+        if n < BLOCK {
+            break;
+        }
+    }
+    (read > 0).then(|| read as f64 / t.elapsed().as_secs_f64() / 1e9)
+}

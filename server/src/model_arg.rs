@@ -86,13 +86,18 @@ impl ModelArgs {
                 self.mirrors.len()
             );
         }
+        let weights = if self.mirror_weights.is_empty() && !self.mirrors.is_empty() {
+            measured_weights(&self.model, &self.mirrors)
+        } else {
+            self.mirror_weights.clone()
+        };
         let mirrors = self
             .mirrors
             .iter()
             .enumerate()
             .map(|(i, dir)| colibri::store::mirror::Mirror {
                 dir: dir.clone(),
-                weight: self.mirror_weights.get(i).copied().unwrap_or(1.0),
+                weight: weights.get(i).copied().unwrap_or(1.0),
             })
             .collect();
         Ok(StoreOptions {
@@ -151,4 +156,29 @@ pub fn report_placement(loaded: &LoadedModel, opts: &StoreOptions, default_budge
             gb((i.dense_bytes + i.routed_expert_bytes) as u64)
         ),
     }
+}
+
+/// Read weights of the mirror drives relative to the model directory's drive: each drive's
+/// measured sequential read bandwidth (256 MiB of its largest safetensors file, O_DIRECT
+/// where allowed) divided by the model directory's. Drives that cannot be measured count 1.
+fn measured_weights(model: &str, mirrors: &[PathBuf]) -> Vec<f64> {
+    let primary = crate::machine::drive_read_bandwidth(std::path::Path::new(model));
+    let weights: Vec<f64> = mirrors
+        .iter()
+        .map(
+            |m| match (primary, crate::machine::drive_read_bandwidth(m)) {
+                (Some(p), Some(x)) if p > 0.0 => x / p,
+                _ => 1.0,
+            },
+        )
+        .collect();
+    eprintln!(
+        "coli: mirror weights measured (model directory = 1): {}",
+        weights
+            .iter()
+            .map(|w| format!("{w:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    weights
 }
