@@ -41,7 +41,7 @@ fn count(n: usize) -> String {
 
 /// Run `coli info`.
 pub fn run(args: InfoArgs) -> Result<()> {
-    let loaded = args.model.load(false)?;
+    let loaded = args.model.load_mapped(false)?;
     let i = loaded.model.info();
     if args.json {
         println!("{}", serde_json::to_string_pretty(i)?);

@@ -120,6 +120,17 @@ impl ModelArgs {
         })
     }
 
+    /// Resolve and load with every weight memory-mapped (nothing is read up front), unless
+    /// `--ram` asks for a budget: what `coli info` needs.
+    pub fn load_mapped(&self, needs_text: bool) -> Result<LoadedModel> {
+        if self.ram.is_some() {
+            return self.load(needs_text);
+        }
+        let dir = self.prepare()?;
+        LoadedModel::open(&dir, needs_text)
+            .with_context(|| format!("cannot load the model in {}", dir.display()))
+    }
+
     /// Resolve and load, reporting the placement on stderr.
     pub fn load(&self, needs_text: bool) -> Result<LoadedModel> {
         let dir = self.prepare()?;

@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod config;
 pub mod generation_config;
+pub mod gguf;
 pub mod safetensors;
 pub mod tokenizer;
 pub mod write;
