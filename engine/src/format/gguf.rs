@@ -1403,7 +1403,7 @@ impl GgufWriter {
     }
 
     /// Flush, sync and rename into place; an error if some tensor is incomplete.
-    pub fn finish(mut self) -> Result<()> {
+    pub fn finish(self) -> Result<()> {
         if self.next != self.specs.len() {
             let _ = std::fs::remove_file(&self.tmp);
             return Err(Error::Invalid(format!(
@@ -1413,12 +1413,6 @@ impl GgufWriter {
                 self.specs.len()
             )));
         }
-        self.out.flush().map_err(|e| Error::io(&self.tmp, e))?;
-        let file = self
-            .out
-            .into_inner()
-            .map_err(|e| Error::io(&self.tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))
+        super::write::commit(self.out, &self.tmp, &self.path)
     }
 }

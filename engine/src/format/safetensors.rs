@@ -143,17 +143,7 @@ impl Checkpoint {
 
     /// Check that a tensor exists with this shape and a float dtype, without reading it.
     pub fn check_weight(&self, name: &str, shape: &[usize]) -> Result<&TensorDesc> {
-        let d = self.desc(name)?;
-        if d.shape != shape {
-            return Err(Error::tensor(
-                &self.files[d.file].path,
-                name,
-                format!(
-                    "has shape {:?}, expected {:?} from config.json",
-                    d.shape, shape
-                ),
-            ));
-        }
+        let d = self.check_shape(name, shape)?;
         if !d.dtype.is_float() {
             return Err(Error::tensor(
                 &self.files[d.file].path,
@@ -164,8 +154,8 @@ impl Checkpoint {
         Ok(d)
     }
 
-    /// A tensor, aligned for its dtype, with its shape checked.
-    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    /// The description of a tensor that must have `shape`.
+    fn check_shape(&self, name: &str, shape: &[usize]) -> Result<&TensorDesc> {
         let d = self.desc(name)?;
         if d.shape != shape {
             return Err(Error::tensor(
@@ -177,6 +167,12 @@ impl Checkpoint {
                 ),
             ));
         }
+        Ok(d)
+    }
+
+    /// A tensor, aligned for its dtype, with its shape checked.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.check_shape(name, shape)?;
         self.tensor_any_shape(name)
     }
 
@@ -223,15 +219,8 @@ impl Checkpoint {
 
     /// A floating-point tensor for the matrix kernels (f32/bf16/f16), shape checked.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.tensor(name, shape)?;
-        if !t.dtype.is_float() {
-            return Err(Error::tensor(
-                self.file_path(self.desc(name)?.file),
-                name,
-                format!("has dtype {}, expected f32, bf16 or f16", t.dtype),
-            ));
-        }
-        Ok(t)
+        self.check_weight(name, shape)?;
+        self.tensor_any_shape(name)
     }
 
     /// A 1-D vector converted to f32 (norm weights, biases), shape checked.

@@ -121,7 +121,7 @@ impl SafetensorsWriter {
     }
 
     /// Flush, sync and rename into place.
-    pub fn finish(mut self) -> Result<()> {
+    pub fn finish(self) -> Result<()> {
         if self.next != self.specs.len() {
             return Err(Error::Invalid(format!(
                 "{}: only {} of {} tensors were written",
@@ -130,12 +130,18 @@ impl SafetensorsWriter {
                 self.specs.len()
             )));
         }
-        self.out.flush().map_err(|e| Error::io(&self.tmp, e))?;
-        let file = self
-            .out
-            .into_inner()
-            .map_err(|e| Error::io(&self.tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))
+        commit(self.out, &self.tmp, &self.path)
     }
+}
+
+/// Flush and sync a buffered temporary file, then rename it to `path`: the last step of every
+/// atomic write.
+pub fn commit(out: BufWriter<File>, tmp: &Path, path: &Path) -> Result<()> {
+    let mut out = out;
+    out.flush().map_err(|e| Error::io(tmp, e))?;
+    let file = out
+        .into_inner()
+        .map_err(|e| Error::io(tmp, e.into_error()))?;
+    file.sync_all().map_err(|e| Error::io(tmp, e))?;
+    std::fs::rename(tmp, path).map_err(|e| Error::io(path, e))
 }
