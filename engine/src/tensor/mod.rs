@@ -7,6 +7,7 @@
 
 pub mod kernels;
 pub mod matmul;
+pub mod quant;
 pub mod threads;
 
 use std::sync::Arc;
