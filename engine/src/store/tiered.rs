@@ -304,14 +304,27 @@ impl TieredStore {
             .map_err(|_| Error::Invalid("expert cache poisoned by an earlier panic".into()))
     }
 
-    /// Start reading `key` unless cached or already in flight; `waiter` (if any) receives it.
-    fn start_read(&self, c: &mut Cache, key: Key, waiter: Option<Sender<Arrival>>, prefetch: bool) {
+    /// Register interest in `key`: join its read if one is in flight, else record a new read
+    /// and return true — the caller then calls [`submit_read`](Self::submit_read) once the
+    /// cache lock is released (a reader may deliver inline, and delivery takes the lock).
+    fn register_read(
+        &self,
+        c: &mut Cache,
+        key: Key,
+        waiter: Option<Sender<Arrival>>,
+        prefetch: bool,
+    ) -> bool {
         if let Some((waiters, _)) = c.inflight.get_mut(&key) {
             waiters.extend(waiter);
-            return;
+            return false;
         }
         c.inflight
             .insert(key, (waiter.into_iter().collect(), prefetch));
+        true
+    }
+
+    /// Issue the read registered for `key`. Must be called without the cache lock held.
+    fn submit_read(&self, key: Key) {
         let loc = self.locations[key.0][key.1].clone();
         let inner = self.inner.clone();
         let ranges = loc.iter().map(|m| m.range.clone()).collect();
@@ -440,6 +453,7 @@ impl ExpertStore for TieredStore {
         let (tx, rx) = channel();
         let mut ready = Vec::new();
         let mut pending = 0;
+        let mut to_submit = Vec::new();
         let mut c = self.lock()?;
         if let Some(guess) = c.last_hint.remove(&layer) {
             let guessed = experts.iter().filter(|e| guess.contains(e)).count();
@@ -475,12 +489,17 @@ impl ExpertStore for TieredStore {
                     }
                     counters.misses.fetch_add(1, Ordering::Relaxed);
                     counters.miss_bytes.fetch_add(bytes, Ordering::Relaxed);
-                    self.start_read(&mut c, (layer, e), Some(tx.clone()), false);
+                    if self.register_read(&mut c, (layer, e), Some(tx.clone()), false) {
+                        to_submit.push((layer, e));
+                    }
                     pending += 1;
                 }
             }
         }
         drop(c);
+        for key in to_submit {
+            self.submit_read(key);
+        }
         Ok(Lease::with_pending(
             ready,
             pending,
@@ -498,6 +517,7 @@ impl ExpertStore for TieredStore {
         };
         let Ok(mut c) = self.lock() else { return };
         c.last_hint.insert(layer, experts.iter().copied().collect());
+        let mut to_submit = Vec::new();
         for &e in experts.iter().filter(|&&e| e < table.len()) {
             let key = (layer, e);
             if c.entries.contains_key(&key) || c.inflight.contains_key(&key) {
@@ -508,7 +528,13 @@ impl ExpertStore for TieredStore {
             counters
                 .prefetch_bytes
                 .fetch_add(self.expert_bytes[layer][e], Ordering::Relaxed);
-            self.start_read(&mut c, key, None, true);
+            if self.register_read(&mut c, key, None, true) {
+                to_submit.push(key);
+            }
+        }
+        drop(c);
+        for key in to_submit {
+            self.submit_read(key);
         }
     }
 
@@ -568,5 +594,90 @@ impl ExpertStore for TieredStore {
 
     fn total_bytes(&self) -> usize {
         self.total_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::safetensors::Access;
+    use crate::tensor::Storage;
+    use std::fs::File;
+    use std::os::unix::fs::FileExt;
+
+    /// A reader that delivers on the caller's thread, inside `submit`.
+    struct InlineReader {
+        files: Vec<File>,
+    }
+
+    impl RangeReader for InlineReader {
+        fn submit(&self, ranges: Vec<ByteRange>, done: super::super::reader::ReadDone) {
+            let bufs = ranges
+                .iter()
+                .map(|r| {
+                    let mut words = vec![0u64; r.len.div_ceil(8)];
+                    let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..r.len];
+                    self.files[r.file]
+                        .read_exact_at(buf, r.offset)
+                        .map_err(|e| Error::io("inline", e))?;
+                    Ok(Storage::Owned {
+                        words: Arc::new(words),
+                        len: r.len,
+                    })
+                })
+                .collect();
+            done(bufs);
+        }
+
+        fn describe(&self) -> String {
+            "inline".into()
+        }
+    }
+
+    #[test]
+    fn a_reader_that_delivers_inline_does_not_deadlock() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/olmoe");
+        let ckpt = Checkpoint::open_with(&dir, Access::Read).unwrap();
+        let names: Vec<Vec<ExpertNames>> = (0..2)
+            .map(|l| {
+                (0..8)
+                    .map(|e| {
+                        let p = format!("model.layers.{l}.mlp.experts.{e}");
+                        ExpertNames {
+                            gate: format!("{p}.gate_proj.weight"),
+                            up: format!("{p}.up_proj.weight"),
+                            down: format!("{p}.down_proj.weight"),
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let opts = StoreOptions {
+            prefetch: true,
+            ..StoreOptions::default()
+        };
+        let mut store = TieredStore::open(&ckpt, &names, 64, 32, u64::MAX / 4, &opts).unwrap();
+        store.reader = Arc::new(InlineReader {
+            files: vec![File::open(ckpt.file_path(0)).unwrap()],
+        });
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            store.hint(1, &[2, 3]);
+            let mut lease = store.acquire(0, &[0, 1, 5]).unwrap();
+            let mut got = Vec::new();
+            while let Some(e) = lease.next_expert() {
+                got.push(e.unwrap().0);
+            }
+            let mut lease = store.acquire(1, &[2, 3]).unwrap();
+            while let Some(e) = lease.next_expert() {
+                got.push(e.unwrap().0);
+            }
+            tx.send(got).unwrap();
+        });
+        let mut got = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("acquire and hint finish with an inline reader (no deadlock)");
+        got.sort();
+        assert_eq!(got, vec![0, 1, 2, 3, 5]);
     }
 }
