@@ -2,19 +2,16 @@
 //! RoPE configuration. Each variant is made from a committed fixture and must give exactly
 //! the logits its content implies.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{bits, fixture, prompt};
+
+use std::path::Path;
 
 use colibri::format::safetensors::Checkpoint;
 use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::{self, Logits};
 use colibri::tensor::DType;
 use half::{bf16, f16};
-
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(arch)
-}
 
 fn copy_text_files(from: &Path, to: &Path) {
     for name in [
@@ -29,27 +26,10 @@ fn copy_text_files(from: &Path, to: &Path) {
     }
 }
 
-fn prompt(arch: &str) -> Vec<u32> {
-    let v: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap(),
-    )
-    .unwrap();
-    v["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
     let m = model::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let mut cache = m.new_cache(ids.len());
     m.forward(ids, &mut cache, Logits::All).unwrap()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Every tensor of `src` as f32 values, in name order.

@@ -2,16 +2,13 @@
 //! field, and what was expected. One test per case; each starts from a valid fixture copied
 //! to a temporary directory and breaks one thing.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::fixture;
+
+use std::path::Path;
 
 use colibri::format::tokenizer::Tokenizer;
 use colibri::model;
-
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(arch)
-}
 
 /// A copy of the olmoe fixture to break.
 fn copy_fixture() -> tempfile::TempDir {

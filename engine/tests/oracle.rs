@@ -5,7 +5,8 @@
 //! position; decoding token by token through the KV cache gives the same bits as the batch;
 //! the greedy continuation is identical; and 1 and 2 threads give identical bits.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{bits, fixture, ids, reference_json};
 
 use colibri::model::{self, CausalLm, Logits};
 use colibri::runtime::generate::{generate, GenerateParams};
@@ -19,23 +20,9 @@ struct Reference {
     greedy_ids: Vec<u32>,
 }
 
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(arch)
-}
-
-fn reference(dir: &Path) -> Reference {
-    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        v[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
+fn reference(arch: &str) -> Reference {
+    let v = reference_json(arch);
+    let ids = |key: &str| ids(&v, key);
     let logits = v["logits"]
         .as_array()
         .unwrap()
@@ -55,10 +42,6 @@ fn reference(dir: &Path) -> Reference {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 fn prefill(model: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
     let mut cache = model.new_cache(ids.len());
     model.forward(ids, &mut cache, Logits::All).unwrap()
@@ -66,7 +49,7 @@ fn prefill(model: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
 
 fn check(arch: &str) {
     let dir = fixture(arch);
-    let r = reference(&dir);
+    let r = reference(arch);
     let model = model::load(&dir).unwrap_or_else(|e| panic!("{arch}: {e}"));
     let v = model.info().vocab_size;
     assert!(r.prompt_ids.len() >= 32, "{arch}: prompt too short");

@@ -2,32 +2,16 @@
 //! whether every expert is resident, or read from disk through a cache that holds no expert,
 //! one expert, half of them or all of them, on 1 or 2 threads.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{fixture, prompt};
+
+use std::path::Path;
 
 use colibri::format::safetensors::Checkpoint;
 use colibri::model::{self, CausalLm, Logits};
 use colibri::runtime::generate::{generate, GenerateParams};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::store::StoreOptions;
-
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(arch)
-}
-
-fn prompt(arch: &str) -> Vec<u32> {
-    let v: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap(),
-    )
-    .unwrap();
-    v["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// Logits of the prompt as a batch, then 8 greedy tokens decoded through the cache.
 fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
@@ -348,17 +332,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
     };
     let m = model::load_with(&primary, &opts).unwrap();
     // The mirror's files lose their data after validation: every mirror read fails.
-    for entry in std::fs::read_dir(&mirror).unwrap() {
-        let p = entry.unwrap().path();
-        if p.extension().is_some_and(|e| e == "safetensors") {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&p)
-                .unwrap()
-                .set_len(64)
-                .unwrap();
-        }
-    }
+    common::truncate_safetensors(&mirror);
     assert_eq!(
         outputs(m.as_ref(), &ids),
         reference,
@@ -371,17 +345,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         ..opts
     };
     let m = model::load_with(&primary, &no_mirror).unwrap();
-    for entry in std::fs::read_dir(&primary).unwrap() {
-        let p = entry.unwrap().path();
-        if p.extension().is_some_and(|e| e == "safetensors") {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&p)
-                .unwrap()
-                .set_len(64)
-                .unwrap();
-        }
-    }
+    common::truncate_safetensors(&primary);
     let mut cache = m.new_cache(ids.len());
     let e = m
         .forward(&ids, &mut cache, Logits::All)
