@@ -120,6 +120,9 @@ pub fn dot_scalar<W: WeightElem>(a: &[f32], w: &[W]) -> f32 {
 /// Dot product of an activation row with a weight row, on the given instruction set.
 #[inline]
 pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
+    if let WeightData::Quant(..) = w {
+        return dot_dequantized(isa, a, w);
+    }
     match (isa, w) {
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, w) => dot_block::<1, 1>(isa, [a], [w])[0][0],
@@ -129,7 +132,19 @@ pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
         (_, WeightData::F32(w)) => dot_scalar(a, w),
         (_, WeightData::BF16(w)) => dot_scalar(a, w),
         (_, WeightData::F16(w)) => dot_scalar(a, w),
+        (_, WeightData::Quant(..)) => unreachable!("handled above"),
     }
+}
+
+/// A block-format weight row: dequantize, then the f32 dot (`matmul` routes these to the
+/// integer kernels of `qmatmul`; this is the reference for any other caller).
+fn dot_dequantized(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
+    let WeightData::Quant(q, bytes) = w else {
+        unreachable!("only called for block formats")
+    };
+    let mut wf = vec![0.0f32; a.len()];
+    super::quant::dequantize_row(q, bytes, &mut wf).expect("row length checked by the view");
+    dot(isa, a, WeightData::F32(&wf))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -296,6 +311,7 @@ pub fn dot_block<const R: usize, const C: usize>(
             WeightData::F32(_) => go!(F32, block_f32),
             WeightData::BF16(_) => go!(BF16, block_bf16),
             WeightData::F16(_) => go!(F16, block_f16),
+            WeightData::Quant(..) => {}
         }
     }
     dot_block_each(isa, a, w)
@@ -369,6 +385,7 @@ mod neon {
             WeightData::F32(w) => dot_generic(a, w),
             WeightData::BF16(w) => dot_generic(a, w),
             WeightData::F16(w) => dot_generic(a, w),
+            WeightData::Quant(..) => unreachable!("block formats are dispatched before NEON"),
         }
     }
 }
@@ -466,6 +483,7 @@ mod tests {
             WeightData::F32(w) => dot_scalar(a, w),
             WeightData::BF16(w) => dot_scalar(a, w),
             WeightData::F16(w) => dot_scalar(a, w),
+            WeightData::Quant(..) => unreachable!("float rows only"),
         }
     }
 

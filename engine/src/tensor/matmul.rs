@@ -8,7 +8,7 @@
 use rayon::prelude::*;
 
 use super::kernels::{dot, dot_block, Isa};
-use super::WeightView;
+use super::{WeightData, WeightView};
 
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 16;
@@ -38,6 +38,9 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     );
     let m = x.len() / k_dim;
     assert_eq!(out.len(), m * n, "matmul: output has the wrong size");
+    if let WeightData::Quant(ty, bytes) = w.data {
+        return super::qmatmul::qmatmul(x, ty, bytes, n, k_dim, out);
+    }
     let isa = Isa::detect();
     let ptr = OutPtr(out.as_mut_ptr());
     let tasks = n.div_ceil(ROWS_PER_TASK);
@@ -103,7 +106,6 @@ pub fn matmul_new(x: &[f32], w: &WeightView<'_>) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::WeightData;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed

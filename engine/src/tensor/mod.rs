@@ -7,6 +7,7 @@
 
 pub mod kernels;
 pub mod matmul;
+pub mod qmatmul;
 pub mod quant;
 pub mod threads;
 
@@ -25,6 +26,8 @@ pub enum DType {
     I64,
     I32,
     U8,
+    /// A ggml block format (GGUF files): rows are sequences of blocks.
+    Quant(quant::QuantType),
 }
 
 impl DType {
@@ -35,6 +38,8 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
             DType::U8 => 1,
+            // Blocks are parsed from bytes; no alignment is needed.
+            DType::Quant(_) => 1,
         }
     }
 
@@ -60,12 +65,36 @@ impl DType {
             DType::I64 => "I64",
             DType::I32 => "I32",
             DType::U8 => "U8",
+            DType::Quant(q) => q.name(),
         }
     }
 
     /// Whether matrix kernels accept this dtype as weights.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Whether matrix kernels accept this dtype as weights (floats and ggml block formats).
+    pub fn is_matrix(self) -> bool {
+        self.is_float() || matches!(self, DType::Quant(_))
+    }
+
+    /// The dtype of a ggml type: the float types map to ours, the rest are block formats.
+    pub fn from_quant(q: quant::QuantType) -> DType {
+        match q {
+            quant::QuantType::F32 => DType::F32,
+            quant::QuantType::F16 => DType::F16,
+            quant::QuantType::BF16 => DType::BF16,
+            q => DType::Quant(q),
+        }
+    }
+
+    /// Bytes of a row of `n` elements.
+    pub fn row_bytes(self, n: usize) -> Result<usize> {
+        match self {
+            DType::Quant(q) => q.row_bytes(n),
+            d => Ok(n * d.size()),
+        }
     }
 }
 
@@ -78,6 +107,7 @@ impl std::fmt::Display for DType {
             DType::I64 => "i64",
             DType::I32 => "i32",
             DType::U8 => "u8",
+            DType::Quant(q) => q.name(),
         })
     }
 }
@@ -172,6 +202,17 @@ impl Tensor {
             DType::F32 => WeightData::F32(cast(bytes, &self.name)?),
             DType::BF16 => WeightData::BF16(cast(bytes, &self.name)?),
             DType::F16 => WeightData::F16(cast(bytes, &self.name)?),
+            DType::Quant(q) => {
+                let want = rows * q.row_bytes(cols)?;
+                if bytes.len() != want {
+                    return Err(Error::Invalid(format!(
+                        "tensor `{}`: {} bytes, but {rows} rows of {cols} {q} values need {want}",
+                        self.name,
+                        bytes.len()
+                    )));
+                }
+                WeightData::Quant(q, bytes)
+            }
             other => {
                 return Err(Error::Unsupported(format!(
                     "tensor `{}` has dtype {other}; matrix weights must be f32, bf16 or f16",
@@ -229,6 +270,8 @@ pub enum WeightData<'a> {
     F32(&'a [f32]),
     BF16(&'a [bf16]),
     F16(&'a [f16]),
+    /// Rows of ggml blocks.
+    Quant(quant::QuantType, &'a [u8]),
 }
 
 /// A row-major matrix of weights, `rows × cols`, as the kernels take it.
@@ -247,6 +290,10 @@ impl<'a> WeightView<'a> {
             WeightData::F32(d) => WeightData::F32(&d[a..b]),
             WeightData::BF16(d) => WeightData::BF16(&d[a..b]),
             WeightData::F16(d) => WeightData::F16(&d[a..b]),
+            WeightData::Quant(q, d) => {
+                let rb = q.row_bytes(self.cols).expect("checked by view()");
+                WeightData::Quant(q, &d[start * rb..(start + n) * rb])
+            }
         };
         WeightView {
             rows: n,
@@ -270,6 +317,11 @@ impl<'a> WeightView<'a> {
                     *o = v.to_f32();
                 }
             }
+            WeightData::Quant(q, d) => {
+                let rb = q.row_bytes(self.cols).expect("checked by view()");
+                quant::dequantize_row(q, &d[r * rb..(r + 1) * rb], out)
+                    .expect("row length checked by view()");
+            }
         }
     }
 
@@ -279,6 +331,7 @@ impl<'a> WeightView<'a> {
             WeightData::F32(_) => DType::F32,
             WeightData::BF16(_) => DType::BF16,
             WeightData::F16(_) => DType::F16,
+            WeightData::Quant(q, _) => DType::Quant(q),
         }
     }
 }

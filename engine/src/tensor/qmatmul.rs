@@ -1,0 +1,815 @@
+//! Matrix products against quantized weights (ggml block formats), computed as llama.cpp
+//! does: the activation rows are quantized to 8-bit blocks once per product, and each output
+//! is a sum of exact integer block dot products scaled by the two block scales.
+//!
+//! Activation formats (chosen by the weight type):
+//! * `Q8_0` (for Q8_0 and Q4_0 weights): 32 values, `d = f16(max|x| / 127)`,
+//!   `q = round_ties_even(x · 127 / max|x|)`.
+//! * `Q8_1` (for Q4_1): as `Q8_0` plus `s = f16(d · Σq)` with the unrounded `d`.
+//! * `Q8_K` (for Q4_K and Q6_K): 256 values, `d = 1 / iscale` in f32 with
+//!   `iscale = −127 / x_max` (`x_max` the value of largest magnitude), `q = nearest(iscale·x)`,
+//!   and the sums of each 16 codes.
+//!
+//! Canonical order (what makes the scalar reference and the SIMD kernels bit-identical, and a
+//! row's result independent of batch size and threads):
+//! * 32-element formats: block `b`'s exact integer sum `isum_b` is scaled,
+//!   `p_b = (d_w · d_x) · isum_b`, and added into lane `b % 8` of eight f32 accumulators
+//!   (Q4_1 then adds `m_w · s_x` to the same lane); the lanes fold as
+//!   `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
+//! * K-quants: per 256-element super-block, exact integer sums of the scaled codes (and of
+//!   the mins against the 16-sums), then `acc += (d_w · d_x) · sumi` (and
+//!   `acc_min += (dmin_w · d_x) · summ` for Q4_K) in super-block order; result
+//!   `acc − acc_min`.
+//!
+//! Every other ggml type (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4) is computed by
+//! dequantizing the weight row (bit-identical to ggml's dequantization) and taking the f32
+//! dot product of `tensor::kernels`: exact to the format, deterministic, but slower.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::kernels::{dot, Isa};
+use super::quant::{dequantize_row, get_scale_min_k4, QuantType, QK32, QK_K};
+use super::WeightData;
+
+/// Weight rows per parallel task.
+const ROWS_PER_TASK: usize = 16;
+
+/// Activation rows handled together against one weight row (prefill).
+const ROW_GROUP: usize = 4;
+
+/// How activations are quantized for a weight type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActFormat {
+    Q8_0,
+    Q8_1,
+    Q8K,
+}
+
+/// The activation format the integer kernels use for `ty`, or `None` when `ty` is computed by
+/// dequantizing.
+pub fn act_format(ty: QuantType) -> Option<ActFormat> {
+    match ty {
+        QuantType::Q8_0 | QuantType::Q4_0 => Some(ActFormat::Q8_0),
+        QuantType::Q4_1 => Some(ActFormat::Q8_1),
+        QuantType::Q4_K | QuantType::Q6_K => Some(ActFormat::Q8K),
+        _ => None,
+    }
+}
+
+/// Quantized activation rows.
+pub struct QuantizedActs {
+    pub format: ActFormat,
+    pub cols: usize,
+    /// Codes, `rows × cols`.
+    pub qs: Vec<i8>,
+    /// One scale per block.
+    pub d: Vec<f32>,
+    /// Q8_1: `f16(d · Σq)` per block. Q8_K: the sum of each 16 codes.
+    pub sums: Vec<f32>,
+    pub bsums: Vec<i32>,
+}
+
+impl QuantizedActs {
+    /// Quantize `x` (`rows × cols`) to `format`.
+    pub fn quantize(format: ActFormat, x: &[f32], cols: usize) -> QuantizedActs {
+        let bs = match format {
+            ActFormat::Q8_0 | ActFormat::Q8_1 => QK32,
+            ActFormat::Q8K => QK_K,
+        };
+        assert!(
+            cols.is_multiple_of(bs),
+            "activation row not a whole number of blocks"
+        );
+        let blocks = x.len() / bs;
+        let mut qs = vec![0i8; x.len()];
+        let mut d = Vec::with_capacity(blocks);
+        let mut sums = Vec::new();
+        let mut bsums = Vec::new();
+        for (xb, qb) in x.chunks_exact(bs).zip(qs.chunks_exact_mut(bs)) {
+            match format {
+                ActFormat::Q8_0 | ActFormat::Q8_1 => {
+                    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let dd = amax / 127.0;
+                    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                    let mut sum = 0i32;
+                    for (q, &v) in qb.iter_mut().zip(xb) {
+                        *q = (v * id).round_ties_even() as i8;
+                        sum += *q as i32;
+                    }
+                    d.push(f16::from_f32(dd).to_f32());
+                    if format == ActFormat::Q8_1 {
+                        sums.push(f16::from_f32(dd * sum as f32).to_f32());
+                    }
+                }
+                ActFormat::Q8K => {
+                    let (mut amax, mut max) = (0.0f32, 0.0f32);
+                    for &v in xb {
+                        if v.abs() > amax {
+                            amax = v.abs();
+                            max = v;
+                        }
+                    }
+                    if amax == 0.0 {
+                        d.push(0.0);
+                        bsums.extend([0i32; QK_K / 16]);
+                        continue;
+                    }
+                    let iscale = -127.0 / max;
+                    for (q, &v) in qb.iter_mut().zip(xb) {
+                        *q = nearest_int(iscale * v).min(127) as i8;
+                    }
+                    for g in qb.chunks_exact(16) {
+                        bsums.push(g.iter().map(|&q| q as i32).sum());
+                    }
+                    d.push(1.0 / iscale);
+                }
+            }
+        }
+        QuantizedActs {
+            format,
+            cols,
+            qs,
+            d,
+            sums,
+            bsums,
+        }
+    }
+
+    /// Row `i` as the kernels take it.
+    fn row(&self, i: usize) -> ActRow<'_> {
+        let bs = match self.format {
+            ActFormat::Q8_0 | ActFormat::Q8_1 => QK32,
+            ActFormat::Q8K => QK_K,
+        };
+        let nb = self.cols / bs;
+        ActRow {
+            qs: &self.qs[i * self.cols..(i + 1) * self.cols],
+            d: &self.d[i * nb..(i + 1) * nb],
+            sums: if self.sums.is_empty() {
+                &[]
+            } else {
+                &self.sums[i * nb..(i + 1) * nb]
+            },
+            bsums: if self.bsums.is_empty() {
+                &[]
+            } else {
+                &self.bsums[i * nb * 16..(i + 1) * nb * 16]
+            },
+        }
+    }
+}
+
+/// ggml's `nearest_int` (round half to even via the 1.5·2²³ trick).
+#[inline]
+fn nearest_int(fval: f32) -> i32 {
+    let val = fval + 12_582_912.0;
+    (val.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// One quantized activation row.
+#[derive(Clone, Copy)]
+struct ActRow<'a> {
+    qs: &'a [i8],
+    d: &'a [f32],
+    sums: &'a [f32],
+    bsums: &'a [i32],
+}
+
+#[inline]
+fn f16_le(b: &[u8], off: usize) -> f32 {
+    f16::from_le_bytes([b[off], b[off + 1]]).to_f32()
+}
+
+/// The fixed fold of the eight lanes.
+#[inline]
+fn fold8(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+// ------------------------------------------------------------------------------------------
+// Scalar reference (defines the results).
+
+/// Exact integer sum of one 32-element weight block against 32 activation codes.
+fn isum32(ty: QuantType, w: &[u8], x: &[i8]) -> i32 {
+    match ty {
+        QuantType::Q8_0 => w[2..34]
+            .iter()
+            .zip(x)
+            .map(|(&q, &v)| q as i8 as i32 * v as i32)
+            .sum(),
+        QuantType::Q4_0 | QuantType::Q4_1 => {
+            let qs = if ty == QuantType::Q4_0 {
+                &w[2..18]
+            } else {
+                &w[4..20]
+            };
+            let off = if ty == QuantType::Q4_0 { 8 } else { 0 };
+            (0..16)
+                .map(|j| {
+                    ((qs[j] & 0xf) as i32 - off) * x[j] as i32
+                        + ((qs[j] >> 4) as i32 - off) * x[j + 16] as i32
+                })
+                .sum()
+        }
+        _ => unreachable!("not a 32-element integer format"),
+    }
+}
+
+/// Scalar reference dot of a quantized weight row against a quantized activation row.
+fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
+    match ty {
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
+            let bb = ty.block_bytes();
+            let mut acc = [0.0f32; 8];
+            for (b, wb) in w.chunks_exact(bb).enumerate() {
+                let isum = isum32(ty, wb, &x.qs[b * QK32..(b + 1) * QK32]);
+                let s = f16_le(wb, 0) * x.d[b];
+                let l = b % 8;
+                acc[l] += s * isum as f32;
+                if ty == QuantType::Q4_1 {
+                    acc[l] += f16_le(wb, 2) * x.sums[b];
+                }
+            }
+            fold8(&acc)
+        }
+        QuantType::Q4_K => {
+            let (mut acc, mut accm) = (0.0f32, 0.0f32);
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
+                let qs = &wb[16..144];
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let (mut sumi, mut summ) = (0i32, 0i32);
+                for j in 0..8 {
+                    let (sc, m) = get_scale_min_k4(j, scales);
+                    let c = j / 2;
+                    let mut s = 0i32;
+                    for l in 0..32 {
+                        let byte = qs[32 * c + l];
+                        let q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                        s += q as i32 * y[32 * j + l] as i32;
+                    }
+                    sumi += sc as i32 * s;
+                    summ += m as i32 * (bs[2 * j] + bs[2 * j + 1]);
+                }
+                acc += (f16_le(wb, 0) * x.d[b]) * sumi as f32;
+                accm += (f16_le(wb, 2) * x.d[b]) * summ as f32;
+            }
+            acc - accm
+        }
+        QuantType::Q6_K => {
+            let mut acc = 0.0f32;
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let mut sumi = 0i32;
+                for g in 0..16 {
+                    let sc = wb[192 + g] as i8 as i32;
+                    let mut s = 0i32;
+                    for e in 16 * g..16 * g + 16 {
+                        s += q6k_code(wb, e) * y[e] as i32;
+                    }
+                    sumi += sc * (s - 32 * bs[g]);
+                }
+                acc += (f16_le(wb, 208) * x.d[b]) * sumi as f32;
+            }
+            acc
+        }
+        _ => unreachable!("no integer kernel for {ty}"),
+    }
+}
+
+/// The unsigned 6-bit code (0..64) of element `e` of a Q6_K block.
+#[inline]
+fn q6k_code(wb: &[u8], e: usize) -> i32 {
+    let (h, r) = (e / 128, e % 128);
+    let (s, l) = (r / 32, r % 32);
+    let ql = wb[64 * h + l + 32 * (s & 1)];
+    let lo = if s < 2 { ql & 0xf } else { ql >> 4 };
+    let hi = (wb[128 + 32 * h + l] >> (2 * s)) & 3;
+    (lo | (hi << 4)) as i32
+}
+
+// ------------------------------------------------------------------------------------------
+// Dispatch.
+
+/// Dot products of one weight row against `R` activation rows.
+#[inline]
+fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: Isa::Avx2 is only chosen when AVX2, FMA and F16C were detected; the rows
+        // have the lengths the weight row implies (checked by `qmatmul`).
+        return unsafe { avx2::dot_rows::<R>(ty, w, x) };
+    }
+    let _ = isa;
+    x.map(|x| dot_ref(ty, w, x))
+}
+
+/// A raw output pointer shared by tasks that write disjoint elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint index sets (distinct weight rows j), see `qmatmul`.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out[i·n + j] = Σ_k x[i, k] · W[j, k]` for a quantized `W` (`n × k_dim`, `bytes` holding
+/// `n` rows of `ty`).
+pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, out: &mut [f32]) {
+    assert!(
+        k_dim > 0 && x.len().is_multiple_of(k_dim),
+        "qmatmul: x is not a whole number of rows"
+    );
+    let m = x.len() / k_dim;
+    assert_eq!(out.len(), m * n, "qmatmul: output has the wrong size");
+    let row_bytes = ty.row_bytes(k_dim).expect("row length checked at load");
+    assert_eq!(
+        bytes.len(),
+        n * row_bytes,
+        "qmatmul: weight bytes do not match the shape"
+    );
+    let isa = Isa::detect();
+    let ptr = OutPtr(out.as_mut_ptr());
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    let w_row = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
+    // SAFETY (for `put`): every index i*n + j written has i < m and j < n, so it is inside
+    // `out`, and each (i, j) is written by exactly one task (the one owning row j).
+    let put = |i: usize, j: usize, v: f32| unsafe { *ptr.get().add(i * n + j) = v };
+    match act_format(ty) {
+        Some(format) => {
+            let acts = QuantizedActs::quantize(format, x, k_dim);
+            let run = |t: usize| {
+                let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                for j in j0..j1 {
+                    let w = w_row(j);
+                    let mut i = 0;
+                    while i + ROW_GROUP <= m {
+                        let rows = std::array::from_fn(|r| acts.row(i + r));
+                        let v = dot_rows::<ROW_GROUP>(isa, ty, w, rows);
+                        for (r, v) in v.into_iter().enumerate() {
+                            put(i + r, j, v);
+                        }
+                        i += ROW_GROUP;
+                    }
+                    while i < m {
+                        put(i, j, dot_rows::<1>(isa, ty, w, [acts.row(i)])[0]);
+                        i += 1;
+                    }
+                }
+            };
+            par_tasks(tasks, m * n * k_dim, run);
+        }
+        None => {
+            let run = |t: usize| {
+                let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                let mut wf = vec![0.0f32; k_dim];
+                for j in j0..j1 {
+                    dequantize_row(ty, w_row(j), &mut wf).expect("row length checked at load");
+                    for i in 0..m {
+                        put(
+                            i,
+                            j,
+                            dot(isa, &x[i * k_dim..(i + 1) * k_dim], WeightData::F32(&wf)),
+                        );
+                    }
+                }
+            };
+            par_tasks(tasks, m * n * k_dim, run);
+        }
+    }
+}
+
+fn par_tasks(tasks: usize, work: usize, run: impl Fn(usize) + Sync + Send) {
+    if work < 32 * 1024 || rayon::current_num_threads() == 1 {
+        (0..tasks).for_each(run);
+    } else {
+        (0..tasks).into_par_iter().for_each(run);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+mod avx2 {
+    //! AVX2 integer parts of the kernels. Integer sums are exact, so only the float steps
+    //! need to follow the scalar reference, and they do so lane for lane.
+
+    use std::arch::x86_64::*;
+
+    use super::{f16_le, fold8, get_scale_min_k4, ActRow, QuantType, QK32, QK_K};
+
+    /// Sum of i8·i8 products of 32 bytes, as 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn mul_i8(w: __m256i, x: __m256i) -> __m256i {
+        let ax = _mm256_sign_epi8(w, w);
+        let sy = _mm256_sign_epi8(x, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+    }
+
+    /// Sum of u8·i8 products of 32 bytes, as 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn mul_u8(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+    }
+
+    /// Lane `b` = the sum of the eight lanes of `v[b]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn transpose_sum(v: &[__m256i; 8]) -> __m256i {
+        let t0 = _mm256_hadd_epi32(v[0], v[1]);
+        let t1 = _mm256_hadd_epi32(v[2], v[3]);
+        let t2 = _mm256_hadd_epi32(v[4], v[5]);
+        let t3 = _mm256_hadd_epi32(v[6], v[7]);
+        let u0 = _mm256_hadd_epi32(t0, t1);
+        let u1 = _mm256_hadd_epi32(t2, t3);
+        let lo = _mm256_permute2x128_si256(u0, u1, 0x20);
+        let hi = _mm256_permute2x128_si256(u0, u1, 0x31);
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// Horizontal sum of 8 i32 lanes (exact).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// The 32 weight codes of a 32-element block as bytes (signed for Q8_0/Q4_0, unsigned
+    /// for Q4_1).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn codes32(ty: QuantType, wb: *const u8) -> __m256i {
+        match ty {
+            QuantType::Q8_0 => _mm256_loadu_si256(wb.add(2) as *const __m256i),
+            _ => {
+                let off = if ty == QuantType::Q4_0 { 2 } else { 4 };
+                let packed = _mm_loadu_si128(wb.add(off) as *const __m128i);
+                let m = _mm_set1_epi8(0xf);
+                let lo = _mm_and_si128(packed, m);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), m);
+                let v = _mm256_set_m128i(hi, lo);
+                if ty == QuantType::Q4_0 {
+                    _mm256_sub_epi8(v, _mm256_set1_epi8(8))
+                } else {
+                    v
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `w` must be a whole row whose length matches
+    /// every activation row.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows<const R: usize>(
+        ty: QuantType,
+        w: &[u8],
+        x: [ActRow<'_>; R],
+    ) -> [f32; R] {
+        match ty {
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => dot32::<R>(ty, w, x),
+            QuantType::Q4_K => dot_q4k::<R>(w, x),
+            QuantType::Q6_K => dot_q6k::<R>(w, x),
+            _ => unreachable!("no integer kernel for {ty}"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot32<const R: usize>(ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = ty.block_bytes();
+        let nb = w.len() / bb;
+        let signed = ty != QuantType::Q4_1;
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut b0 = 0;
+        while b0 < nb {
+            let nblk = (nb - b0).min(8);
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let mut dw = [0.0f32; 8];
+            let mut mw = [0.0f32; 8];
+            for k in 0..nblk {
+                let wb = w.as_ptr().add((b0 + k) * bb);
+                codes[k] = codes32(ty, wb);
+                let blk = std::slice::from_raw_parts(wb, 4);
+                dw[k] = f16_le(blk, 0);
+                if !signed {
+                    mw[k] = f16_le(blk, 2);
+                }
+            }
+            for r in 0..R {
+                let xr = x[r];
+                let mut prods = [_mm256_setzero_si256(); 8];
+                for k in 0..nblk {
+                    let xv =
+                        _mm256_loadu_si256(xr.qs.as_ptr().add((b0 + k) * QK32) as *const __m256i);
+                    prods[k] = if signed {
+                        mul_i8(codes[k], xv)
+                    } else {
+                        mul_u8(codes[k], xv)
+                    };
+                }
+                let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
+                let mut s = [0.0f32; 8];
+                let mut mterm = [0.0f32; 8];
+                for k in 0..nblk {
+                    s[k] = dw[k] * xr.d[b0 + k];
+                    if !signed {
+                        mterm[k] = mw[k] * xr.sums[b0 + k];
+                    }
+                }
+                let p = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr()), isums);
+                acc[r] = _mm256_add_ps(acc[r], p);
+                if !signed {
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(mterm.as_ptr()));
+                }
+            }
+            b0 += 8;
+        }
+        let mut out = [0.0f32; R];
+        for r in 0..R {
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+            out[r] = fold8(&lanes);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q4k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = QuantType::Q4_K.block_bytes();
+        let mut acc = [0.0f32; R];
+        let mut accm = [0.0f32; R];
+        let m4 = _mm256_set1_epi8(0xf);
+        for (b, wb) in w.chunks_exact(bb).enumerate() {
+            let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
+            let mut sc = [0i16; 8];
+            let mut mn = [0i32; 8];
+            for j in 0..8 {
+                let (s, m) = get_scale_min_k4(j, scales);
+                sc[j] = s as i16;
+                mn[j] = m as i32;
+            }
+            let mut nib = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i);
+                nib[2 * c] = _mm256_and_si256(q, m4);
+                nib[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            }
+            let (d, dmin) = (f16_le(wb, 0), f16_le(wb, 2));
+            for r in 0..R {
+                let xr = x[r];
+                let y = xr.qs.as_ptr().add(b * QK_K);
+                let mut sum = _mm256_setzero_si256();
+                for j in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * j) as *const __m256i);
+                    let p16 = _mm256_maddubs_epi16(nib[j], yv);
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16(sc[j])));
+                }
+                let sumi = hsum_i32(sum);
+                let bs = &xr.bsums[b * 16..(b + 1) * 16];
+                let mut summ = 0i32;
+                for j in 0..8 {
+                    summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+                }
+                acc[r] += (d * xr.d[b]) * sumi as f32;
+                accm[r] += (dmin * xr.d[b]) * summ as f32;
+            }
+        }
+        let mut out = [0.0f32; R];
+        for r in 0..R {
+            out[r] = acc[r] - accm[r];
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = QuantType::Q6_K.block_bytes();
+        let mut acc = [0.0f32; R];
+        let m4 = _mm256_set1_epi8(0xf);
+        let m2 = _mm256_set1_epi8(3);
+        for (b, wb) in w.chunks_exact(bb).enumerate() {
+            // Codes of the 8 groups of 32 elements (element 32g + l), 0..64.
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for h in 0..2 {
+                let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
+                let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
+                let lows = [
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                ];
+                let highs = [
+                    _mm256_and_si256(qh, m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                ];
+                for s in 0..4 {
+                    codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
+                }
+            }
+            let mut scv = [_mm256_setzero_si256(); 8];
+            let mut sc = [0i32; 16];
+            for g in 0..16 {
+                sc[g] = wb[192 + g] as i8 as i32;
+            }
+            for k in 0..8 {
+                let (a, c) = (sc[2 * k] as i16, sc[2 * k + 1] as i16);
+                scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
+            }
+            let d = f16_le(wb, 208);
+            for r in 0..R {
+                let xr = x[r];
+                let y = xr.qs.as_ptr().add(b * QK_K);
+                let mut sum = _mm256_setzero_si256();
+                for k in 0..8 {
+                    let yv = _mm256_loadu_si256(y.add(32 * k) as *const __m256i);
+                    let p16 = _mm256_maddubs_epi16(codes[k], yv);
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[k]));
+                }
+                let bs = &xr.bsums[b * 16..(b + 1) * 16];
+                let mut off = 0i32;
+                for g in 0..16 {
+                    off += sc[g] * bs[g];
+                }
+                let sumi = hsum_i32(sum) - 32 * off;
+                acc[r] += (d * xr.d[b]) * sumi as f32;
+            }
+        }
+        acc
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::quant::quantize_row;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    const TYPES: [QuantType; 5] = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+
+    fn quantized(ty: QuantType, w: &[f32], k: usize) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        for row in w.chunks_exact(k) {
+            quantize_row(ty, row, &mut bytes).unwrap();
+        }
+        bytes
+    }
+
+    /// The SIMD kernels give exactly the scalar reference, for 1 and 4 rows at once and for
+    /// block counts that are not a multiple of 8.
+    #[test]
+    fn simd_matches_the_scalar_reference_bit_for_bit() {
+        let isa = Isa::best_available();
+        for ty in TYPES {
+            for k in [256usize, 768, 2304] {
+                let w = values(3 * k, 7 + k as u64);
+                let x = values(5 * k, 9 + k as u64);
+                let bytes = quantized(ty, &w, k);
+                let acts = QuantizedActs::quantize(act_format(ty).unwrap(), &x, k);
+                let rb = ty.row_bytes(k).unwrap();
+                for j in 0..3 {
+                    let wr = &bytes[j * rb..(j + 1) * rb];
+                    let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
+                    let got4 = dot_rows::<4>(isa, ty, wr, four);
+                    for i in 0..5 {
+                        let want = dot_ref(ty, wr, acts.row(i));
+                        let one = dot_rows::<1>(isa, ty, wr, [acts.row(i)])[0];
+                        assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
+                        if i < 4 {
+                            assert_eq!(got4[i].to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The integer path agrees with dequantize-then-f32 up to the activation quantization
+    /// error (8-bit codes: relative error well under 1 %).
+    #[test]
+    fn integer_dot_is_close_to_dequantized_f32() {
+        for ty in TYPES {
+            let k = 1024;
+            let w = values(16 * k, 21);
+            let x = values(3 * k, 22);
+            let bytes = quantized(ty, &w, k);
+            let mut got = vec![0.0f32; 3 * 16];
+            qmatmul(&x, ty, &bytes, 16, k, &mut got);
+            let mut wf = vec![0.0f32; k];
+            let rb = ty.row_bytes(k).unwrap();
+            let mut err = 0.0f64;
+            let mut norm = 0.0f64;
+            for j in 0..16 {
+                dequantize_row(ty, &bytes[j * rb..(j + 1) * rb], &mut wf).unwrap();
+                for i in 0..3 {
+                    let want: f64 = (0..k).map(|t| x[i * k + t] as f64 * wf[t] as f64).sum();
+                    err += (got[i * 16 + j] as f64 - want).powi(2);
+                    norm += want * want;
+                }
+            }
+            let rel = (err / norm).sqrt();
+            assert!(rel < 0.01, "{ty}: relative error {rel}");
+            assert!(rel > 0.0, "{ty}: activations were not quantized at all?");
+        }
+    }
+
+    /// Batch size and thread count never change a result.
+    #[test]
+    fn batch_and_threads_do_not_change_bits() {
+        for ty in TYPES
+            .into_iter()
+            .chain([QuantType::Q5_K, QuantType::IQ4_NL])
+        {
+            let (n, k, m) = (70, 512, 9);
+            let w = values(n * k, 31);
+            let x = values(m * k, 32);
+            let bytes = if ty == QuantType::IQ4_NL {
+                // No IQ4_NL quantizer: random bytes with small scales are valid blocks.
+                let mut b: Vec<u8> = values(n * k / 32 * 18, 33)
+                    .iter()
+                    .map(|v| (v.to_bits() >> 7) as u8)
+                    .collect();
+                for blk in b.chunks_exact_mut(18) {
+                    blk[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+                }
+                b
+            } else {
+                quantized(ty, &w, k)
+            };
+            let pool = |t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            };
+            let mut batch = vec![0.0f32; m * n];
+            pool(1).install(|| qmatmul(&x, ty, &bytes, n, k, &mut batch));
+            let mut threaded = vec![0.0f32; m * n];
+            pool(3).install(|| qmatmul(&x, ty, &bytes, n, k, &mut threaded));
+            assert_eq!(
+                batch.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                threaded.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{ty}: threads"
+            );
+            for i in [0, 5, 8] {
+                let mut alone = vec![0.0f32; n];
+                qmatmul(&x[i * k..(i + 1) * k], ty, &bytes, n, k, &mut alone);
+                assert_eq!(
+                    alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    batch[i * n..(i + 1) * n]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{ty}: row {i} alone vs in a batch"
+                );
+            }
+        }
+    }
+
+    /// Q8_0 activation quantization: scale is max|x|/127 rounded to f16, codes round to
+    /// nearest even, the largest value maps to ±127.
+    #[test]
+    fn activation_quantization_follows_ggml() {
+        let mut x = vec![0.0f32; 32];
+        x[..5].copy_from_slice(&[127.0, -63.5, 0.5, 1.5, 2.5]); // 127 / max|x| = 1 exactly
+        let a = QuantizedActs::quantize(ActFormat::Q8_0, &x, 32);
+        assert_eq!(&a.qs[..5], &[127, -64, 0, 2, 2]);
+        assert_eq!(a.d[0], 1.0);
+        let k = QuantizedActs::quantize(ActFormat::Q8K, &values(256, 3), 256);
+        let total: i32 = k.qs.iter().map(|&q| q as i32).sum();
+        assert_eq!(k.bsums.iter().sum::<i32>(), total);
+        assert!(k.qs.iter().any(|&q| q == 127 || q == -127));
+    }
+}
