@@ -249,6 +249,7 @@ impl ModelConfig {
             theta,
             partial_rotary_factor: partial,
             kind,
+            interleaved: self.bool_or("rope_interleaved", false)?,
         })
     }
 }
@@ -259,6 +260,10 @@ pub struct RopeParams {
     pub theta: f64,
     pub partial_rotary_factor: f64,
     pub kind: RopeKind,
+    /// Rotate adjacent pairs `(2i, 2i + 1)` instead of halves `(i, i + d/2)`. Set in the
+    /// configuration built from a GGUF file whose Q/K rows llama.cpp's converter permuted for
+    /// its "normal" RoPE (llama, mixtral); never in a Hugging Face config.json.
+    pub interleaved: bool,
 }
 
 /// RoPE frequency scaling.

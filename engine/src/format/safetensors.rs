@@ -97,6 +97,38 @@ impl Checkpoint {
         })
     }
 
+    /// A checkpoint over already described tensors in `paths` (e.g. a GGUF file whose
+    /// tensors were renamed to Hugging Face names); `dir` is what errors and fingerprints
+    /// name.
+    pub fn from_descs(
+        dir: &Path,
+        paths: &[PathBuf],
+        tensors: BTreeMap<String, TensorDesc>,
+        access: Access,
+    ) -> Result<Checkpoint> {
+        let mut files = Vec::new();
+        for path in paths {
+            let file = File::open(path).map_err(|e| Error::io(path, e))?;
+            let backing = match access {
+                // SAFETY: the file is opened read-only; as with every mapped checkpoint, the
+                // user must not truncate it while it is in use.
+                Access::Mapped => Backing::Mapped(Arc::new(
+                    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
+                )),
+                Access::Read => Backing::Read(file),
+            };
+            files.push(ShardFile {
+                path: path.clone(),
+                backing,
+            });
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            files,
+            tensors,
+        })
+    }
+
     /// The model directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -144,11 +176,14 @@ impl Checkpoint {
     /// Check that a tensor exists with this shape and a float dtype, without reading it.
     pub fn check_weight(&self, name: &str, shape: &[usize]) -> Result<&TensorDesc> {
         let d = self.check_shape(name, shape)?;
-        if !d.dtype.is_float() {
+        if !d.dtype.is_matrix() {
             return Err(Error::tensor(
                 &self.files[d.file].path,
                 name,
-                format!("has dtype {}, expected f32, bf16 or f16", d.dtype),
+                format!(
+                    "has dtype {}, expected f32, bf16, f16 or a ggml block format",
+                    d.dtype
+                ),
             ));
         }
         Ok(d)

@@ -110,6 +110,8 @@ pub struct Rope {
     pub scaling: f32,
     /// Leading dimensions of each head that rotate; the rest pass through.
     pub rotary_dim: usize,
+    /// Pairs are adjacent elements `(2i, 2i + 1)` rather than halves.
+    pub interleaved: bool,
 }
 
 impl Rope {
@@ -213,6 +215,45 @@ impl Rope {
             inv_freq,
             scaling,
             rotary_dim: d,
+            interleaved: params.interleaved,
+        }
+    }
+
+    /// Rotate `x` laid out `[tokens, heads, head_dim]` in place, in this RoPE's pairing.
+    pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize]) {
+        if self.interleaved {
+            self.apply_interleaved(x, heads, head_dim, positions)
+        } else {
+            self.apply_half_split(x, heads, head_dim, positions)
+        }
+    }
+
+    /// Rotate adjacent pairs: element `2i` pairs with `2i + 1`, frequency `i`.
+    pub fn apply_interleaved(
+        &self,
+        x: &mut [f32],
+        heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+    ) {
+        let half = self.rotary_dim / 2;
+        let mut cos = vec![0.0f32; half];
+        let mut sin = vec![0.0f32; half];
+        for (t, &pos) in positions.iter().enumerate() {
+            for i in 0..half {
+                let f = pos as f32 * self.inv_freq[i];
+                cos[i] = f.cos() * self.scaling;
+                sin[i] = f.sin() * self.scaling;
+            }
+            for h in 0..heads {
+                let base = (t * heads + h) * head_dim;
+                let v = &mut x[base..base + head_dim];
+                for i in 0..half {
+                    let (a, b) = (v[2 * i], v[2 * i + 1]);
+                    v[2 * i] = a * cos[i] - b * sin[i];
+                    v[2 * i + 1] = b * cos[i] + a * sin[i];
+                }
+            }
         }
     }
 
@@ -304,8 +345,8 @@ impl Attention {
             }
         }
         let positions: Vec<usize> = (start..start + t_len).collect();
-        self.rope.apply_half_split(&mut q, h, hd, &positions);
-        self.rope.apply_half_split(&mut k, kvh, hd, &positions);
+        self.rope.apply(&mut q, h, hd, &positions);
+        self.rope.apply(&mut k, kvh, hd, &positions);
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
         let out = attend(&q, kv, h, kvh, hd, start, self.window, self.scale);

@@ -78,6 +78,16 @@ pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
 
 /// Load the model in `dir`, placing routed experts as `opts` says.
 pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
+    // Streaming mode never maps the files: dense weights are read once, experts on demand.
+    let access = if opts.ram_budget.is_some() {
+        Access::Read
+    } else {
+        Access::Mapped
+    };
+    if crate::format::gguf_model::is_gguf(dir) {
+        let (_, cfg, ckpt) = crate::format::gguf_model::open(dir, access)?;
+        return load_family(&ckpt, &cfg, opts);
+    }
     let cfg = ModelConfig::from_model_dir(dir)?;
     let model_type = cfg.model_type()?;
     // Check the family before touching the weights, so the error is about the real problem.
@@ -91,19 +101,32 @@ pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
             ),
         ));
     }
-    // Streaming mode never maps the files: dense weights are read once, experts on demand.
-    let access = if opts.ram_budget.is_some() {
-        Access::Read
-    } else {
-        Access::Mapped
-    };
     let ckpt = Checkpoint::open_with(dir, access)?;
+    load_family(&ckpt, &cfg, opts)
+}
+
+/// Build the family `cfg` names from an opened checkpoint.
+fn load_family(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    opts: &StoreOptions,
+) -> Result<Box<dyn CausalLm>> {
+    let model_type = cfg.model_type()?;
     let model: Box<dyn CausalLm> = match model_type.as_str() {
-        "llama" => Box::new(llama::load(&ckpt, &cfg, opts)?),
-        "mixtral" => Box::new(mixtral::load(&ckpt, &cfg, opts)?),
-        "olmoe" => Box::new(olmoe::load(&ckpt, &cfg, opts)?),
-        "qwen3_moe" => Box::new(qwen3_moe::load(&ckpt, &cfg, opts)?),
-        _ => unreachable!("checked above"),
+        "llama" => Box::new(llama::load(ckpt, cfg, opts)?),
+        "mixtral" => Box::new(mixtral::load(ckpt, cfg, opts)?),
+        "olmoe" => Box::new(olmoe::load(ckpt, cfg, opts)?),
+        "qwen3_moe" => Box::new(qwen3_moe::load(ckpt, cfg, opts)?),
+        other => {
+            return Err(Error::config(
+                cfg.path(),
+                "model_type",
+                format!(
+                    "`{other}` is not supported by this build (supported: {})",
+                    SUPPORTED.join(", ")
+                ),
+            ))
+        }
     };
     Ok(model)
 }

