@@ -1,6 +1,7 @@
 //! `coli`: colibri's command line — operator commands now, the HTTP server later.
 
 mod bench;
+mod convert;
 mod demo;
 mod generate_cmd;
 mod info;
@@ -29,6 +30,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Describe a model: architecture, experts, parameters, bytes.
     Info(info::InfoArgs),
+    /// Write a Hugging Face checkpoint as a GGUF file (q8_0, q6_k, q5_k_m, q4_k_m, bf16).
+    Convert(convert::ConvertArgs),
     /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
     Synth(synth::SynthArgs),
 }
@@ -48,6 +51,7 @@ fn main() {
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Convert(a) => convert::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");

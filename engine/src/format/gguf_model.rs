@@ -124,6 +124,9 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     if let Some(ff) = opt_u("feed_forward_length")? {
         c.insert("intermediate_size".into(), json!(ff));
     }
+    if let Some(clip) = opt_f("attention.clamp_kqv")? {
+        c.insert("clip_qkv".into(), json!(clip));
+    }
     if arch == "qwen2" {
         c.insert("attention_bias".into(), json!(true));
     }
@@ -140,6 +143,14 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             if model_type != "qwen3_moe" {
                 c.insert("intermediate_size".into(), json!(ff));
             }
+        }
+        // Layers without a router are dense (a Qwen3-MoE `mlp_only_layers` checkpoint).
+        let layers = need("block_count")? as usize;
+        let dense: Vec<usize> = (0..layers)
+            .filter(|l| g.get_tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_none())
+            .collect();
+        if !dense.is_empty() {
+            c.insert("mlp_only_layers".into(), json!(dense));
         }
         // llama.cpp renormalises the top-k weights for qwen3moe (and mixtral), not olmoe.
         c.insert("norm_topk_prob".into(), json!(model_type != "olmoe"));

@@ -31,7 +31,7 @@ def main():
     args = ap.parse_args()
     prompts = json.load(open(args.prompts)) if args.prompts else PROMPTS
     llm = Llama(model_path=args.model, n_ctx=512, n_batch=512, n_threads=args.threads,
-                verbose=False)
+                logits_all=True, verbose=False)
     cases = []
     for text in prompts:
         ids = llm.tokenize(text.encode(), add_bos=llm._model.add_bos_token(), special=True)

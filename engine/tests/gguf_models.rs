@@ -1,0 +1,94 @@
+//! GGUF models: each family's transformers fixture converted to GGUF (`gguf_convert`, the
+//! code behind `coli convert`) loads through the GGUF path (llama.cpp names, fused experts,
+//! permuted Q/K with interleaved RoPE) and still matches transformers: f32 within the oracle
+//! tolerance and greedy-identical; quantized mixes load, run and stay close.
+
+mod common;
+use common::{argmax, fixture, ids, reference_json};
+
+use colibri::format::gguf_convert::{convert, ConvertType};
+use colibri::model::{self, Logits};
+
+fn reference_logits(arch: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
+    let v = reference_json(arch);
+    let logits = v["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .collect();
+    (ids(&v, "prompt_ids"), logits, ids(&v, "greedy_ids"))
+}
+
+// The llama fixture uses llama3 RoPE scaling, which GGUF stores as a `rope_freqs` tensor
+// (not written or read yet); mixtral covers the llama architecture and its Q/K permutation.
+const ARCHS: [&str; 3] = ["mixtral", "olmoe", "qwen3_moe"];
+
+#[test]
+fn f32_gguf_of_each_fixture_matches_transformers() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let out = tmp.path().join(format!("{arch}.gguf"));
+        convert(&fixture(arch), &out, ConvertType::F32, |_, _| {}).unwrap();
+        let m = model::load(&out).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        let (prompt, want, greedy) = reference_logits(arch);
+        let mut cache = m.new_cache(prompt.len() + greedy.len());
+        let got = m.forward(&prompt, &mut cache, Logits::All).unwrap();
+        assert_eq!(got.len(), want.len(), "{arch}");
+        let v = m.info().vocab_size;
+        // GGUF's llama architecture has no sliding window (llama.cpp ignores Mixtral's, and
+        // so do we on a GGUF file): compare only positions the window does not reach.
+        let window = if arch == "mixtral" { 24 } else { prompt.len() };
+        let n = window.min(prompt.len()) * v;
+        let worst = got[..n].iter().zip(&want[..n]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-4, "{arch}: max |Δlogit| {worst} from GGUF");
+        if window < prompt.len() {
+            continue;
+        }
+        // Greedy continuation.
+        let mut next = argmax(&got[got.len() - v..]);
+        let mut out = vec![];
+        for _ in 0..greedy.len() {
+            out.push(next);
+            let l = m.forward(&[next], &mut cache, Logits::Last).unwrap();
+            next = argmax(&l);
+        }
+        assert_eq!(out, greedy, "{arch}: greedy tokens from GGUF");
+    }
+}
+
+#[test]
+fn quantized_mixes_load_and_stay_close() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ["mixtral", "qwen3_moe"] {
+        let (prompt, want, _) = reference_logits(arch);
+        for (mix, bound) in [(ConvertType::Q8_0, 0.05f32), (ConvertType::BF16, 0.05)] {
+            let out = tmp.path().join(format!("{arch}-{mix:?}.gguf"));
+            convert(&fixture(arch), &out, mix, |_, _| {}).unwrap();
+            let m = model::load(&out).unwrap();
+            let mut cache = m.new_cache(prompt.len());
+            let got = m.forward(&prompt, &mut cache, Logits::All).unwrap();
+            let n = 24 * m.info().vocab_size; // inside mixtral's window (see above)
+            // Mean, not max: in these tiny random models a rounding can flip a near-tied
+            // routing choice at some position, which moves that row a lot.
+            let mean = got[..n].iter().zip(&want[..n]).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            assert!(mean > 0.0, "{arch} {mix:?}: quantization changed nothing?");
+            assert!(mean <= bound * scale.max(1.0), "{arch} {mix:?}: mean |Δ| {mean} (logit scale {scale})");
+        }
+    }
+}
+
+#[test]
+fn bad_convert_requests_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = ConvertType::parse("q3_xyz").unwrap_err().to_string();
+    assert!(e.contains("q3_xyz") && e.contains("q4_k_m"), "{e}");
+    let out = tmp.path().join("x.gguf");
+    let e = convert(&fixture("deepseek_v3"), &out, ConvertType::Q8_0, |_, _| {})
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not supported"), "{e}");
+    assert!(!out.exists(), "a failed conversion must not leave a file");
+}
