@@ -138,7 +138,7 @@ const RE_GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{
 const RE_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_DEEPSEEK3: &str = r"[!\x22#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const RE_BLOOM: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
+const RE_BLOOM: &str = r" ?[^(\s|.,!?\u{2026}\u{3002}\u{FF0C}\u{3001}\u{964}\u{6D4}\u{60C})]+";
 const RE_NEWLINES: &str = r"[^\n]+|[\n]+";
 const RE_GPT4O: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -201,28 +201,34 @@ const PRE_TYPES: &[PreType] = &[
     bpe(&["dbrx", "smaug-bpe"], &[RE_LLAMA3]),
     bpe(
         &["jais-2"],
-        &[r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}"],
+        &[
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}",
+        ],
     ),
     bpe(
         &["deepseek-llm"],
         &[
             r"[\r\n]",
-            r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
-            r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+            r"\s?[A-Za-z\u{B5}\u{C0}-\u{D6}\u{D8}-\u{F6}\u{F8}-\u{1BA}\u{1BC}-\u{1BF}\u{1C4}-\u{293}\u{295}-\u{2AF}\u{370}-\u{373}\u{376}\u{377}\u{37B}-\u{37D}\u{37F}\u{386}\u{388}-\u{38A}\u{38C}\u{38E}-\u{3A1}\u{3A3}-\u{3F5}\u{3F7}-\u{481}\u{48A}-\u{52F}\u{531}-\u{556}\u{10A0}-\u{10C5}\u{13A0}-\u{13F5}\u{13F8}-\u{13FD}\u{1C90}-\u{1CBA}\u{1CBD}-\u{1CBF}\u{1D00}-\u{1D2B}\u{1D6B}-\u{1D77}\u{1D79}-\u{1D9A}\u{1E00}-\u{1F15}\u{1F18}-\u{1F1D}\u{1F20}-\u{1F45}\u{1F48}-\u{1F4D}\u{1F50}-\u{1F57}\u{1F59}\u{1F5B}\u{1F5D}\u{1F5F}-\u{1F7D}\u{1F80}-\u{1FB4}\u{1FB6}-\u{1FBC}\u{1FBE}\u{1FC2}-\u{1FC4}\u{1FC6}-\u{1FCC}\u{1FD0}-\u{1FD3}\u{1FD6}-\u{1FDB}\u{1FE0}-\u{1FEC}\u{1FF2}-\u{1FF4}\u{1FF6}-\u{1FFC}\u{2102}\u{2107}\u{210A}-\u{2113}\u{2115}\u{2119}-\u{211D}\u{2124}\u{2126}\u{2128}\u{212A}-\u{212D}\u{212F}-\u{2134}\u{2139}\u{213C}-\u{213F}\u{2145}-\u{2149}\u{214E}\u{2183}\u{2184}\u{2C00}-\u{2C7B}\u{2C7E}-\u{2CE4}\u{2CEB}-\u{2CEE}\u{2CF2}\u{2CF3}\u{A640}-\u{A66D}\u{A680}-\u{A69B}\u{A722}-\u{A76F}\u{A771}-\u{A787}\u{A78B}-\u{A78E}\u{AB70}-\u{ABBF}\u{FB00}-\u{FB06}\u{FB13}-\u{FB17}\u{FF21}-\u{FF3A}\u{FF41}-\u{FF5A}\u{10400}-\u{1044F}\u{104B0}-\u{104D3}\u{104D8}-\u{104FB}\u{10C80}-\u{10CB2}\u{10CC0}-\u{10CF2}\u{118A0}-\u{118DF}\u{1E900}-\u{1E943}]+",
+            r"\s?[!-/:-~\u{FF01}-\u{FF0F}\u{FF1A}-\u{FF5E}\u{2018}-\u{201F}\u{3000}-\u{3002}]+",
             r"\s+$",
-            r"[一-龥ࠀ-一가-퟿]+",
+            r"[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+",
             r"\p{N}+",
         ],
     ),
     bpe(
         &["deepseek-v3", "hunyuan-dense", "hy_v4", "joyai-llm"],
-        &[r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+", RE_DEEPSEEK3],
+        &[
+            r"\p{N}{1,3}",
+            r"[\u{4E00}-\u{9FA5}\u{3040}-\u{309F}\u{30A0}-\u{30FF}]+",
+            RE_DEEPSEEK3,
+        ],
     ),
     bpe(
         &["spark2_5"],
         &[
             r"\p{N}{1,3}",
-            r"[一-龥぀-ゟ゠-ヿ]+",
+            r"[\u{4E00}-\u{9FA5}\u{3040}-\u{309F}\u{30A0}-\u{30FF}]+",
             r"[!\x22#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
             r"\p{N}",
         ],
@@ -230,7 +236,7 @@ const PRE_TYPES: &[PreType] = &[
     ignore_merges(bpe(
         &["youtu"],
         &[
-            r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+",
+            r"[\u{AC00}-\u{D7A3}\u{3131}-\u{318E}]+|[\u{FF01}\u{2026}\u{201C}\u{201D}\u{2018}\u{2019}\u{2014}\u{FF1A}\u{FF1B}\u{FF0C}\u{3001}-\u{303F}\u{FE30}-\u{FE4F}]+|[\u{3105}-\u{312F}]+|[\u{4E00}-\u{9FA5}\u{3040}-\u{309F}\u{30A0}-\u{30FF}]+",
             r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ],
     )),
@@ -240,7 +246,7 @@ const PRE_TYPES: &[PreType] = &[
             r"[\r\n]",
             r"\s?\p{L}+",
             r"\s?\p{P}+",
-            r"[一-龥ࠀ-一가-퟿]+",
+            r"[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+",
             r"\p{N}",
         ],
     ),
@@ -299,7 +305,9 @@ const PRE_TYPES: &[PreType] = &[
     ),
     bpe(
         &["qwen35"],
-        &[r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        &[
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ],
     ),
     bpe(&["poro-chat", "bloom", "gpt3-finnish"], &[RE_BLOOM]),
     no_bos(bpe(&["chatglm-bpe"], &[RE_LLAMA3])),
@@ -307,7 +315,9 @@ const PRE_TYPES: &[PreType] = &[
     bpe(&["viking"], &[RE_BLOOM, r"\p{N}"]),
     add_bos(ignore_merges(bpe(
         &["tekken"],
-        &[r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        &[
+            r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ],
     ))),
     add_bos(bpe(
         &["chameleon"],
@@ -326,7 +336,9 @@ const PRE_TYPES: &[PreType] = &[
     ),
     ignore_merges(bpe(
         &["granite-embed-multi-97m"],
-        &[r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        &[
+            r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ],
     )),
     bpe(
         &["tiny_aya", "cohere2moe"],
@@ -337,11 +349,15 @@ const PRE_TYPES: &[PreType] = &[
     ),
     bpe(
         &["bailingmoe", "bailingmoe2", "llada-moe"],
-        &[r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"],
+        &[
+            r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+        ],
     ),
     bpe(
         &["seed-coder"],
-        &[r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        &[
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ],
     ),
     bpe(
         &["ufakzeka"],
@@ -350,7 +366,9 @@ const PRE_TYPES: &[PreType] = &[
     bpe(&["laguna"], &[RE_NEWLINES, RE_QWEN2]),
     bpe(
         &["exaone-moe"],
-        &[r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],
+        &[
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",
+        ],
     ),
     ignore_merges(bpe(
         &["minicpm5"],
@@ -519,7 +537,10 @@ impl<'a> GgufVocab<'a> {
                     Error::config(
                         path,
                         KEY_TOKENS,
-                        format!("is an array of {}, expected strings", a.element_type().name()),
+                        format!(
+                            "is an array of {}, expected strings",
+                            a.element_type().name()
+                        ),
                     )
                 })?
                 .to_vec(),
@@ -528,7 +549,10 @@ impl<'a> GgufVocab<'a> {
             return Err(Error::config(
                 path,
                 KEY_TOKENS,
-                format!("has {} tokens, more than token ids can number", tokens.len()),
+                format!(
+                    "has {} tokens, more than token ids can number",
+                    tokens.len()
+                ),
             ));
         }
         for (i, t) in tokens.iter_mut().enumerate() {
@@ -543,7 +567,10 @@ impl<'a> GgufVocab<'a> {
                 Error::config(
                     path,
                     KEY_TOKEN_TYPE,
-                    format!("is an array of {}, expected integers", a.element_type().name()),
+                    format!(
+                        "is an array of {}, expected integers",
+                        a.element_type().name()
+                    ),
                 )
             })?;
             if raw.len() < n {
@@ -790,7 +817,9 @@ fn bpe_tokenizer(vocab: &GgufVocab<'_>) -> Result<tokenizers::Tokenizer> {
     if !pre.byte_level {
         builder = builder.byte_fallback(true);
     }
-    let model = builder.build().map_err(|e| lib_error(vocab, "BPE model", e))?;
+    let model = builder
+        .build()
+        .map_err(|e| lib_error(vocab, "BPE model", e))?;
     let mut tok = tokenizers::Tokenizer::new(model);
 
     let mut pre_tokenizers = Vec::with_capacity(pre.regexes.len() + 1);
@@ -847,7 +876,10 @@ fn spm_tokenizer(vocab: &GgufVocab<'_>) -> Result<tokenizers::Tokenizer> {
                 Error::config(
                     path,
                     KEY_SCORES,
-                    format!("is an array of {}, expected numbers", a.element_type().name()),
+                    format!(
+                        "is an array of {}, expected numbers",
+                        a.element_type().name()
+                    ),
                 )
             })?;
             if s.len() < n {
@@ -899,7 +931,9 @@ fn spm_tokenizer(vocab: &GgufVocab<'_>) -> Result<tokenizers::Tokenizer> {
     if let Some(unk) = vocab.token_id(KEY_UNK, Some(0))? {
         builder = builder.unk_token(vocab.tokens[unk as usize].clone());
     }
-    let model = builder.build().map_err(|e| lib_error(vocab, "BPE model", e))?;
+    let model = builder
+        .build()
+        .map_err(|e| lib_error(vocab, "BPE model", e))?;
     let mut tok = tokenizers::Tokenizer::new(model);
 
     let escape = Replace::new(" ", SPM_SPACE).map_err(|e| lib_error(vocab, "normalizer", e))?;
@@ -989,9 +1023,7 @@ fn post_processor(
     };
     let bos = require(specials.add_bos, specials.bos, KEY_ADD_BOS, KEY_BOS)?;
     let eos = require(specials.add_eos, specials.eos, KEY_ADD_EOS, KEY_EOS)?;
-    let piece = |id: u32| {
-        serde_json::json!({"SpecialToken": {"id": vocab.tokens[id as usize], "type_id": 0}})
-    };
+    let piece = |id: u32| serde_json::json!({"SpecialToken": {"id": vocab.tokens[id as usize], "type_id": 0}});
     let template = |seq: &str, type_id: u32| {
         let mut t = Vec::new();
         t.extend(bos.map(piece));
@@ -1033,10 +1065,16 @@ mod tests {
     /// A tiny byte-level BPE vocabulary: the bytes "a", "b", "Ġ" and the merge "a b".
     fn gpt2_metadata() -> Vec<(String, GgufValue)> {
         vec![
-            ("general.architecture".into(), GgufValue::String("gpt2".into())),
+            (
+                "general.architecture".into(),
+                GgufValue::String("gpt2".into()),
+            ),
             (KEY_MODEL.into(), GgufValue::String("gpt2".into())),
             (KEY_PRE.into(), GgufValue::String("gpt-2".into())),
-            (KEY_TOKENS.into(), strings(&["a", "b", "ab", "Ġ", "<|endoftext|>"])),
+            (
+                KEY_TOKENS.into(),
+                strings(&["a", "b", "ab", "Ġ", "<|endoftext|>"]),
+            ),
             (
                 KEY_TOKEN_TYPE.into(),
                 GgufValue::Array(GgufArray::I32(vec![1, 1, 1, 1, 3])),
@@ -1168,11 +1206,16 @@ mod tests {
     #[test]
     fn tiny_spm_vocab_merges_by_score() {
         // "▁ab" can be "▁a" + "b" (score of ▁ab) — the highest-scoring merge wins first.
-        let tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "▁ab", "<0x21>"];
+        let tokens = [
+            "<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "▁ab", "<0x21>",
+        ];
         let types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 6];
         let scores = [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -5.0, -4.0, -6.0, 0.0];
         let meta = vec![
-            ("general.architecture".into(), GgufValue::String("llama".into())),
+            (
+                "general.architecture".into(),
+                GgufValue::String("llama".into()),
+            ),
             (KEY_MODEL.into(), GgufValue::String("llama".into())),
             (KEY_TOKENS.into(), strings(&tokens)),
             (
@@ -1192,6 +1235,9 @@ mod tests {
         assert_eq!(tok.encode("ab", true).unwrap(), vec![1, 8]);
         assert_eq!(tok.decode(&[8, 9], false).unwrap(), "ab!");
         let sp = special_tokens(&gguf).unwrap();
-        assert_eq!((sp.bos, sp.eos, sp.add_bos, sp.add_eos), (Some(1), Some(2), true, false));
+        assert_eq!(
+            (sp.bos, sp.eos, sp.add_bos, sp.add_eos),
+            (Some(1), Some(2), true, false)
+        );
     }
 }
