@@ -15,7 +15,12 @@ fn reference_logits(arch: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .flat_map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+        })
         .collect();
     (ids(&v, "prompt_ids"), logits, ids(&v, "greedy_ids"))
 }
@@ -40,8 +45,14 @@ fn f32_gguf_of_each_fixture_matches_transformers() {
         // so do we on a GGUF file): compare only positions the window does not reach.
         let window = if arch == "mixtral" { 24 } else { prompt.len() };
         let n = window.min(prompt.len()) * v;
-        let worst = got[..n].iter().zip(&want[..n]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(worst <= 1e-4, "{arch}: max |Δlogit| {worst} from GGUF");
+        let worst = got[..n]
+            .iter()
+            .zip(&want[..n])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        // GGUF files run with llama.cpp's f16 KV precision (see gguf_model), hence 5e-3, not
+        // the oracle's 1e-4; a wrong tensor mapping is off by ~1.
+        assert!(worst <= 5e-3, "{arch}: max |Δlogit| {worst} from GGUF");
         if window < prompt.len() {
             continue;
         }
@@ -69,12 +80,20 @@ fn quantized_mixes_load_and_stay_close() {
             let mut cache = m.new_cache(prompt.len());
             let got = m.forward(&prompt, &mut cache, Logits::All).unwrap();
             let n = 24 * m.info().vocab_size; // inside mixtral's window (see above)
-            // Mean, not max: in these tiny random models a rounding can flip a near-tied
-            // routing choice at some position, which moves that row a lot.
-            let mean = got[..n].iter().zip(&want[..n]).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+                                              // Mean, not max: in these tiny random models a rounding can flip a near-tied
+                                              // routing choice at some position, which moves that row a lot.
+            let mean = got[..n]
+                .iter()
+                .zip(&want[..n])
+                .map(|(a, b)| (a - b).abs())
+                .sum::<f32>()
+                / n as f32;
             let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             assert!(mean > 0.0, "{arch} {mix:?}: quantization changed nothing?");
-            assert!(mean <= bound * scale.max(1.0), "{arch} {mix:?}: mean |Δ| {mean} (logit scale {scale})");
+            assert!(
+                mean <= bound * scale.max(1.0),
+                "{arch} {mix:?}: mean |Δ| {mean} (logit scale {scale})"
+            );
         }
     }
 }

@@ -49,11 +49,9 @@ impl ConvertType {
             "bf16" => ConvertType::BF16,
             "f16" => ConvertType::F16,
             "f32" => ConvertType::F32,
-            other => {
-                return Err(Error::Invalid(format!(
-                    "unknown GGUF type `{other}` (choose q8_0, q6_k, q5_k_m, q4_k_m, bf16, f16 or f32)"
-                )))
-            }
+            other => return Err(Error::Invalid(format!(
+                "unknown GGUF type `{other}` (choose q8_0, q6_k, q5_k_m, q4_k_m, bf16, f16 or f32)"
+            ))),
         })
     }
 
@@ -96,10 +94,18 @@ struct Plan {
 
 /// llama.cpp's `use_more_bits`: the layers its `_M` mixes give more bits.
 fn use_more_bits(layer: usize, layers: usize) -> bool {
-    layer < layers / 8 || layer >= 7 * layers / 8 || (layer as isize - (layers / 8) as isize) % 3 == 2
+    layer < layers / 8
+        || layer >= 7 * layers / 8
+        || (layer as isize - (layers / 8) as isize) % 3 == 2
 }
 
-fn choose_type(mix: ConvertType, gguf_name: &str, cols: usize, layer: Option<usize>, layers: usize) -> QuantType {
+fn choose_type(
+    mix: ConvertType,
+    gguf_name: &str,
+    cols: usize,
+    layer: Option<usize>,
+    layers: usize,
+) -> QuantType {
     let base = match mix {
         ConvertType::Q8_0 => QuantType::Q8_0,
         ConvertType::Q6K => QuantType::Q6_K,
@@ -224,7 +230,9 @@ pub fn convert(
         }
     }
     if rope.partial_rotary_factor != 1.0 {
-        return Err(Error::Unsupported("partial rotary embeddings in GGUF export".into()));
+        return Err(Error::Unsupported(
+            "partial rotary embeddings in GGUF export".into(),
+        ));
     }
 
     // Metadata.
@@ -257,7 +265,10 @@ pub fn convert(
             format!("{a}.attention.layer_norm_rms_epsilon"),
             GgufValue::F32(cfg.f64_or("rms_norm_eps", 1e-6)? as f32),
         ),
-        (format!("{a}.rope.freq_base"), GgufValue::F32(rope.theta as f32)),
+        (
+            format!("{a}.rope.freq_base"),
+            GgufValue::F32(rope.theta as f32),
+        ),
         (format!("{a}.vocab_size"), u32v(cfg.usize("vocab_size")?)),
     ];
     if let Some(c) = cfg.get("clip_qkv").and_then(|v| v.as_f64()) {
@@ -266,8 +277,14 @@ pub fn convert(
     match &rope.kind {
         crate::format::config::RopeKind::Default => {}
         crate::format::config::RopeKind::Linear { factor } => {
-            md.push((format!("{a}.rope.scaling.type"), GgufValue::String("linear".into())));
-            md.push((format!("{a}.rope.scaling.factor"), GgufValue::F32(*factor as f32)));
+            md.push((
+                format!("{a}.rope.scaling.type"),
+                GgufValue::String("linear".into()),
+            ));
+            md.push((
+                format!("{a}.rope.scaling.factor"),
+                GgufValue::F32(*factor as f32),
+            ));
         }
         other => {
             return Err(Error::Unsupported(format!(
@@ -287,7 +304,10 @@ pub fn convert(
             format!("{a}.expert_used_count"),
             u32v(cfg.usize("num_experts_per_tok")?),
         ));
-        md.push((format!("{a}.expert_feed_forward_length"), u32v(expert_inter)));
+        md.push((
+            format!("{a}.expert_feed_forward_length"),
+            u32v(expert_inter),
+        ));
         let norm = cfg.bool_or("norm_topk_prob", fam.arch == "llama")?;
         let llama_norm = fam.arch != "olmoe";
         if norm != llama_norm {
@@ -309,36 +329,62 @@ pub fn convert(
     // Tensors, in llama.cpp's order: embeddings, layers, final norm, output.
     let vocab = cfg.usize("vocab_size")?;
     let mut plans = Vec::new();
-    let plan_one = |name: String, src: String, permute: Option<usize>, layer: Option<usize>| -> Result<Plan> {
-        let d = ckpt.desc(&src)?;
-        let shape = d.shape.clone();
-        let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
-            QuantType::F32
-        } else {
-            choose_type(mix, &name, *shape.last().unwrap(), layer, layers)
+    let plan_one =
+        |name: String, src: String, permute: Option<usize>, layer: Option<usize>| -> Result<Plan> {
+            let d = ckpt.desc(&src)?;
+            let shape = d.shape.clone();
+            let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
+                QuantType::F32
+            } else {
+                choose_type(mix, &name, *shape.last().unwrap(), layer, layers)
+            };
+            Ok(Plan {
+                name,
+                shape,
+                ty,
+                sources: vec![src],
+                permute_heads: permute,
+            })
         };
-        Ok(Plan {
-            name,
-            shape,
-            ty,
-            sources: vec![src],
-            permute_heads: permute,
-        })
-    };
     macro_rules! plan {
         ($($a:expr),*) => { plans.push(plan_one($($a),*)?) };
     }
-    plan!("token_embd.weight".into(), "model.embed_tokens.weight".into(), None, None);
+    plan!(
+        "token_embd.weight".into(),
+        "model.embed_tokens.weight".into(),
+        None,
+        None
+    );
     let qk = |n: usize| if fam.permute_qk { Some(n) } else { None };
     for l in 0..layers {
         let p = format!("model.layers.{l}");
         let b = format!("blk.{l}");
         let mut pairs: Vec<(String, String, Option<usize>)> = vec![
-            (format!("{b}.attn_norm.weight"), format!("{p}.input_layernorm.weight"), None),
-            (format!("{b}.attn_q.weight"), format!("{p}.self_attn.q_proj.weight"), qk(heads)),
-            (format!("{b}.attn_k.weight"), format!("{p}.self_attn.k_proj.weight"), qk(kv_heads)),
-            (format!("{b}.attn_v.weight"), format!("{p}.self_attn.v_proj.weight"), None),
-            (format!("{b}.attn_output.weight"), format!("{p}.self_attn.o_proj.weight"), None),
+            (
+                format!("{b}.attn_norm.weight"),
+                format!("{p}.input_layernorm.weight"),
+                None,
+            ),
+            (
+                format!("{b}.attn_q.weight"),
+                format!("{p}.self_attn.q_proj.weight"),
+                qk(heads),
+            ),
+            (
+                format!("{b}.attn_k.weight"),
+                format!("{p}.self_attn.k_proj.weight"),
+                qk(kv_heads),
+            ),
+            (
+                format!("{b}.attn_v.weight"),
+                format!("{p}.self_attn.v_proj.weight"),
+                None,
+            ),
+            (
+                format!("{b}.attn_output.weight"),
+                format!("{p}.self_attn.o_proj.weight"),
+                None,
+            ),
         ];
         for (g, h, perm) in [
             ("attn_q.bias", "self_attn.q_proj.bias", qk(heads)),
@@ -351,7 +397,11 @@ pub fn convert(
                 pairs.push((format!("{b}.{g}"), format!("{p}.{h}"), perm));
             }
         }
-        pairs.push((format!("{b}.ffn_norm.weight"), format!("{p}.post_attention_layernorm.weight"), None));
+        pairs.push((
+            format!("{b}.ffn_norm.weight"),
+            format!("{p}.post_attention_layernorm.weight"),
+            None,
+        ));
         for (g, s, perm) in pairs {
             plan!(g, s, perm, Some(l));
         }
@@ -381,18 +431,36 @@ pub fn convert(
                 });
             }
         } else {
-            for (g, h) in [("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")] {
-                plan!(format!("{b}.{g}.weight"), format!("{p}.mlp.{h}.weight"), None, Some(l));
+            for (g, h) in [
+                ("ffn_gate", "gate_proj"),
+                ("ffn_up", "up_proj"),
+                ("ffn_down", "down_proj"),
+            ] {
+                plan!(
+                    format!("{b}.{g}.weight"),
+                    format!("{p}.mlp.{h}.weight"),
+                    None,
+                    Some(l)
+                );
             }
         }
     }
-    plan!("output_norm.weight".into(), "model.norm.weight".into(), None, None);
+    plan!(
+        "output_norm.weight".into(),
+        "model.norm.weight".into(),
+        None,
+        None
+    );
     let tied = cfg.bool_or("tie_word_embeddings", false)? && !ckpt.contains("lm_head.weight");
     if !tied {
         plan!("output.weight".into(), "lm_head.weight".into(), None, None);
     }
     if plans[0].shape[0] != vocab {
-        return Err(Error::tensor(dir, "model.embed_tokens.weight", "rows differ from vocab_size"));
+        return Err(Error::tensor(
+            dir,
+            "model.embed_tokens.weight",
+            "rows differ from vocab_size",
+        ));
     }
 
     // Write.
@@ -478,7 +546,10 @@ fn tokenizer_metadata(
 ) -> Result<()> {
     let path = dir.join("tokenizer.json");
     if !path.is_file() {
-        warnings.push("no tokenizer.json: the GGUF has no vocabulary (llama.cpp needs one to run text)".into());
+        warnings.push(
+            "no tokenizer.json: the GGUF has no vocabulary (llama.cpp needs one to run text)"
+                .into(),
+        );
         return Ok(());
     }
     let json = crate::error::read_json(&path)?;
@@ -508,7 +579,11 @@ fn tokenizer_metadata(
             if id < vocab_size {
                 tokens[id] = content.to_string();
                 filled[id] = true;
-                types[id] = if added["special"].as_bool() == Some(true) { 3 } else { 4 };
+                types[id] = if added["special"].as_bool() == Some(true) {
+                    3
+                } else {
+                    4
+                };
             }
         }
     }
@@ -542,7 +617,10 @@ fn tokenizer_metadata(
             }
         }
     };
-    md.push(("tokenizer.ggml.model".into(), GgufValue::String("gpt2".into())));
+    md.push((
+        "tokenizer.ggml.model".into(),
+        GgufValue::String("gpt2".into()),
+    ));
     md.push(("tokenizer.ggml.pre".into(), GgufValue::String(pre.into())));
     md.push((
         "tokenizer.ggml.tokens".into(),
@@ -561,13 +639,22 @@ fn tokenizer_metadata(
         md.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(e)));
     }
     if let Some(b) = cfg.get("bos_token_id").and_then(|v| v.as_u64()) {
-        md.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(b as u32)));
+        md.push((
+            "tokenizer.ggml.bos_token_id".into(),
+            GgufValue::U32(b as u32),
+        ));
     }
-    md.push(("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(false)));
+    md.push((
+        "tokenizer.ggml.add_bos_token".into(),
+        GgufValue::Bool(false),
+    ));
     let tc = dir.join("tokenizer_config.json");
     if tc.is_file() {
         if let Some(t) = crate::error::read_json(&tc)?["chat_template"].as_str() {
-            md.push(("tokenizer.chat_template".into(), GgufValue::String(t.into())));
+            md.push((
+                "tokenizer.chat_template".into(),
+                GgufValue::String(t.into()),
+            ));
         }
     }
     Ok(())

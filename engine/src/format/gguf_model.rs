@@ -65,9 +65,9 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     };
     let opt_u = |k: &str| g.get_u64(&key(k));
     let opt_f = |k: &str| g.get_f64(&key(k));
-    let embd = g.get_tensor("token_embd.weight").ok_or_else(|| {
-        Error::tensor(&path, "token_embd.weight", "missing from the GGUF file")
-    })?;
+    let embd = g
+        .get_tensor("token_embd.weight")
+        .ok_or_else(|| Error::tensor(&path, "token_embd.weight", "missing from the GGUF file"))?;
     let vocab = embd.shape[0];
     let experts = opt_u("expert_count")?.unwrap_or(0);
     let model_type = match (arch.as_str(), experts) {
@@ -127,6 +127,8 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     if let Some(clip) = opt_f("attention.clamp_kqv")? {
         c.insert("clip_qkv".into(), json!(clip));
     }
+    // llama.cpp keeps keys and values in f16 by default; run GGUF files the same way.
+    c.insert("kv_f16".into(), json!(true));
     if arch == "qwen2" {
         c.insert("attention_bias".into(), json!(true));
     }
@@ -147,7 +149,10 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         // Layers without a router are dense (a Qwen3-MoE `mlp_only_layers` checkpoint).
         let layers = need("block_count")? as usize;
         let dense: Vec<usize> = (0..layers)
-            .filter(|l| g.get_tensor(&format!("blk.{l}.ffn_gate_inp.weight")).is_none())
+            .filter(|l| {
+                g.get_tensor(&format!("blk.{l}.ffn_gate_inp.weight"))
+                    .is_none()
+            })
             .collect();
         if !dense.is_empty() {
             c.insert("mlp_only_layers".into(), json!(dense));
@@ -256,16 +261,17 @@ fn hf_tensors(g: &GgufFile, model_type: &str) -> Result<BTreeMap<String, TensorD
         out.insert(name, desc);
     };
     for t in g.tensors() {
-        let desc = |name: &str, shape: Vec<usize>, offset: usize, len: usize| -> Result<TensorDesc> {
-            Ok(TensorDesc {
-                name: name.to_string(),
-                shape,
-                dtype: dtype_of(g, t)?,
-                file: 0,
-                offset,
-                len,
-            })
-        };
+        let desc =
+            |name: &str, shape: Vec<usize>, offset: usize, len: usize| -> Result<TensorDesc> {
+                Ok(TensorDesc {
+                    name: name.to_string(),
+                    shape,
+                    dtype: dtype_of(g, t)?,
+                    file: 0,
+                    offset,
+                    len,
+                })
+            };
         let top = match t.name.as_str() {
             "token_embd.weight" => Some("model.embed_tokens.weight"),
             "output_norm.weight" => Some("model.norm.weight"),
@@ -277,7 +283,10 @@ fn hf_tensors(g: &GgufFile, model_type: &str) -> Result<BTreeMap<String, TensorD
             continue;
         }
         let Some(rest) = t.name.strip_prefix("blk.") else {
-            put(t.name.clone(), desc(&t.name, t.shape.clone(), t.offset, t.len)?);
+            put(
+                t.name.clone(),
+                desc(&t.name, t.shape.clone(), t.offset, t.len)?,
+            );
             continue;
         };
         let Some((layer, rest)) = rest.split_once('.') else {
@@ -295,7 +304,10 @@ fn hf_tensors(g: &GgufFile, model_type: &str) -> Result<BTreeMap<String, TensorD
                 return Err(Error::tensor(
                     g.path(),
                     &t.name,
-                    format!("fused experts must be [experts, rows, cols], got {:?}", t.shape),
+                    format!(
+                        "fused experts must be [experts, rows, cols], got {:?}",
+                        t.shape
+                    ),
                 ));
             }
             let n = t.shape[0];
@@ -312,7 +324,8 @@ fn hf_tensors(g: &GgufFile, model_type: &str) -> Result<BTreeMap<String, TensorD
         // Per-expert tensors of older Mixtral files: ffn_gate.E.weight.
         let parts: Vec<&str> = rest.split('.').collect();
         if parts.len() == 3 && parts[2] == "weight" {
-            if let (Some(which), Ok(e)) = (parts[0].strip_prefix("ffn_"), parts[1].parse::<usize>()) {
+            if let (Some(which), Ok(e)) = (parts[0].strip_prefix("ffn_"), parts[1].parse::<usize>())
+            {
                 let name = expert_name(l, e, which, true);
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);
                 continue;
@@ -323,7 +336,10 @@ fn hf_tensors(g: &GgufFile, model_type: &str) -> Result<BTreeMap<String, TensorD
                 let name = format!("model.layers.{l}.{suffix}");
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);
             }
-            None => put(t.name.clone(), desc(&t.name, t.shape.clone(), t.offset, t.len)?),
+            None => put(
+                t.name.clone(),
+                desc(&t.name, t.shape.clone(), t.offset, t.len)?,
+            ),
         }
     }
     Ok(out)

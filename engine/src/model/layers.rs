@@ -319,6 +319,9 @@ pub struct Attention {
     /// Each query sees this many most recent keys, itself included.
     pub window: Option<usize>,
     pub scale: f32,
+    /// Round queries, keys and values to f16 precision before attending, as llama.cpp's
+    /// default f16 KV cache does (on for GGUF files, so they run as llama.cpp runs them).
+    pub kv_f16: bool,
 }
 
 impl Attention {
@@ -347,6 +350,13 @@ impl Attention {
         let positions: Vec<usize> = (start..start + t_len).collect();
         self.rope.apply(&mut q, h, hd, &positions);
         self.rope.apply(&mut k, kvh, hd, &positions);
+        if self.kv_f16 {
+            for t in [&mut q, &mut k, &mut v] {
+                for x in t.iter_mut() {
+                    *x = half::f16::from_f32(*x).to_f32();
+                }
+            }
+        }
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
         let out = attend(&q, kv, h, kvh, hd, start, self.window, self.scale);

