@@ -406,6 +406,11 @@ pub fn convert(
             plan!(g, s, perm, Some(l));
         }
         let router = (fam.router)(l);
+        if fam.experts > 0 && !ckpt.contains(&router) && fam.arch != "llama" {
+            warnings.push(format!(
+                "layer {l} is dense (no router): colibri runs this file, but llama.cpp's `{a}` expects every layer to be MoE and will refuse it"
+            ));
+        }
         if fam.experts > 0 && ckpt.contains(&router) {
             plan!(format!("{b}.ffn_gate_inp.weight"), router, None, Some(l));
             for (which, hf) in ["gate", "up", "down"].iter().zip(fam.expert_names) {

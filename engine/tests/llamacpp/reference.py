@@ -28,13 +28,19 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", help="JSON list of prompts instead of the built-in ones")
+    ap.add_argument("--ids", help="comma-separated prompt token ids instead of text prompts")
     args = ap.parse_args()
     prompts = json.load(open(args.prompts)) if args.prompts else PROMPTS
     llm = Llama(model_path=args.model, n_ctx=512, n_batch=512, n_threads=args.threads,
                 logits_all=True, verbose=False)
     cases = []
+    if args.ids:
+        prompts = [None]
     for text in prompts:
-        ids = llm.tokenize(text.encode(), add_bos=llm._model.add_bos_token(), special=True)
+        if args.ids:
+            ids = [int(i) for i in args.ids.split(",")]
+        else:
+            ids = llm.tokenize(text.encode(), add_bos=llm._model.add_bos_token(), special=True)
         llm.reset()
         llm.eval(ids)
         out, margins = [], []
@@ -47,7 +53,7 @@ def main():
             llm.eval([tok])
         cases.append({"prompt": text, "prompt_ids": [int(i) for i in ids],
                       "greedy_ids": out, "margins": margins,
-                      "text": llm.detokenize(out).decode("utf-8", "replace")})
+                      "text": llm.detokenize(out).decode("utf-8", "replace") if text else None})
     json.dump({"model": args.model.split("/")[-1], "engine": "llama.cpp via llama-cpp-python",
                "cases": cases}, open(args.out, "w"), indent=1)
 
