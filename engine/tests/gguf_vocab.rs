@@ -77,7 +77,9 @@ fn fetch(root: &Path, models: &Path) -> Result<(), String> {
         .status()
         .map_err(|e| format!("cannot run python3: {e}"))?;
     if !status.success() {
-        return Err(format!("downloading {SDIST} from PyPI failed ({status}); offline?"));
+        return Err(format!(
+            "downloading {SDIST} from PyPI failed ({status}); offline?"
+        ));
     }
     let archive = std::fs::read_dir(&dl)
         .map_err(|e| format!("{}: {e}", dl.display()))?

@@ -124,7 +124,10 @@ fn converted_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
                 .args(["--tokens", "12", "--ids", &ids.join(",")])
                 .status()
                 .unwrap();
-            assert!(status.success(), "{arch} {mix:?}: llama.cpp could not run our GGUF");
+            assert!(
+                status.success(),
+                "{arch} {mix:?}: llama.cpp could not run our GGUF"
+            );
             let r: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
             let case = &r["cases"][0];
@@ -132,7 +135,10 @@ fn converted_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
             let m = LoadedModel::open(&out, false).unwrap();
             let got = greedy(&m, &prompt, want.len());
             let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-            eprintln!("{arch} {mix:?}: identical for {agree} of {} tokens", want.len());
+            eprintln!(
+                "{arch} {mix:?}: identical for {agree} of {} tokens",
+                want.len()
+            );
             if agree < want.len() {
                 let margin = case["margins"][agree].as_f64().unwrap();
                 assert!(

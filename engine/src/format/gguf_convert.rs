@@ -49,9 +49,11 @@ impl ConvertType {
             "bf16" => ConvertType::BF16,
             "f16" => ConvertType::F16,
             "f32" => ConvertType::F32,
-            other => return Err(Error::Invalid(format!(
+            other => {
+                return Err(Error::Invalid(format!(
                 "unknown GGUF type `{other}` (choose q8_0, q6_k, q5_k_m, q4_k_m, bf16, f16 or f32)"
-            ))),
+            )))
+            }
         })
     }
 
