@@ -488,13 +488,86 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot32<const R: usize>(ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        match ty {
+            QuantType::Q8_0 => dot32_t::<R, 0>(w, x),
+            QuantType::Q4_0 => dot32_t::<R, 1>(w, x),
+            _ => dot32_t::<R, 2>(w, x),
+        }
+    }
+
+    /// Eight f16 values at `p`, `p + stride`, ... as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
+        let h = |k: usize| (p.add(k * stride) as *const u16).read_unaligned() as i16;
+        _mm256_cvtph_ps(_mm_setr_epi16(
+            h(0),
+            h(1),
+            h(2),
+            h(3),
+            h(4),
+            h(5),
+            h(6),
+            h(7),
+        ))
+    }
+
+    /// The 32-element kernel for one format: `T` = 0 (Q8_0), 1 (Q4_0), 2 (Q4_1).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot32_t<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let ty = match T {
+            0 => QuantType::Q8_0,
+            1 => QuantType::Q4_0,
+            _ => QuantType::Q4_1,
+        };
+        let signed = T != 2;
         let bb = ty.block_bytes();
         let nb = w.len() / bb;
-        let signed = ty != QuantType::Q4_1;
+        let full = nb / 8 * 8;
         let mut acc = [_mm256_setzero_ps(); R];
         let mut b0 = 0;
-        while b0 < nb {
-            let nblk = (nb - b0).min(8);
+        while b0 < full {
+            let wp = w.as_ptr().add(b0 * bb);
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 64) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 128) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 192) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 256) as *const i8);
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for k in 0..8 {
+                codes[k] = codes32(ty, wp.add(k * bb));
+            }
+            let dw = f16x8(wp, bb);
+            let mw = if signed {
+                _mm256_setzero_ps()
+            } else {
+                f16x8(wp.add(2), bb)
+            };
+            for r in 0..R {
+                let xr = x[r];
+                let xq = xr.qs.as_ptr().add(b0 * QK32);
+                let mut prods = [_mm256_setzero_si256(); 8];
+                for k in 0..8 {
+                    let xv = _mm256_loadu_si256(xq.add(k * QK32) as *const __m256i);
+                    prods[k] = if signed {
+                        mul_i8(codes[k], xv)
+                    } else {
+                        mul_u8(codes[k], xv)
+                    };
+                }
+                let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
+                let s = _mm256_mul_ps(dw, _mm256_loadu_ps(xr.d.as_ptr().add(b0)));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, isums));
+                if !signed {
+                    let m = _mm256_mul_ps(mw, _mm256_loadu_ps(xr.sums.as_ptr().add(b0)));
+                    acc[r] = _mm256_add_ps(acc[r], m);
+                }
+            }
+            b0 += 8;
+        }
+        if b0 < nb {
+            // Tail of fewer than 8 blocks: missing blocks contribute exact zeros.
+            let nblk = nb - b0;
             let mut codes = [_mm256_setzero_si256(); 8];
             let mut dw = [0.0f32; 8];
             let mut mw = [0.0f32; 8];
@@ -520,21 +593,20 @@ mod avx2 {
                     };
                 }
                 let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
-                let mut s = [0.0f32; 8];
+                let mut sv = [0.0f32; 8];
                 let mut mterm = [0.0f32; 8];
                 for k in 0..nblk {
-                    s[k] = dw[k] * xr.d[b0 + k];
+                    sv[k] = dw[k] * xr.d[b0 + k];
                     if !signed {
                         mterm[k] = mw[k] * xr.sums[b0 + k];
                     }
                 }
-                let p = _mm256_mul_ps(_mm256_loadu_ps(s.as_ptr()), isums);
+                let p = _mm256_mul_ps(_mm256_loadu_ps(sv.as_ptr()), isums);
                 acc[r] = _mm256_add_ps(acc[r], p);
                 if !signed {
                     acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(mterm.as_ptr()));
                 }
             }
-            b0 += 8;
         }
         let mut out = [0.0f32; R];
         for r in 0..R {
