@@ -94,7 +94,8 @@ impl QuantizedActs {
                     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
                     let mut sum = 0i32;
                     for (q, &v) in qb.iter_mut().zip(xb) {
-                        *q = (v * id).round_ties_even() as i8;
+                        // Ties to even, as `_mm256_round_ps(_MM_ROUND_NEAREST)` (|v·id| ≤ 127).
+                        *q = nearest_int(v * id) as i8;
                         sum += *q as i32;
                     }
                     d.push(f16::from_f32(dd).to_f32());
@@ -409,9 +410,15 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn mul_i8(w: __m256i, x: __m256i) -> __m256i {
-        let ax = _mm256_sign_epi8(w, w);
+        mul_i8_abs(_mm256_sign_epi8(w, w), w, x)
+    }
+
+    /// [`mul_i8`] with `|w|` already computed.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn mul_i8_abs(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
         let sy = _mm256_sign_epi8(x, w);
-        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), _mm256_set1_epi16(1))
     }
 
     /// Sum of u8·i8 products of 32 bytes, as 8 i32 lanes.
@@ -534,8 +541,12 @@ mod avx2 {
             _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 192) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 256) as *const i8);
             let mut codes = [_mm256_setzero_si256(); 8];
+            let mut abs = [_mm256_setzero_si256(); 8];
             for k in 0..8 {
                 codes[k] = codes32(ty, wp.add(k * bb));
+                if signed {
+                    abs[k] = _mm256_sign_epi8(codes[k], codes[k]);
+                }
             }
             let dw = f16x8(wp, bb);
             let mw = if signed {
