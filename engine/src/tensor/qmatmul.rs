@@ -635,21 +635,29 @@ mod avx2 {
         let mut accm = [0.0f32; R];
         let m4 = _mm256_set1_epi8(0xf);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
             let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
-            let mut sc = [0i16; 8];
+            let mut scv = [_mm256_setzero_si256(); 8];
             let mut mn = [0i32; 8];
             for j in 0..8 {
                 let (s, m) = get_scale_min_k4(j, scales);
-                sc[j] = s as i16;
+                scv[j] = _mm256_set1_epi16(s as i16);
                 mn[j] = m as i32;
             }
+            // hadd of the 16 sums pairs them as [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
+            let mv = _mm256_setr_epi32(mn[0], mn[1], mn[4], mn[5], mn[2], mn[3], mn[6], mn[7]);
             let mut nib = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
                 let q = _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i);
                 nib[2 * c] = _mm256_and_si256(q, m4);
                 nib[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             }
-            let (d, dmin) = (f16_le(wb, 0), f16_le(wb, 2));
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
+                (wb.as_ptr() as *const i32).read_unaligned(),
+            ));
+            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
             for r in 0..R {
                 let xr = x[r];
                 let y = xr.qs.as_ptr().add(b * QK_K);
@@ -657,14 +665,15 @@ mod avx2 {
                 for j in 0..8 {
                     let yv = _mm256_loadu_si256(y.add(32 * j) as *const __m256i);
                     let p16 = _mm256_maddubs_epi16(nib[j], yv);
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, _mm256_set1_epi16(sc[j])));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[j]));
                 }
                 let sumi = hsum_i32(sum);
-                let bs = &xr.bsums[b * 16..(b + 1) * 16];
-                let mut summ = 0i32;
-                for j in 0..8 {
-                    summ += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-                }
+                let bs = xr.bsums.as_ptr().add(b * 16);
+                let pairs = _mm256_hadd_epi32(
+                    _mm256_loadu_si256(bs as *const __m256i),
+                    _mm256_loadu_si256(bs.add(8) as *const __m256i),
+                );
+                let summ = hsum_i32(_mm256_mullo_epi32(pairs, mv));
                 acc[r] += (d * xr.d[b]) * sumi as f32;
                 accm[r] += (dmin * xr.d[b]) * summ as f32;
             }
@@ -683,6 +692,10 @@ mod avx2 {
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
             // Codes of the 8 groups of 32 elements (element 32g + l), 0..64.
             let mut codes = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
@@ -714,7 +727,11 @@ mod avx2 {
                 let (a, c) = (sc[2 * k] as i16, sc[2 * k + 1] as i16);
                 scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
             }
-            let d = f16_le(wb, 208);
+            let sc_lo = _mm256_loadu_si256(sc.as_ptr() as *const __m256i);
+            let sc_hi = _mm256_loadu_si256(sc.as_ptr().add(8) as *const __m256i);
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
+            )));
             for r in 0..R {
                 let xr = x[r];
                 let y = xr.qs.as_ptr().add(b * QK_K);
@@ -724,12 +741,13 @@ mod avx2 {
                     let p16 = _mm256_maddubs_epi16(codes[k], yv);
                     sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[k]));
                 }
-                let bs = &xr.bsums[b * 16..(b + 1) * 16];
-                let mut off = 0i32;
-                for g in 0..16 {
-                    off += sc[g] * bs[g];
-                }
-                let sumi = hsum_i32(sum) - 32 * off;
+                let bs = xr.bsums.as_ptr().add(b * 16);
+                let off = _mm256_add_epi32(
+                    _mm256_mullo_epi32(_mm256_loadu_si256(bs as *const __m256i), sc_lo),
+                    _mm256_mullo_epi32(_mm256_loadu_si256(bs.add(8) as *const __m256i), sc_hi),
+                );
+                // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
+                let sumi = hsum_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5)));
                 acc[r] += (d * xr.d[b]) * sumi as f32;
             }
         }
