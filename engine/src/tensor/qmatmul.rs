@@ -404,7 +404,7 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::{f16_le, fold8, get_scale_min_k4, ActRow, QuantType, QK32, QK_K};
+    use super::{f16_le, fold8, ActRow, QuantType, QK32, QK_K};
 
     /// Sum of i8·i8 products of 32 bytes, as 8 i32 lanes.
     #[inline]
@@ -638,16 +638,31 @@ mod avx2 {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
-            let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
+            // The eight 6-bit scales and mins unpacked with word operations (the layout of
+            // `get_scale_min_k4`): bytes 0..8 of `u` are the scales, 8..16 the mins.
+            let q = wb.as_ptr().add(4) as *const u32;
+            let (q0, q1, q2) = (
+                q.read_unaligned(),
+                q.add(1).read_unaligned(),
+                q.add(2).read_unaligned(),
+            );
+            const K1: u32 = 0x3f3f_3f3f;
+            const K2: u32 = 0x0f0f_0f0f;
+            const K3: u32 = 0x0303_0303;
+            let u: [u32; 4] = [
+                q0 & K1,
+                (q2 & K2) | (((q0 >> 6) & K3) << 4),
+                q1 & K1,
+                ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
+            ];
+            let ub: [u8; 16] = std::mem::transmute(u);
             let mut scv = [_mm256_setzero_si256(); 8];
-            let mut mn = [0i32; 8];
             for j in 0..8 {
-                let (s, m) = get_scale_min_k4(j, scales);
-                scv[j] = _mm256_set1_epi16(s as i16);
-                mn[j] = m as i32;
+                scv[j] = _mm256_set1_epi16(ub[j] as i16);
             }
             // hadd of the 16 sums pairs them as [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
-            let mv = _mm256_setr_epi32(mn[0], mn[1], mn[4], mn[5], mn[2], mn[3], mn[6], mn[7]);
+            let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
+            let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             let mut nib = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
                 let q = _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i);
@@ -718,17 +733,17 @@ mod avx2 {
                     codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
                 }
             }
+            let scp = wb.as_ptr().add(192);
             let mut scv = [_mm256_setzero_si256(); 8];
-            let mut sc = [0i32; 16];
-            for g in 0..16 {
-                sc[g] = wb[192 + g] as i8 as i32;
-            }
             for k in 0..8 {
-                let (a, c) = (sc[2 * k] as i16, sc[2 * k + 1] as i16);
+                let (a, c) = (
+                    *scp.add(2 * k) as i8 as i16,
+                    *scp.add(2 * k + 1) as i8 as i16,
+                );
                 scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
             }
-            let sc_lo = _mm256_loadu_si256(sc.as_ptr() as *const __m256i);
-            let sc_hi = _mm256_loadu_si256(sc.as_ptr().add(8) as *const __m256i);
+            let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i));
+            let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i));
             let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
                 (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
             )));
