@@ -46,6 +46,31 @@ impl CausalLm for Transformer {
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
+        // Run on a compute-pool thread, so every parallel step inside is shared with the
+        // calling worker instead of waking the pool and blocking this thread each time.
+        rayon::scope(|_| self.forward_on_pool(tokens, cache, logits))
+    }
+
+    fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
+        self.store.as_ref().and_then(|s| s.stats())
+    }
+
+    fn flush(&self) -> Result<()> {
+        match &self.store {
+            Some(s) => s.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Transformer {
+    /// The forward pass (see [`CausalLm::forward`]).
+    fn forward_on_pool(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::Invalid("forward needs at least one token".into()));
         }
@@ -94,19 +119,6 @@ impl CausalLm for Transformer {
         Ok(out)
     }
 
-    fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
-        self.store.as_ref().and_then(|s| s.stats())
-    }
-
-    fn flush(&self) -> Result<()> {
-        match &self.store {
-            Some(s) => s.flush(),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Transformer {
     /// One-layer-ahead prefetch: apply layer `l + 1`'s norm and router to the hidden state
     /// after layer `l`'s attention and hint the store with the experts it would choose. A
     /// guess only starts reads; it never changes a result.

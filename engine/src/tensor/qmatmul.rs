@@ -38,6 +38,9 @@ const ROWS_PER_TASK: usize = 16;
 /// Activation rows handled together against one weight row (prefill).
 const ROW_GROUP: usize = 4;
 
+/// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
+const X_CHUNK_BYTES: usize = 24 * 1024;
+
 /// How activations are quantized for a weight type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ActFormat {
@@ -347,23 +350,31 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
     match act_format(ty) {
         Some(format) => {
             let acts = QuantizedActs::quantize(format, x, k_dim);
+            // Activation rows are taken in chunks that stay in L1 while every weight row of
+            // the task passes over them (otherwise each weight row re-streams all of them).
+            let chunk = (X_CHUNK_BYTES / k_dim).max(1).div_ceil(ROW_GROUP) * ROW_GROUP;
             let run = |t: usize| {
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
-                for j in j0..j1 {
-                    let w = w_row(j);
-                    let mut i = 0;
-                    while i + ROW_GROUP <= m {
-                        let rows = std::array::from_fn(|r| acts.row(i + r));
-                        let v = dot_rows::<ROW_GROUP>(isa, ty, w, rows);
-                        for (r, v) in v.into_iter().enumerate() {
-                            put(i + r, j, v);
+                let mut i0 = 0;
+                while i0 < m {
+                    let i1 = (i0 + chunk).min(m);
+                    for j in j0..j1 {
+                        let w = w_row(j);
+                        let mut i = i0;
+                        while i + ROW_GROUP <= i1 {
+                            let rows = std::array::from_fn(|r| acts.row(i + r));
+                            let v = dot_rows::<ROW_GROUP>(isa, ty, w, rows);
+                            for (r, v) in v.into_iter().enumerate() {
+                                put(i + r, j, v);
+                            }
+                            i += ROW_GROUP;
                         }
-                        i += ROW_GROUP;
+                        while i < i1 {
+                            put(i, j, dot_rows::<1>(isa, ty, w, [acts.row(i)])[0]);
+                            i += 1;
+                        }
                     }
-                    while i < m {
-                        put(i, j, dot_rows::<1>(isa, ty, w, [acts.row(i)])[0]);
-                        i += 1;
-                    }
+                    i0 = i1;
                 }
             };
             par_tasks(tasks, m * n * k_dim, run);
