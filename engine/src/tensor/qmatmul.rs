@@ -311,6 +311,18 @@ fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R
     x.map(|x| dot_ref(ty, w, x))
 }
 
+/// Whether the 512-bit kernels may run (AVX-512 F and BW detected, `COLI_ISA` not set to
+/// `avx2` or `scalar`).
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| {
+        std::env::var("COLI_ISA").is_err()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+    })
+}
+
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -496,8 +508,23 @@ mod avx2 {
         w: &[u8],
         x: [ActRow<'_>; R],
     ) -> [f32; R] {
+        dot_rows_with::<R>(ty, w, x, super::avx512())
+    }
+
+    /// [`dot_rows`], with the 512-bit kernels only if `wide`.
+    ///
+    /// # Safety
+    /// As [`dot_rows`]; with `wide`, AVX-512 F and BW must be available.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_rows_with<const R: usize>(
+        ty: QuantType,
+        w: &[u8],
+        x: [ActRow<'_>; R],
+        wide: bool,
+    ) -> [f32; R] {
         match ty {
             QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => dot32::<R>(ty, w, x),
+            QuantType::Q4_K if wide => dot_q4k_512::<R>(w, x),
             QuantType::Q4_K => dot_q4k::<R>(w, x),
             QuantType::Q6_K => dot_q6k::<R>(w, x),
             _ => unreachable!("no integer kernel for {ty}"),
@@ -711,6 +738,89 @@ mod avx2 {
         out
     }
 
+    /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
+    /// eight-lane integer sums, and so the results, are identical.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+    unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = QuantType::Q4_K.block_bytes();
+        let mut acc = [0.0f32; R];
+        let mut accm = [0.0f32; R];
+        for (b, wb) in w.chunks_exact(bb).enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
+            // The eight 6-bit scales and mins unpacked with word operations (the layout of
+            // `get_scale_min_k4`): bytes 0..8 of `u` are the scales, 8..16 the mins.
+            let q = wb.as_ptr().add(4) as *const u32;
+            let (q0, q1, q2) = (
+                q.read_unaligned(),
+                q.add(1).read_unaligned(),
+                q.add(2).read_unaligned(),
+            );
+            const K1: u32 = 0x3f3f_3f3f;
+            const K2: u32 = 0x0f0f_0f0f;
+            const K3: u32 = 0x0303_0303;
+            let u: [u32; 4] = [
+                q0 & K1,
+                (q2 & K2) | (((q0 >> 6) & K3) << 4),
+                q1 & K1,
+                ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
+            ];
+            let ub: [u8; 16] = std::mem::transmute(u);
+            let mut scv = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                let lo = _mm256_set1_epi16(ub[2 * k] as i16);
+                let hi = _mm256_set1_epi16(ub[2 * k + 1] as i16);
+                scv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            }
+            // hadd of the 16 sums pairs them as [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
+            let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
+            let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+            // Groups (2k, 2k + 1) side by side: the low nibbles of chunk k, then its high ones.
+            let m4z = _mm512_set1_epi8(0xf);
+            let mut nib = [_mm512_setzero_si512(); 4];
+            for h in 0..2 {
+                let q = _mm512_loadu_si512(wb.as_ptr().add(16 + 64 * h) as *const __m512i);
+                let lo = _mm512_and_si512(q, m4z);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4z);
+                nib[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+                nib[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+            }
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
+                (wb.as_ptr() as *const i32).read_unaligned(),
+            ));
+            let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
+            for r in 0..R {
+                let xr = x[r];
+                let y = xr.qs.as_ptr().add(b * QK_K);
+                let mut sum5 = _mm512_setzero_si512();
+                for k in 0..4 {
+                    let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
+                    let p16 = _mm512_maddubs_epi16(nib[k], yv);
+                    sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, scv[k]));
+                }
+                let sum = _mm256_add_epi32(
+                    _mm512_castsi512_si256(sum5),
+                    _mm512_extracti64x4_epi64(sum5, 1),
+                );
+                let sumi = hsum_i32(sum);
+                let bs = xr.bsums.as_ptr().add(b * 16);
+                let pairs = _mm256_hadd_epi32(
+                    _mm256_loadu_si256(bs as *const __m256i),
+                    _mm256_loadu_si256(bs.add(8) as *const __m256i),
+                );
+                let summ = hsum_i32(_mm256_mullo_epi32(pairs, mv));
+                acc[r] += (d * xr.d[b]) * sumi as f32;
+                accm[r] += (dmin * xr.d[b]) * summ as f32;
+            }
+        }
+        let mut out = [0.0f32; R];
+        for r in 0..R {
+            out[r] = acc[r] - accm[r];
+        }
+        out
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
@@ -831,6 +941,21 @@ mod tests {
                     let wr = &bytes[j * rb..(j + 1) * rb];
                     let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
                     let got4 = dot_rows::<4>(isa, ty, wr, four);
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx2 {
+                        // The AVX2-only kernels too, where dispatch picks the 512-bit ones.
+                        for i in 0..5 {
+                            let want = dot_ref(ty, wr, acts.row(i));
+                            // SAFETY: AVX2 was detected; `wide` is off.
+                            let narrow =
+                                unsafe { avx2::dot_rows_with::<1>(ty, wr, [acts.row(i)], false) };
+                            assert_eq!(
+                                narrow[0].to_bits(),
+                                want.to_bits(),
+                                "{ty} avx2 k={k} row {i}"
+                            );
+                        }
+                    }
                     for i in 0..5 {
                         let want = dot_ref(ty, wr, acts.row(i));
                         let one = dot_rows::<1>(isa, ty, wr, [acts.row(i)])[0];
