@@ -71,6 +71,8 @@ pub struct QuantizedActs {
     /// Q8_1: `f16(d · Σq)` per block. Q8_K: the sum of each 16 codes.
     pub sums: Vec<f32>,
     pub bsums: Vec<i32>,
+    /// Q8_K: per super-block, the sums of each 32 codes in [`Q4K_MIN_LANES`] order.
+    pub pairs: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -88,7 +90,8 @@ impl QuantizedActs {
         let mut qs = vec![0i8; x.len()];
         let mut d = Vec::with_capacity(blocks);
         let mut sums = Vec::new();
-        let mut bsums = Vec::new();
+        let mut bsums: Vec<i32> = Vec::new();
+        let mut pairs = Vec::new();
         for (xb, qb) in x.chunks_exact(bs).zip(qs.chunks_exact_mut(bs)) {
             match format {
                 ActFormat::Q8_0 | ActFormat::Q8_1 => {
@@ -117,6 +120,7 @@ impl QuantizedActs {
                     if amax == 0.0 {
                         d.push(0.0);
                         bsums.extend([0i32; QK_K / 16]);
+                        pairs.extend([0i32; 8]);
                         continue;
                     }
                     let iscale = -127.0 / max;
@@ -125,6 +129,10 @@ impl QuantizedActs {
                     }
                     for g in qb.chunks_exact(16) {
                         bsums.push(g.iter().map(|&q| q as i32).sum());
+                    }
+                    let bs = &bsums[bsums.len() - 16..];
+                    for p in Q4K_MIN_LANES {
+                        pairs.push(bs[2 * p] + bs[2 * p + 1]);
                     }
                     d.push(1.0 / iscale);
                 }
@@ -137,6 +145,7 @@ impl QuantizedActs {
             d,
             sums,
             bsums,
+            pairs,
         }
     }
 
@@ -160,6 +169,11 @@ impl QuantizedActs {
             } else {
                 &self.bsums[i * nb * 16..(i + 1) * nb * 16]
             },
+            pairs: if self.pairs.is_empty() {
+                &[]
+            } else {
+                &self.pairs[i * nb * 8..(i + 1) * nb * 8]
+            },
         }
     }
 }
@@ -171,6 +185,10 @@ fn nearest_int(fval: f32) -> i32 {
     (val.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
+/// Q4_K's min term in lane `u` uses sub-block `Q4K_MIN_LANES[u]` (the pairing of AVX2's
+/// `hadd` over the 16 sums, kept for all paths).
+const Q4K_MIN_LANES: [usize; 8] = [0, 1, 4, 5, 2, 3, 6, 7];
+
 /// One quantized activation row.
 #[derive(Clone, Copy)]
 struct ActRow<'a> {
@@ -178,6 +196,7 @@ struct ActRow<'a> {
     d: &'a [f32],
     sums: &'a [f32],
     bsums: &'a [i32],
+    pairs: &'a [i32],
 }
 
 #[inline]
@@ -238,29 +257,31 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
             fold8(&acc)
         }
         QuantType::Q4_K => {
-            let (mut acc, mut accm) = (0.0f32, 0.0f32);
+            let mut acc = [0.0f32; 8];
             for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
                 let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
                 let qs = &wb[16..144];
                 let y = &x.qs[b * QK_K..(b + 1) * QK_K];
-                let bs = &x.bsums[b * 16..(b + 1) * 16];
-                let (mut sumi, mut summ) = (0i32, 0i32);
-                for j in 0..8 {
-                    let (sc, m) = get_scale_min_k4(j, scales);
-                    let c = j / 2;
-                    let mut s = 0i32;
-                    for l in 0..32 {
-                        let byte = qs[32 * c + l];
-                        let q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
-                        s += q as i32 * y[32 * j + l] as i32;
+                let s1 = f16_le(wb, 0) * x.d[b];
+                let s2 = f16_le(wb, 2) * x.d[b];
+                for u in 0..8 {
+                    let mut sumi = 0i32;
+                    for j in 0..8 {
+                        let (sc, _) = get_scale_min_k4(j, scales);
+                        let mut s = 0i32;
+                        for l in 4 * u..4 * u + 4 {
+                            let byte = qs[32 * (j / 2) + l];
+                            let q = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                            s += q as i32 * y[32 * j + l] as i32;
+                        }
+                        sumi += sc as i32 * s;
                     }
-                    sumi += sc as i32 * s;
-                    summ += m as i32 * (bs[2 * j] + bs[2 * j + 1]);
+                    let (_, m) = get_scale_min_k4(Q4K_MIN_LANES[u], scales);
+                    let summ = m as i32 * x.pairs[b * 8 + u];
+                    acc[u] += s1 * sumi as f32 - s2 * summ as f32;
                 }
-                acc += (f16_le(wb, 0) * x.d[b]) * sumi as f32;
-                accm += (f16_le(wb, 2) * x.d[b]) * summ as f32;
             }
-            acc - accm
+            fold8(&acc)
         }
         QuantType::Q6_K => {
             let mut acc = 0.0f32;
@@ -669,8 +690,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q4k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
-        let mut acc = [0.0f32; R];
-        let mut accm = [0.0f32; R];
+        let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
@@ -720,22 +740,15 @@ mod avx2 {
                     let p16 = _mm256_maddubs_epi16(nib[j], yv);
                     sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[j]));
                 }
-                let sumi = hsum_i32(sum);
-                let bs = xr.bsums.as_ptr().add(b * 16);
-                let pairs = _mm256_hadd_epi32(
-                    _mm256_loadu_si256(bs as *const __m256i),
-                    _mm256_loadu_si256(bs.add(8) as *const __m256i),
-                );
-                let summ = hsum_i32(_mm256_mullo_epi32(pairs, mv));
-                acc[r] += (d * xr.d[b]) * sumi as f32;
-                accm[r] += (dmin * xr.d[b]) * summ as f32;
+                let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
+                let summ = _mm256_mullo_epi32(pairs, mv);
+                let xd = *xr.d.get_unchecked(b);
+                let t1 = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum));
+                let t2 = _mm256_mul_ps(_mm256_set1_ps(dmin * xd), _mm256_cvtepi32_ps(summ));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(t1, t2));
             }
         }
-        let mut out = [0.0f32; R];
-        for r in 0..R {
-            out[r] = acc[r] - accm[r];
-        }
-        out
+        fold_rows(acc)
     }
 
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
@@ -743,8 +756,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
     unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
-        let mut acc = [0.0f32; R];
-        let mut accm = [0.0f32; R];
+        let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
@@ -803,20 +815,26 @@ mod avx2 {
                     _mm512_castsi512_si256(sum5),
                     _mm512_extracti64x4_epi64(sum5, 1),
                 );
-                let sumi = hsum_i32(sum);
-                let bs = xr.bsums.as_ptr().add(b * 16);
-                let pairs = _mm256_hadd_epi32(
-                    _mm256_loadu_si256(bs as *const __m256i),
-                    _mm256_loadu_si256(bs.add(8) as *const __m256i),
-                );
-                let summ = hsum_i32(_mm256_mullo_epi32(pairs, mv));
-                acc[r] += (d * xr.d[b]) * sumi as f32;
-                accm[r] += (dmin * xr.d[b]) * summ as f32;
+                let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
+                let summ = _mm256_mullo_epi32(pairs, mv);
+                let xd = *xr.d.get_unchecked(b);
+                let t1 = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum));
+                let t2 = _mm256_mul_ps(_mm256_set1_ps(dmin * xd), _mm256_cvtepi32_ps(summ));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(t1, t2));
             }
         }
+        fold_rows(acc)
+    }
+
+    /// Fold each row's eight lanes in the canonical order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn fold_rows<const R: usize>(acc: [__m256; R]) -> [f32; R] {
         let mut out = [0.0f32; R];
         for r in 0..R {
-            out[r] = acc[r] - accm[r];
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+            out[r] = fold8(&lanes);
         }
         out
     }
