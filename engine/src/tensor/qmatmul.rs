@@ -284,22 +284,26 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
             fold8(&acc)
         }
         QuantType::Q6_K => {
-            let mut acc = 0.0f32;
+            let mut acc = [0.0f32; 8];
             for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
                 let y = &x.qs[b * QK_K..(b + 1) * QK_K];
                 let bs = &x.bsums[b * 16..(b + 1) * 16];
-                let mut sumi = 0i32;
-                for g in 0..16 {
-                    let sc = wb[192 + g] as i8 as i32;
-                    let mut s = 0i32;
-                    for (e, &ye) in y.iter().enumerate().skip(16 * g).take(16) {
-                        s += q6k_code(wb, e) * ye as i32;
+                let sc = |g: usize| wb[192 + g] as i8 as i32;
+                let s1 = f16_le(wb, 208) * x.d[b];
+                for u in 0..8 {
+                    let mut sumi = 0i32;
+                    for k in 0..8 {
+                        let mut s = 0i32;
+                        for e in 32 * k + 4 * u..32 * k + 4 * u + 4 {
+                            s += q6k_code(wb, e) * y[e] as i32;
+                        }
+                        sumi += sc(2 * k + usize::from(u >= 4)) * s;
                     }
-                    sumi += sc * (s - 32 * bs[g]);
+                    sumi -= 32 * (sc(u) * bs[u] + sc(8 + u) * bs[8 + u]);
+                    acc[u] += s1 * sumi as f32;
                 }
-                acc += (f16_le(wb, 208) * x.d[b]) * sumi as f32;
             }
-            acc
+            fold8(&acc)
         }
         _ => unreachable!("no integer kernel for {ty}"),
     }
@@ -487,16 +491,6 @@ mod avx2 {
         _mm256_add_epi32(lo, hi)
     }
 
-    /// Horizontal sum of 8 i32 lanes (exact).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn hsum_i32(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        _mm_cvtsi128_si32(s)
-    }
-
     /// The 32 weight codes of a 32-element block as bytes (signed for Q8_0/Q4_0, unsigned
     /// for Q4_1).
     #[inline]
@@ -547,6 +541,7 @@ mod avx2 {
             QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => dot32::<R>(ty, w, x),
             QuantType::Q4_K if wide => dot_q4k_512::<R>(w, x),
             QuantType::Q4_K => dot_q4k::<R>(w, x),
+            QuantType::Q6_K if wide => dot_q6k_512::<R>(w, x),
             QuantType::Q6_K => dot_q6k::<R>(w, x),
             _ => unreachable!("no integer kernel for {ty}"),
         }
@@ -842,7 +837,7 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
-        let mut acc = [0.0f32; R];
+        let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
@@ -901,11 +896,96 @@ mod avx2 {
                     _mm256_mullo_epi32(_mm256_loadu_si256(bs.add(8) as *const __m256i), sc_hi),
                 );
                 // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
-                let sumi = hsum_i32(_mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5)));
-                acc[r] += (d * xr.d[b]) * sumi as f32;
+                let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
+                let xd = *xr.d.get_unchecked(b);
+                let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
+                acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
-        acc
+        fold_rows(acc)
+    }
+
+    /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+    unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = QuantType::Q6_K.block_bytes();
+        let mut acc = [_mm256_setzero_ps(); R];
+        let m4 = _mm256_set1_epi8(0xf);
+        let m2 = _mm256_set1_epi8(3);
+        for (b, wb) in w.chunks_exact(bb).enumerate() {
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
+            // Codes of the 8 groups of 32 elements (element 32g + l), 0..64.
+            let mut codes = [_mm256_setzero_si256(); 8];
+            for h in 0..2 {
+                let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
+                let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
+                let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
+                let lows = [
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                ];
+                let highs = [
+                    _mm256_and_si256(qh, m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                ];
+                for s in 0..4 {
+                    codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
+                }
+            }
+            let scp = wb.as_ptr().add(192);
+            let mut scv = [_mm256_setzero_si256(); 8];
+            for k in 0..8 {
+                let (a, c) = (
+                    *scp.add(2 * k) as i8 as i16,
+                    *scp.add(2 * k + 1) as i8 as i16,
+                );
+                scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
+            }
+            let mut z = [_mm512_setzero_si512(); 4];
+            let mut zs = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                z[k] =
+                    _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * k]), codes[2 * k + 1], 1);
+                zs[k] = _mm512_inserti64x4(_mm512_castsi256_si512(scv[2 * k]), scv[2 * k + 1], 1);
+            }
+            let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i));
+            let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i));
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
+            )));
+            for r in 0..R {
+                let xr = x[r];
+                let y = xr.qs.as_ptr().add(b * QK_K);
+                let mut sum5 = _mm512_setzero_si512();
+                for k in 0..4 {
+                    let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
+                    let p16 = _mm512_maddubs_epi16(z[k], yv);
+                    sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, zs[k]));
+                }
+                let sum = _mm256_add_epi32(
+                    _mm512_castsi512_si256(sum5),
+                    _mm512_extracti64x4_epi64(sum5, 1),
+                );
+                let bs = xr.bsums.as_ptr().add(b * 16);
+                let off = _mm256_add_epi32(
+                    _mm256_mullo_epi32(_mm256_loadu_si256(bs as *const __m256i), sc_lo),
+                    _mm256_mullo_epi32(_mm256_loadu_si256(bs.add(8) as *const __m256i), sc_hi),
+                );
+                // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
+                let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
+                let xd = *xr.d.get_unchecked(b);
+                let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
+                acc[r] = _mm256_add_ps(acc[r], t);
+            }
+        }
+        fold_rows(acc)
     }
 }
 
