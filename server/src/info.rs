@@ -74,10 +74,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
     );
     println!(
         "tokenizer:    {}",
-        if loaded.tokenizer.is_some() {
-            "tokenizer.json"
-        } else {
-            "none"
+        match &loaded.tokenizer {
+            Some(t) => t.origin().display().to_string(),
+            None => "none".into(),
         }
     );
     println!(

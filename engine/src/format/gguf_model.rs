@@ -94,6 +94,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let hidden = need("embedding_length")?;
     let mut c = Map::new();
     c.insert("model_type".into(), json!(model_type));
+    c.insert("architectures".into(), json!([format!("GGUF {arch}")]));
     c.insert("vocab_size".into(), json!(vocab));
     c.insert("hidden_size".into(), json!(hidden));
     c.insert("num_hidden_layers".into(), json!(need("block_count")?));
