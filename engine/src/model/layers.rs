@@ -319,8 +319,9 @@ pub struct Attention {
     /// Each query sees this many most recent keys, itself included.
     pub window: Option<usize>,
     pub scale: f32,
-    /// Round queries, keys and values to f16 precision before attending, as llama.cpp's
-    /// default f16 KV cache does (on for GGUF files, so they run as llama.cpp runs them).
+    /// Round queries, keys, values and attention probabilities to f16 precision, as
+    /// llama.cpp's default f16 KV cache path does (on for GGUF files, so they run as
+    /// llama.cpp runs them).
     pub kv_f16: bool,
 }
 
@@ -359,13 +360,24 @@ impl Attention {
         }
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
-        let out = attend(&q, kv, h, kvh, hd, start, self.window, self.scale);
+        let out = attend(
+            &q,
+            kv,
+            h,
+            kvh,
+            hd,
+            start,
+            self.window,
+            self.scale,
+            self.kv_f16,
+        );
         self.o.forward(&out)
     }
 }
 
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
-/// the cached keys and values, causal, optionally windowed. Each (token, head) is computed
+/// the cached keys and values, causal, optionally windowed; with `probs_f16` the attention
+/// probabilities are rounded to f16 before weighting the values (llama.cpp's f16 KV path). Each (token, head) is computed
 /// by one task in a fixed order.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
@@ -377,6 +389,7 @@ pub fn attend(
     start: usize,
     window: Option<usize>,
     scale: f32,
+    probs_f16: bool,
 ) -> Vec<f32> {
     let isa = Isa::detect();
     let group = heads / kv_heads;
@@ -395,6 +408,12 @@ pub fn attend(
             })
             .collect();
         softmax_inplace(&mut scores);
+        if probs_f16 {
+            // llama.cpp multiplies its f16 values by probabilities converted to f16.
+            for p in scores.iter_mut() {
+                *p = half::f16::from_f32(*p).to_f32();
+            }
+        }
         for (p, j) in scores.iter().zip(first..=pos) {
             let vj = &kv.v[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
             for (oo, vv) in o.iter_mut().zip(vj) {
