@@ -151,3 +151,32 @@ fn converted_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
         }
     }
 }
+
+/// The real model answers through its own chat template (from the GGUF) and tokenizer: a
+/// question with an unambiguous answer gets it (greedy).
+#[test]
+fn smollm2_answers_through_its_chat_template() {
+    let model = match common::smollm2_gguf() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: SmolLM2 GGUF not available: {why}");
+            return;
+        }
+    };
+    let m = LoadedModel::open(&model, true).unwrap();
+    let template = m
+        .chat_template
+        .as_ref()
+        .expect("the GGUF carries a chat template");
+    let msg = serde_json::json!([{"role": "user", "content": "Name three colors."}]);
+    let text = template
+        .render(msg.as_array().unwrap(), true, None, None)
+        .unwrap();
+    assert!(text.contains("<|im_start|>assistant"), "{text}");
+    let tok = m.tokenizer().unwrap();
+    let prompt = tok.encode(&text, true).unwrap();
+    let answer = tok.decode(&greedy(&m, &prompt, 16), true).unwrap();
+    let colors = ["Red", "Blue", "Green", "Yellow"];
+    let named = colors.iter().filter(|c| answer.contains(*c)).count();
+    assert!(named >= 3, "answer: {answer:?}");
+}
