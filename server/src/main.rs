@@ -5,6 +5,7 @@ mod convert;
 mod demo;
 mod generate_cmd;
 mod info;
+mod kl;
 mod logits;
 mod machine;
 mod model_arg;
@@ -32,6 +33,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Write a Hugging Face checkpoint as a GGUF file (q8_0, q6_k, q5_k_m, q4_k_m, bf16).
     Convert(convert::ConvertArgs),
+    /// Mean KL divergence and top-1 agreement of a model against a reference on prompts.
+    Kl(kl::KlArgs),
     /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
     Synth(synth::SynthArgs),
 }
@@ -52,6 +55,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Kl(a) => kl::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");

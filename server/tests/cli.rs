@@ -344,3 +344,63 @@ fn bench_reports_streaming_under_a_small_budget() {
         "a small cache reads during decode: {small}"
     );
 }
+
+#[test]
+fn convert_then_kl_measures_the_quantization_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fx = fixture("qwen3_moe");
+    let prompts = tmp.path().join("prompts.txt");
+    std::fs::write(
+        &prompts,
+        "hello world, this is a test\n\nanother line of text\n",
+    )
+    .unwrap();
+    let gguf = tmp.path().join("q8.gguf");
+    let out = coli(&[
+        "convert",
+        "-m",
+        fx.to_str().unwrap(),
+        "-o",
+        gguf.to_str().unwrap(),
+        "-t",
+        "q8_0",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let kl = |model: &std::path::Path| -> serde_json::Value {
+        let out = coli(&[
+            "kl",
+            "-m",
+            model.to_str().unwrap(),
+            "-r",
+            fx.to_str().unwrap(),
+            "-p",
+            prompts.to_str().unwrap(),
+            "--json",
+        ]);
+        serde_json::from_str(&ok_stdout(&out)).unwrap()
+    };
+    let same = kl(&fx);
+    assert_eq!(same["mean_kl"].as_f64().unwrap(), 0.0, "{same}");
+    assert_eq!(same["same_top"].as_f64().unwrap(), 1.0);
+    let q8 = kl(&gguf);
+    let mean = q8["mean_kl"].as_f64().unwrap();
+    assert!(mean > 0.0 && mean < 0.05, "{q8}");
+    assert_eq!(q8["positions"], same["positions"]);
+    // A prompt file without prompts is a clear error.
+    std::fs::write(&prompts, "\n\n").unwrap();
+    let out = coli(&[
+        "kl",
+        "-m",
+        fx.to_str().unwrap(),
+        "-r",
+        fx.to_str().unwrap(),
+        "-p",
+        prompts.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no prompts"));
+}

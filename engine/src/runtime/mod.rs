@@ -3,4 +3,5 @@
 
 pub mod generate;
 pub mod loaded;
+pub mod quality;
 pub mod sampling;

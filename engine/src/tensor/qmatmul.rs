@@ -240,6 +240,7 @@ fn isum32(ty: QuantType, w: &[u8], x: &[i8]) -> i32 {
 }
 
 /// Scalar reference dot of a quantized weight row against a quantized activation row.
+#[allow(clippy::needless_range_loop)] // element indices are the point of the reference
 fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
     match ty {
         QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
