@@ -353,3 +353,59 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         .to_string();
     assert!(e.contains("safetensors") && e.contains("offset"), "{e}");
 }
+
+/// The same for GGUF files in block formats: experts are slices of the fused
+/// `ffn_*_exps` tensors, streamed through the same cache; budgets, prefetch, direct I/O and
+/// threads leave the bits alone.
+#[test]
+fn gguf_experts_stream_with_identical_bits() {
+    use colibri::format::gguf_convert::{convert, ConvertType};
+    let tmp = tempfile::tempdir().unwrap();
+    for (arch, mix) in [
+        ("mixtral", ConvertType::Q8_0),
+        ("qwen3_moe", ConvertType::Q4KM),
+    ] {
+        let path = tmp.path().join(format!("{arch}.gguf"));
+        convert(&fixture(arch), &path, mix, |_, _| {}).unwrap();
+        let ids = prompt(arch);
+        let resident = model::load(&path).unwrap();
+        let reference = outputs(resident.as_ref(), &ids);
+        let info = resident.info().clone();
+        let (dense, experts) = (info.dense_bytes as u64, info.routed_expert_bytes as u64);
+        assert!(experts > 0, "{arch}: no routed experts found in the GGUF");
+        let one_expert = experts / (info.moe_layers * info.routed_experts) as u64;
+        for (what, budget) in [
+            ("no expert", dense),
+            ("one expert", dense + one_expert),
+            ("half", dense + experts / 2),
+        ] {
+            for (threads, prefetch, direct_io) in [(1, false, false), (2, true, true)] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let opts = StoreOptions {
+                    ram_budget: Some(budget),
+                    io_threads: 2,
+                    prefetch,
+                    direct_io,
+                    learn: false,
+                    ..StoreOptions::default()
+                };
+                let got = pool.install(|| {
+                    let m = model::load_with(&path, &opts).unwrap();
+                    let out = outputs(m.as_ref(), &ids);
+                    (out, m.store_stats())
+                });
+                assert!(
+                    got.0 == reference,
+                    "{arch} GGUF: outputs differ with budget `{what}`, {threads} threads"
+                );
+                if what == "no expert" {
+                    let s = got.1.expect("a streaming store keeps counters");
+                    assert!(s.bytes_read > 0, "{arch}: nothing was read from the GGUF");
+                }
+            }
+        }
+    }
+}
