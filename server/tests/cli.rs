@@ -404,3 +404,122 @@ fn convert_then_kl_measures_the_quantization_loss() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no prompts"));
 }
+
+/// K-quant GGUFs written by `coli convert` run in llama.cpp with the greedy tokens colibri
+/// produces (up to llama.cpp's own near-ties), for a synthetic Qwen3-MoE whose rows are whole
+/// 256-element super-blocks. Needs `COLI_LLAMA_CPP_PYTHON` (a Python with llama-cpp-python);
+/// skipped with a message otherwise.
+#[test]
+fn k_quant_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
+    let Some(py) = std::env::var("COLI_LLAMA_CPP_PYTHON").ok() else {
+        eprintln!("skipped: set COLI_LLAMA_CPP_PYTHON to a python with llama-cpp-python");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    let o = coli(&[
+        "synth",
+        "--arch",
+        "qwen3-moe",
+        "--layers",
+        "2",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--moe-intermediate",
+        "256",
+        "--vocab",
+        "512",
+        "--dtype",
+        "f32",
+        "--out",
+        hf.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/llamacpp/reference.py");
+    let prompt = "5,17,42,99,128,7,300,11";
+    for ty in ["q4_k_m", "q6_k", "q8_0"] {
+        let gguf = tmp.path().join(format!("{ty}.gguf"));
+        let o = coli(&[
+            "convert",
+            "-m",
+            hf.to_str().unwrap(),
+            "-o",
+            gguf.to_str().unwrap(),
+            "-t",
+            ty,
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let json = tmp.path().join(format!("{ty}.json"));
+        let st = Command::new(&py)
+            .arg(&script)
+            .arg(&gguf)
+            .arg(&json)
+            .args(["--tokens", "16", "--ids", prompt])
+            .status()
+            .unwrap();
+        assert!(st.success(), "{ty}: llama.cpp could not run our GGUF");
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let want: Vec<u64> = r["cases"][0]["greedy_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        let margins: Vec<f64> = r["cases"][0]["margins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        // Ours: teacher-force llama.cpp's continuation and take our argmax at every step.
+        let all: Vec<String> = prompt
+            .split(',')
+            .map(String::from)
+            .chain(want.iter().map(|t| t.to_string()))
+            .collect();
+        let out = coli(&[
+            "logits",
+            "-m",
+            gguf.to_str().unwrap(),
+            "--tokens",
+            &all.join(","),
+        ]);
+        let v: serde_json::Value = serde_json::from_str(&ok_stdout(&out)).unwrap();
+        let rows = v["logits"].as_array().unwrap();
+        let p = prompt.split(',').count();
+        let mut exact = 0;
+        for (i, &w) in want.iter().enumerate() {
+            let row: Vec<f64> = rows[p - 1 + i]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            let ours = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b }) as u64;
+            assert!(
+                ours == w || margins[i] < 0.15,
+                "{ty}: step {i}: ours {ours}, llama.cpp {w} (its top-2 margin {})",
+                margins[i]
+            );
+            exact += usize::from(ours == w);
+        }
+        assert!(
+            exact * 4 >= want.len() * 3,
+            "{ty}: only {exact} exact steps"
+        );
+        eprintln!(
+            "{ty}: our argmax is llama.cpp's at {exact} of {} steps",
+            want.len()
+        );
+    }
+}
