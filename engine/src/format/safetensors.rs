@@ -248,14 +248,75 @@ impl Checkpoint {
             shape: d.shape.clone(),
             dtype: d.dtype,
             storage,
+            block_scales: None,
         };
         Ok(t.aligned())
     }
 
-    /// A floating-point tensor for the matrix kernels (f32/bf16/f16), shape checked.
+    /// A matrix for the kernels (f32/bf16/f16, a ggml block format, or FP8 with its block
+    /// scales attached), shape checked.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.check_weight(name, shape)?;
-        self.tensor_any_shape(name)
+        let mut t = self.tensor_any_shape(name)?;
+        t.block_scales = self.block_scales(name)?;
+        Ok(t)
+    }
+
+    /// The per-block scales of an FP8 weight (`{name}_scale_inv`, as DeepSeek-V3 style
+    /// checkpoints store them: one f32/bf16 per `B×B` block, `B` from `weight_block_size`, 128
+    /// by default); `None` for other dtypes. An FP8 weight without scales is an error.
+    pub fn block_scales(
+        &self,
+        name: &str,
+    ) -> Result<Option<std::sync::Arc<crate::tensor::BlockScales>>> {
+        let d = self.desc(name)?;
+        if d.dtype != DType::F8E4M3 {
+            return Ok(None);
+        }
+        let scale_name = format!("{name}_scale_inv");
+        if !self.contains(&scale_name) {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                name,
+                format!("is FP8 (F8_E4M3) but `{scale_name}` (its block scales) is missing"),
+            ));
+        }
+        let s = self.tensor_any_shape(&scale_name)?;
+        let (rows, cols) = (d.shape[0], *d.shape.last().unwrap_or(&1));
+        if s.shape.len() != 2 || s.shape[0] == 0 || s.shape[1] == 0 {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                &scale_name,
+                format!(
+                    "has shape {:?}, expected [row blocks, column blocks]",
+                    s.shape
+                ),
+            ));
+        }
+        let block_rows = rows.div_ceil(s.shape[0]);
+        let block_cols = cols.div_ceil(s.shape[1]);
+        // The block size is the one that yields exactly these block counts; a power of two.
+        let block = [block_rows, block_cols]
+            .into_iter()
+            .map(|b| b.next_power_of_two())
+            .max()
+            .unwrap_or(128);
+        if rows.div_ceil(block) != s.shape[0] || cols.div_ceil(block) != s.shape[1] {
+            return Err(Error::tensor(
+                &self.files[d.file].path,
+                &scale_name,
+                format!(
+                    "has shape {:?}, which is no square block grid over a {rows}×{cols} matrix",
+                    s.shape
+                ),
+            ));
+        }
+        Ok(Some(std::sync::Arc::new(crate::tensor::BlockScales {
+            values: s.to_f32_vec()?,
+            block_rows: block,
+            block_cols: block,
+            cols: s.shape[1],
+        })))
     }
 
     /// A 1-D vector converted to f32 (norm weights, biases), shape checked.

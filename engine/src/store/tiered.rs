@@ -32,6 +32,8 @@ struct MatrixLocation {
     shape: Vec<usize>,
     dtype: DType,
     range: ByteRange,
+    /// FP8 block scales (small; kept resident).
+    scales: Option<Arc<crate::tensor::BlockScales>>,
 }
 
 #[derive(Default)]
@@ -154,6 +156,7 @@ impl TieredStore {
                     offset: d.offset as u64,
                     len: d.len,
                 },
+                scales: ckpt.block_scales(name)?,
             })
         };
         let mut total_bytes = 0usize;
@@ -337,6 +340,7 @@ impl TieredStore {
                         shape: m.shape.clone(),
                         dtype: m.dtype,
                         storage,
+                        block_scales: m.scales.clone(),
                     };
                     let down = make(&loc[2], b.pop().expect("three buffers"));
                     let up = make(&loc[1], b.pop().expect("three buffers"));

@@ -120,7 +120,7 @@ pub fn dot_scalar<W: WeightElem>(a: &[f32], w: &[W]) -> f32 {
 /// Dot product of an activation row with a weight row, on the given instruction set.
 #[inline]
 pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
-    if let WeightData::Quant(..) = w {
+    if let WeightData::Quant(..) | WeightData::F8Block { .. } = w {
         return dot_dequantized(isa, a, w);
     }
     match (isa, w) {
@@ -132,18 +132,20 @@ pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
         (_, WeightData::F32(w)) => dot_scalar(a, w),
         (_, WeightData::BF16(w)) => dot_scalar(a, w),
         (_, WeightData::F16(w)) => dot_scalar(a, w),
-        (_, WeightData::Quant(..)) => unreachable!("handled above"),
+        (_, WeightData::Quant(..) | WeightData::F8Block { .. }) => unreachable!("handled above"),
     }
 }
 
 /// A block-format weight row: dequantize, then the f32 dot (`matmul` routes these to the
 /// integer kernels of `qmatmul`; this is the reference for any other caller).
 fn dot_dequantized(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
-    let WeightData::Quant(q, bytes) = w else {
-        unreachable!("only called for block formats")
+    let view = super::WeightView {
+        rows: 1,
+        cols: a.len(),
+        data: w,
     };
     let mut wf = vec![0.0f32; a.len()];
-    super::quant::dequantize_row(q, bytes, &mut wf).expect("row length checked by the view");
+    view.row_to_f32(0, &mut wf);
     dot(isa, a, WeightData::F32(&wf))
 }
 
@@ -311,7 +313,7 @@ pub fn dot_block<const R: usize, const C: usize>(
             WeightData::F32(_) => go!(F32, block_f32),
             WeightData::BF16(_) => go!(BF16, block_bf16),
             WeightData::F16(_) => go!(F16, block_f16),
-            WeightData::Quant(..) => {}
+            WeightData::Quant(..) | WeightData::F8Block { .. } => {}
         }
     }
     dot_block_each(isa, a, w)
@@ -385,7 +387,9 @@ mod neon {
             WeightData::F32(w) => dot_generic(a, w),
             WeightData::BF16(w) => dot_generic(a, w),
             WeightData::F16(w) => dot_generic(a, w),
-            WeightData::Quant(..) => unreachable!("block formats are dispatched before NEON"),
+            WeightData::Quant(..) | WeightData::F8Block { .. } => {
+                unreachable!("block formats are dispatched before NEON")
+            }
         }
     }
 }
@@ -483,7 +487,7 @@ mod tests {
             WeightData::F32(w) => dot_scalar(a, w),
             WeightData::BF16(w) => dot_scalar(a, w),
             WeightData::F16(w) => dot_scalar(a, w),
-            WeightData::Quant(..) => unreachable!("float rows only"),
+            WeightData::Quant(..) | WeightData::F8Block { .. } => unreachable!("float rows only"),
         }
     }
 

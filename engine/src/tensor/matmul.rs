@@ -38,8 +38,12 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     );
     let m = x.len() / k_dim;
     assert_eq!(out.len(), m * n, "matmul: output has the wrong size");
-    if let WeightData::Quant(ty, bytes) = w.data {
-        return super::qmatmul::qmatmul(x, ty, bytes, n, k_dim, out);
+    match w.data {
+        WeightData::Quant(ty, bytes) => {
+            return super::qmatmul::qmatmul(x, ty, bytes, n, k_dim, out)
+        }
+        WeightData::F8Block { .. } => return super::qmatmul::dequantized_matmul(x, w, out),
+        _ => {}
     }
     let isa = Isa::detect();
     let ptr = OutPtr(out.as_mut_ptr());

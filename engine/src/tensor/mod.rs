@@ -26,6 +26,8 @@ pub enum DType {
     I64,
     I32,
     U8,
+    /// OCP FP8 E4M3 (`torch.float8_e4m3fn`), used with per-block scales.
+    F8E4M3,
     /// A ggml block format (GGUF files): rows are sequences of blocks.
     Quant(quant::QuantType),
 }
@@ -37,7 +39,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
-            DType::U8 => 1,
+            DType::U8 | DType::F8E4M3 => 1,
             // Blocks are parsed from bytes; no alignment is needed.
             DType::Quant(_) => 1,
         }
@@ -52,6 +54,7 @@ impl DType {
             "I64" => DType::I64,
             "I32" => DType::I32,
             "U8" => DType::U8,
+            "F8_E4M3" => DType::F8E4M3,
             _ => return None,
         })
     }
@@ -65,6 +68,7 @@ impl DType {
             DType::I64 => "I64",
             DType::I32 => "I32",
             DType::U8 => "U8",
+            DType::F8E4M3 => "F8_E4M3",
             DType::Quant(q) => q.name(),
         }
     }
@@ -76,7 +80,7 @@ impl DType {
 
     /// Whether matrix kernels accept this dtype as weights (floats and ggml block formats).
     pub fn is_matrix(self) -> bool {
-        self.is_float() || matches!(self, DType::Quant(_))
+        self.is_float() || matches!(self, DType::Quant(_) | DType::F8E4M3)
     }
 
     /// The dtype of a ggml type: the float types map to ours, the rest are block formats.
@@ -107,6 +111,7 @@ impl std::fmt::Display for DType {
             DType::I64 => "i64",
             DType::I32 => "i32",
             DType::U8 => "u8",
+            DType::F8E4M3 => "f8_e4m3",
             DType::Quant(q) => q.name(),
         })
     }
@@ -152,6 +157,34 @@ pub struct Tensor {
     pub shape: Vec<usize>,
     pub dtype: DType,
     pub storage: Storage,
+    /// Per-block dequantization scales (FP8 checkpoints' `weight_scale_inv`).
+    pub block_scales: Option<Arc<BlockScales>>,
+}
+
+/// Scales of a block-quantized matrix: element `(i, j)` is multiplied by
+/// `values[(i / block_rows) * cols + j / block_cols]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockScales {
+    pub values: Vec<f32>,
+    pub block_rows: usize,
+    pub block_cols: usize,
+    /// Scale columns (`ceil(matrix cols / block_cols)`).
+    pub cols: usize,
+}
+
+/// OCP FP8 E4M3 (no infinities; `S.1111.111` is NaN) to f32, exactly.
+pub fn f8e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((b >> 3) & 0xf) as i32;
+    let man = (b & 7) as f32;
+    if exp == 0xf && b & 7 == 7 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        sign * man / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    }
 }
 
 impl std::fmt::Debug for Tensor {
@@ -169,6 +202,7 @@ impl Tensor {
             shape: shape.to_vec(),
             dtype: DType::F32,
             storage: Storage::owned(bytemuck::cast_slice(values)),
+            block_scales: None,
         }
     }
 
@@ -212,6 +246,31 @@ impl Tensor {
                     )));
                 }
                 WeightData::Quant(q, bytes)
+            }
+            DType::F8E4M3 => {
+                let scales = self.block_scales.as_deref().ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "tensor `{}` is FP8 but has no block scales (`weight_scale_inv`)",
+                        self.name
+                    ))
+                })?;
+                let want_rows = rows.div_ceil(scales.block_rows);
+                if scales.cols != cols.div_ceil(scales.block_cols)
+                    || scales.values.len() != want_rows * scales.cols
+                {
+                    return Err(Error::Invalid(format!(
+                        "tensor `{}`: {} block scales of {}×{} do not cover a {rows}×{cols} matrix",
+                        self.name,
+                        scales.values.len(),
+                        scales.block_rows,
+                        scales.block_cols
+                    )));
+                }
+                WeightData::F8Block {
+                    codes: bytes,
+                    scales,
+                    row0: 0,
+                }
             }
             other => {
                 return Err(Error::Unsupported(format!(
@@ -272,6 +331,13 @@ pub enum WeightData<'a> {
     F16(&'a [f16]),
     /// Rows of ggml blocks.
     Quant(quant::QuantType, &'a [u8]),
+    /// FP8 E4M3 codes with per-block scales; `row0` is the first row's index in the matrix
+    /// the scales describe.
+    F8Block {
+        codes: &'a [u8],
+        scales: &'a BlockScales,
+        row0: usize,
+    },
 }
 
 /// A row-major matrix of weights, `rows × cols`, as the kernels take it.
@@ -294,6 +360,15 @@ impl<'a> WeightView<'a> {
                 let rb = q.row_bytes(self.cols).expect("checked by view()");
                 WeightData::Quant(q, &d[start * rb..(start + n) * rb])
             }
+            WeightData::F8Block {
+                codes,
+                scales,
+                row0,
+            } => WeightData::F8Block {
+                codes: &codes[a..b],
+                scales,
+                row0: row0 + start,
+            },
         };
         WeightView {
             rows: n,
@@ -322,6 +397,16 @@ impl<'a> WeightView<'a> {
                 quant::dequantize_row(q, &d[r * rb..(r + 1) * rb], out)
                     .expect("row length checked by view()");
             }
+            WeightData::F8Block {
+                codes,
+                scales,
+                row0,
+            } => {
+                let srow = &scales.values[(row0 + r) / scales.block_rows * scales.cols..];
+                for (k, (o, &c)) in out.iter_mut().zip(&codes[a..b]).enumerate() {
+                    *o = f8e4m3_to_f32(c) * srow[k / scales.block_cols];
+                }
+            }
         }
     }
 
@@ -332,6 +417,7 @@ impl<'a> WeightView<'a> {
             WeightData::BF16(_) => DType::BF16,
             WeightData::F16(_) => DType::F16,
             WeightData::Quant(q, _) => DType::Quant(q),
+            WeightData::F8Block { .. } => DType::F8E4M3,
         }
     }
 }

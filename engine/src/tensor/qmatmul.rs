@@ -437,6 +437,35 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
     }
 }
 
+/// `out = x·Wᵀ` for any weight the view can turn into f32 rows (FP8 with block scales): each
+/// weight row is dequantized once per task and dotted with every activation row by the f32
+/// kernel, so results keep the canonical f32 order (identical to a checkpoint holding the
+/// dequantized values).
+pub fn dequantized_matmul(x: &[f32], w: &super::WeightView<'_>, out: &mut [f32]) {
+    let (n, k_dim) = (w.rows, w.cols);
+    let m = x.len() / k_dim;
+    assert_eq!(out.len(), m * n, "matmul: output has the wrong size");
+    let isa = Isa::detect();
+    let ptr = OutPtr(out.as_mut_ptr());
+    // SAFETY: as in `qmatmul`: disjoint (i, j) per task, all inside `out`.
+    let put = |i: usize, j: usize, v: f32| unsafe { *ptr.get().add(i * n + j) = v };
+    let run = |t: usize| {
+        let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+        let mut wf = vec![0.0f32; k_dim];
+        for j in j0..j1 {
+            w.row_to_f32(j, &mut wf);
+            for i in 0..m {
+                put(
+                    i,
+                    j,
+                    dot(isa, &x[i * k_dim..(i + 1) * k_dim], WeightData::F32(&wf)),
+                );
+            }
+        }
+    };
+    par_tasks(n.div_ceil(ROWS_PER_TASK), m * n * k_dim, run);
+}
+
 fn par_tasks(tasks: usize, work: usize, run: impl Fn(usize) + Sync + Send) {
     if work < 32 * 1024 || rayon::current_num_threads() == 1 {
         (0..tasks).for_each(run);
