@@ -33,7 +33,7 @@ impl LoadedModel {
     /// Open `dir`, placing routed experts as `store` says.
     pub fn open_with(dir: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
         if crate::format::gguf_model::is_gguf(dir) {
-            return Self::open_gguf(dir, store);
+            return Self::open_gguf(dir, needs_text, store);
         }
         if !dir.is_dir() {
             return Err(Error::io(
@@ -65,14 +65,23 @@ impl LoadedModel {
     }
 
     /// Open a GGUF file: weights, tokenizer and chat template all come from the one file.
-    fn open_gguf(path: &Path, store: &StoreOptions) -> Result<LoadedModel> {
+    fn open_gguf(path: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
         use crate::format::gguf::GgufFile;
         use crate::format::gguf_vocab;
         let model = model::load_with(path, store)?;
         let gguf = GgufFile::open(path)?;
-        let tokenizer = gguf_vocab::tokenizer_from_gguf(&gguf)?;
+        // A vocabulary we cannot build is an error only when text is needed.
+        let tokenizer = match gguf_vocab::tokenizer_from_gguf(&gguf) {
+            Ok(t) => Some(t),
+            Err(e) if needs_text => return Err(e),
+            Err(e) => {
+                tracing::warn!("{}: no tokenizer: {e}", path.display());
+                None
+            }
+        };
         let special = gguf_vocab::special_tokens(&gguf)?;
-        let name = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i));
+        let name =
+            |id: Option<u32>| id.and_then(|i| tokenizer.as_ref().and_then(|t| t.id_to_token(i)));
         let chat_template = match gguf.get_str("tokenizer.chat_template")? {
             Some(t) => Some(
                 ChatTemplate::new(t, path.to_path_buf())?
@@ -89,7 +98,7 @@ impl LoadedModel {
         Ok(LoadedModel {
             dir: path.to_path_buf(),
             model,
-            tokenizer: Some(tokenizer),
+            tokenizer,
             chat_template,
             generation: GenerationConfig::default(),
             eos_token_ids,
@@ -99,13 +108,18 @@ impl LoadedModel {
     /// The tokenizer, or an error saying which file is missing.
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
         self.tokenizer.as_ref().ok_or_else(|| {
-            Error::io(
-                self.dir.join("tokenizer.json"),
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
+            let (path, why) = if self.dir.is_file() {
+                (
+                    self.dir.clone(),
+                    "this command needs a tokenizer, and this GGUF's vocabulary is not supported",
+                )
+            } else {
+                (
+                    self.dir.join("tokenizer.json"),
                     "this command needs a tokenizer",
-                ),
-            )
+                )
+            };
+            Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, why))
         })
     }
 }
