@@ -25,9 +25,9 @@ fn reference_logits(arch: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
     (ids(&v, "prompt_ids"), logits, ids(&v, "greedy_ids"))
 }
 
-// The llama fixture uses llama3 RoPE scaling, which GGUF stores as a `rope_freqs` tensor
-// (not written or read yet); mixtral covers the llama architecture and its Q/K permutation.
-const ARCHS: [&str; 3] = ["mixtral", "olmoe", "qwen3_moe"];
+// The llama fixture uses llama3 RoPE scaling, which GGUF stores as a `rope_freqs` tensor of
+// per-pair divisors; mixtral covers Mixtral written as llama.
+const ARCHS: [&str; 4] = ["llama", "mixtral", "olmoe", "qwen3_moe"];
 
 #[test]
 fn f32_gguf_of_each_fixture_matches_transformers() {

@@ -111,7 +111,7 @@ fn converted_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
     // margin, in q8_0 and bf16 alike — suspected: llama.cpp's olmoe graph does not clamp.
     // Not qwen3_moe: its fixture has a dense layer (mlp_only_layers), which llama.cpp's
     // qwen3moe refuses to load (`coli convert` warns).
-    for arch in ["mixtral"] {
+    for arch in ["llama", "mixtral"] {
         for mix in [ConvertType::Q8_0, ConvertType::BF16] {
             let out = tmp.path().join(format!("{arch}-{mix:?}.gguf"));
             convert(&common::fixture(arch), &out, mix, |_, _| {}).unwrap();

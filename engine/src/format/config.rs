@@ -250,6 +250,20 @@ impl ModelConfig {
             partial_rotary_factor: partial,
             kind,
             interleaved: self.bool_or("rope_interleaved", false)?,
+            freq_factors: match self.get("rope_freq_factors") {
+                None => None,
+                Some(Value::Array(a)) => Some(
+                    a.iter()
+                        .map(|v| v.as_f64())
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| {
+                            self.err("rope_freq_factors", "expected a list of numbers")
+                        })?,
+                ),
+                Some(v) => {
+                    return Err(self.err("rope_freq_factors", format!("expected a list, found {v}")))
+                }
+            },
         })
     }
 }
@@ -264,6 +278,9 @@ pub struct RopeParams {
     /// configuration built from a GGUF file whose Q/K rows llama.cpp's converter permuted for
     /// its "normal" RoPE (llama, mixtral); never in a Hugging Face config.json.
     pub interleaved: bool,
+    /// Per-frequency divisors (GGUF's `rope_freqs` tensor, how llama.cpp stores llama 3
+    /// scaling); set only in configurations built from GGUF files.
+    pub freq_factors: Option<Vec<f64>>,
 }
 
 /// RoPE frequency scaling.

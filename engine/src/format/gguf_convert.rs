@@ -92,6 +92,8 @@ struct Plan {
     sources: Vec<String>,
     /// Heads whose rows are permuted for llama.cpp's RoPE (Q/K of llama and mixtral).
     permute_heads: Option<usize>,
+    /// Bytes computed here rather than read (`rope_freqs.weight`).
+    computed: Option<Vec<u8>>,
 }
 
 /// llama.cpp's `use_more_bits`: the layers its `_M` mixes give more bits.
@@ -288,6 +290,7 @@ pub fn convert(
                 GgufValue::F32(*factor as f32),
             ));
         }
+        crate::format::config::RopeKind::Llama3 { .. } => {}
         other => {
             return Err(Error::Unsupported(format!(
                 "GGUF export of RoPE scaling {other:?}"
@@ -346,10 +349,43 @@ pub fn convert(
                 ty,
                 sources: vec![src],
                 permute_heads: permute,
+                computed: None,
             })
         };
     macro_rules! plan {
         ($($a:expr),*) => { plans.push(plan_one($($a),*)?) };
+    }
+    if let crate::format::config::RopeKind::Llama3 {
+        factor,
+        low_freq_factor: lo,
+        high_freq_factor: hi,
+        original_max_position_embeddings: omp,
+    } = rope.kind
+    {
+        // llama.cpp stores llama 3 scaling as one divisor per rotated pair.
+        let theta = rope.theta as f32;
+        let factors: Vec<f32> = (0..head_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / theta.powf((2 * i) as f32 / head_dim as f32);
+                let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+                if wavelen < omp / hi {
+                    1.0
+                } else if wavelen > omp / lo {
+                    factor as f32
+                } else {
+                    let smooth = (omp / wavelen - lo) / (hi - lo);
+                    (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                }
+            })
+            .collect();
+        plans.push(Plan {
+            name: "rope_freqs.weight".into(),
+            shape: vec![head_dim / 2],
+            ty: QuantType::F32,
+            sources: vec![],
+            permute_heads: None,
+            computed: Some(factors.iter().flat_map(|f| f.to_le_bytes()).collect()),
+        });
     }
     plan!(
         "token_embd.weight".into(),
@@ -435,6 +471,7 @@ pub fn convert(
                     ty,
                     sources,
                     permute_heads: None,
+                    computed: None,
                 });
             }
         } else {
@@ -462,7 +499,8 @@ pub fn convert(
     if !tied {
         plan!("output.weight".into(), "lm_head.weight".into(), None, None);
     }
-    if plans[0].shape[0] != vocab {
+    let embd = plans.iter().find(|p| p.name == "token_embd.weight");
+    if embd.is_some_and(|p| p.shape[0] != vocab) {
         return Err(Error::tensor(
             dir,
             "model.embed_tokens.weight",
@@ -484,6 +522,10 @@ pub fn convert(
     let (mut done, mut bytes_out) = (0u64, 0u64);
     let mut types: Vec<(String, usize)> = Vec::new();
     for p in &plans {
+        if let Some(bytes) = &p.computed {
+            bytes_out += bytes.len() as u64;
+            writer.write(bytes)?;
+        }
         for src in &p.sources {
             let t = ckpt.tensor_any_shape(src)?;
             let bytes = convert_tensor(&t, p.ty, p.permute_heads)?;

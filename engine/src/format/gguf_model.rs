@@ -187,11 +187,24 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
             ))
         }
     }
-    if g.get_tensor("rope_freqs.weight").is_some() {
-        return Err(Error::Unsupported(format!(
-            "{}: per-dimension RoPE frequency factors (`rope_freqs.weight`, llama 3.1 style) are not supported yet",
-            path.display()
-        )));
+    if let Some(t) = g.get_tensor("rope_freqs.weight") {
+        // Llama 3 style scaling: one divisor per rotated pair, as f32.
+        if t.ggml_type != super::gguf::GgmlType::F32 || t.shape.len() != 1 {
+            return Err(Error::tensor(
+                &path,
+                "rope_freqs.weight",
+                format!(
+                    "expected a 1-D f32 tensor, got {} {:?}",
+                    t.ggml_type, t.shape
+                ),
+            ));
+        }
+        let bytes = g.read_tensor(t)?;
+        let factors: Vec<f64> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+            .collect();
+        c.insert("rope_freq_factors".into(), json!(factors));
     }
     if let Some(id) = g.get_u64("tokenizer.ggml.eos_token_id")? {
         c.insert("eos_token_id".into(), json!(id));

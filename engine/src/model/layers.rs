@@ -211,6 +211,11 @@ impl Rope {
                 }
             }
         }
+        if let Some(f) = &params.freq_factors {
+            for (v, f) in inv_freq.iter_mut().zip(f) {
+                *v /= *f as f32;
+            }
+        }
         Rope {
             inv_freq,
             scaling,
