@@ -388,6 +388,7 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
     match act_format(ty) {
         Some(format) => {
             let acts = QuantizedActs::quantize(format, x, k_dim);
+            let act_rows: Vec<ActRow<'_>> = (0..m).map(|i| acts.row(i)).collect();
             // Activation rows are taken in chunks that stay in L1 while every weight row of
             // the task passes over them (otherwise each weight row re-streams all of them).
             let chunk = (X_CHUNK_BYTES / k_dim).max(1).div_ceil(ROW_GROUP) * ROW_GROUP;
@@ -400,7 +401,7 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
                         let w = w_row(j);
                         let mut i = i0;
                         while i + ROW_GROUP <= i1 {
-                            let rows = std::array::from_fn(|r| acts.row(i + r));
+                            let rows = std::array::from_fn(|r| act_rows[i + r]);
                             let v = dot_rows::<ROW_GROUP>(isa, ty, w, rows);
                             for (r, v) in v.into_iter().enumerate() {
                                 put(i + r, j, v);
@@ -408,7 +409,7 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
                             i += ROW_GROUP;
                         }
                         while i < i1 {
-                            put(i, j, dot_rows::<1>(isa, ty, w, [acts.row(i)])[0]);
+                            put(i, j, dot_rows::<1>(isa, ty, w, [act_rows[i]])[0]);
                             i += 1;
                         }
                     }
