@@ -349,6 +349,16 @@ fn avx512() -> bool {
     })
 }
 
+/// Whether the VNNI byte-product kernels may run (AVX-512 VNNI and VL detected, and the
+/// 512-bit kernels allowed).
+#[cfg(target_arch = "x86_64")]
+fn vnni() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| {
+        avx512() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+    })
+}
+
 /// A raw output pointer shared by tasks that write disjoint elements.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -485,14 +495,7 @@ mod avx2 {
 
     use super::{f16_le, fold8, ActRow, QuantType, QK32, QK_K};
 
-    /// Sum of i8·i8 products of 32 bytes, as 8 i32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn mul_i8(w: __m256i, x: __m256i) -> __m256i {
-        mul_i8_abs(_mm256_sign_epi8(w, w), w, x)
-    }
-
-    /// [`mul_i8`] with `|w|` already computed.
+    /// Sum of i8·i8 products of 32 bytes as 8 i32 lanes, with `|w|` already computed.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn mul_i8_abs(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
@@ -569,7 +572,9 @@ mod avx2 {
         wide: bool,
     ) -> [f32; R] {
         match ty {
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => dot32::<R>(ty, w, x),
+            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
+                dot32::<R>(ty, w, x, wide && super::vnni())
+            }
             QuantType::Q4_K if wide => dot_q4k_512::<R>(w, x),
             QuantType::Q4_K => dot_q4k::<R>(w, x),
             QuantType::Q6_K if wide => dot_q6k_512::<R>(w, x),
@@ -579,11 +584,19 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot32<const R: usize>(ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
-        match ty {
-            QuantType::Q8_0 => dot32_t::<R, 0>(w, x),
-            QuantType::Q4_0 => dot32_t::<R, 1>(w, x),
-            _ => dot32_t::<R, 2>(w, x),
+    unsafe fn dot32<const R: usize>(
+        ty: QuantType,
+        w: &[u8],
+        x: [ActRow<'_>; R],
+        vnni: bool,
+    ) -> [f32; R] {
+        match (ty, vnni) {
+            (QuantType::Q8_0, false) => dot32_t::<R, 0>(w, x),
+            (QuantType::Q4_0, false) => dot32_t::<R, 1>(w, x),
+            (_, false) => dot32_t::<R, 2>(w, x),
+            (QuantType::Q8_0, true) => dot32_t_vnni::<R, 0>(w, x),
+            (QuantType::Q4_0, true) => dot32_t_vnni::<R, 1>(w, x),
+            (_, true) => dot32_t_vnni::<R, 2>(w, x),
         }
     }
 
@@ -604,113 +617,147 @@ mod avx2 {
         ))
     }
 
-    /// The 32-element kernel for one format: `T` = 0 (Q8_0), 1 (Q4_0), 2 (Q4_1).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot32_t<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
-        let ty = match T {
-            0 => QuantType::Q8_0,
-            1 => QuantType::Q4_0,
-            _ => QuantType::Q4_1,
-        };
-        let signed = T != 2;
-        let bb = ty.block_bytes();
-        let nb = w.len() / bb;
-        let full = nb / 8 * 8;
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut b0 = 0;
-        while b0 < full {
-            let wp = w.as_ptr().add(b0 * bb);
-            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 128) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 192) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 256) as *const i8);
-            let mut codes = [_mm256_setzero_si256(); 8];
-            let mut abs = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
-                codes[k] = codes32(ty, wp.add(k * bb));
-                if signed {
-                    abs[k] = _mm256_sign_epi8(codes[k], codes[k]);
-                }
-            }
-            let dw = f16x8(wp, bb);
-            let mw = if signed {
-                _mm256_setzero_ps()
-            } else {
-                f16x8(wp.add(2), bb)
+    /// Defines a 32-element kernel for one format (`T` = 0 Q8_0, 1 Q4_0, 2 Q4_1) with the
+    /// given byte-product steps; the integer sums, and so the results, are the same for all.
+    macro_rules! dot32_kernel {
+        ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
+            $(#[$attr])*
+            unsafe fn $name<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+            let ty = match T {
+                0 => QuantType::Q8_0,
+                1 => QuantType::Q4_0,
+                _ => QuantType::Q4_1,
             };
-            for r in 0..R {
-                let xr = x[r];
-                let xq = xr.qs.as_ptr().add(b0 * QK32);
-                let mut prods = [_mm256_setzero_si256(); 8];
+            let signed = T != 2;
+            let bb = ty.block_bytes();
+            let nb = w.len() / bb;
+            let full = nb / 8 * 8;
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut b0 = 0;
+            while b0 < full {
+                let wp = w.as_ptr().add(b0 * bb);
+                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 64) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 128) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 192) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 256) as *const i8);
+                let mut codes = [_mm256_setzero_si256(); 8];
+                let mut abs = [_mm256_setzero_si256(); 8];
                 for k in 0..8 {
-                    let xv = _mm256_loadu_si256(xq.add(k * QK32) as *const __m256i);
-                    prods[k] = if signed {
-                        mul_i8(codes[k], xv)
-                    } else {
-                        mul_u8(codes[k], xv)
-                    };
-                }
-                let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
-                let s = _mm256_mul_ps(dw, _mm256_loadu_ps(xr.d.as_ptr().add(b0)));
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, isums));
-                if !signed {
-                    let m = _mm256_mul_ps(mw, _mm256_loadu_ps(xr.sums.as_ptr().add(b0)));
-                    acc[r] = _mm256_add_ps(acc[r], m);
-                }
-            }
-            b0 += 8;
-        }
-        if b0 < nb {
-            // Tail of fewer than 8 blocks: missing blocks contribute exact zeros.
-            let nblk = nb - b0;
-            let mut codes = [_mm256_setzero_si256(); 8];
-            let mut dw = [0.0f32; 8];
-            let mut mw = [0.0f32; 8];
-            for k in 0..nblk {
-                let wb = w.as_ptr().add((b0 + k) * bb);
-                codes[k] = codes32(ty, wb);
-                let blk = std::slice::from_raw_parts(wb, 4);
-                dw[k] = f16_le(blk, 0);
-                if !signed {
-                    mw[k] = f16_le(blk, 2);
-                }
-            }
-            for r in 0..R {
-                let xr = x[r];
-                let mut prods = [_mm256_setzero_si256(); 8];
-                for k in 0..nblk {
-                    let xv =
-                        _mm256_loadu_si256(xr.qs.as_ptr().add((b0 + k) * QK32) as *const __m256i);
-                    prods[k] = if signed {
-                        mul_i8(codes[k], xv)
-                    } else {
-                        mul_u8(codes[k], xv)
-                    };
-                }
-                let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
-                let mut sv = [0.0f32; 8];
-                let mut mterm = [0.0f32; 8];
-                for k in 0..nblk {
-                    sv[k] = dw[k] * xr.d[b0 + k];
-                    if !signed {
-                        mterm[k] = mw[k] * xr.sums[b0 + k];
+                    codes[k] = codes32(ty, wp.add(k * bb));
+                    if signed {
+                        abs[k] = _mm256_sign_epi8(codes[k], codes[k]);
                     }
                 }
-                let p = _mm256_mul_ps(_mm256_loadu_ps(sv.as_ptr()), isums);
-                acc[r] = _mm256_add_ps(acc[r], p);
-                if !signed {
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(mterm.as_ptr()));
+                let dw = f16x8(wp, bb);
+                let mw = if signed {
+                    _mm256_setzero_ps()
+                } else {
+                    f16x8(wp.add(2), bb)
+                };
+                for r in 0..R {
+                    let xr = x[r];
+                    let xq = xr.qs.as_ptr().add(b0 * QK32);
+                    let mut prods = [_mm256_setzero_si256(); 8];
+                    for k in 0..8 {
+                        let xv = _mm256_loadu_si256(xq.add(k * QK32) as *const __m256i);
+                        prods[k] = if signed {
+                            $mul_abs(abs[k], codes[k], xv)
+                        } else {
+                            $mul_u8(codes[k], xv)
+                        };
+                    }
+                    let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
+                    let s = _mm256_mul_ps(dw, _mm256_loadu_ps(xr.d.as_ptr().add(b0)));
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, isums));
+                    if !signed {
+                        let m = _mm256_mul_ps(mw, _mm256_loadu_ps(xr.sums.as_ptr().add(b0)));
+                        acc[r] = _mm256_add_ps(acc[r], m);
+                    }
+                }
+                b0 += 8;
+            }
+            if b0 < nb {
+                // Tail of fewer than 8 blocks: missing blocks contribute exact zeros.
+                let nblk = nb - b0;
+                let mut codes = [_mm256_setzero_si256(); 8];
+                let mut dw = [0.0f32; 8];
+                let mut mw = [0.0f32; 8];
+                for k in 0..nblk {
+                    let wb = w.as_ptr().add((b0 + k) * bb);
+                    codes[k] = codes32(ty, wb);
+                    let blk = std::slice::from_raw_parts(wb, 4);
+                    dw[k] = f16_le(blk, 0);
+                    if !signed {
+                        mw[k] = f16_le(blk, 2);
+                    }
+                }
+                for r in 0..R {
+                    let xr = x[r];
+                    let mut prods = [_mm256_setzero_si256(); 8];
+                    for k in 0..nblk {
+                        let xv =
+                            _mm256_loadu_si256(xr.qs.as_ptr().add((b0 + k) * QK32) as *const __m256i);
+                        prods[k] = if signed {
+                            $mul_abs(_mm256_sign_epi8(codes[k], codes[k]), codes[k], xv)
+                        } else {
+                            $mul_u8(codes[k], xv)
+                        };
+                    }
+                    let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
+                    let mut sv = [0.0f32; 8];
+                    let mut mterm = [0.0f32; 8];
+                    for k in 0..nblk {
+                        sv[k] = dw[k] * xr.d[b0 + k];
+                        if !signed {
+                            mterm[k] = mw[k] * xr.sums[b0 + k];
+                        }
+                    }
+                    let p = _mm256_mul_ps(_mm256_loadu_ps(sv.as_ptr()), isums);
+                    acc[r] = _mm256_add_ps(acc[r], p);
+                    if !signed {
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(mterm.as_ptr()));
+                    }
                 }
             }
+            let mut out = [0.0f32; R];
+            for r in 0..R {
+                let mut lanes = [0.0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+                out[r] = fold8(&lanes);
+            }
+            out
         }
-        let mut out = [0.0f32; R];
-        for r in 0..R {
-            let mut lanes = [0.0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
-            out[r] = fold8(&lanes);
-        }
-        out
+        };
+    }
+
+    dot32_kernel!(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        dot32_t,
+        mul_i8_abs,
+        mul_u8
+    );
+
+    dot32_kernel!(
+        /// With AVX-512 VNNI: `vpdpbusd` does the byte products and their sums in one step.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        dot32_t_vnni,
+        mul_i8_abs_vnni,
+        mul_u8_vnni
+    );
+
+    /// [`mul_i8_abs`] with VNNI.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    unsafe fn mul_i8_abs_vnni(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w))
+    }
+
+    /// [`mul_u8`] with VNNI.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    unsafe fn mul_u8_vnni(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
