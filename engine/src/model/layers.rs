@@ -487,8 +487,11 @@ impl Mlp {
 
 /// SwiGLU over an expert's three matrices, `[m, D]` → `[m, D]`.
 pub fn expert_swiglu(expert: &crate::store::Expert, x: &[f32]) -> Vec<f32> {
-    let g = matmul_new(x, &expert.gate.view().expect("checked at load"));
-    let u = matmul_new(x, &expert.up.view().expect("checked at load"));
+    let (g, u) = crate::tensor::matmul::matmul_pair(
+        x,
+        &expert.gate.view().expect("checked at load"),
+        &expert.up.view().expect("checked at load"),
+    );
     let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
     let down = expert.down.view().expect("checked at load");
     let mut y = vec![0.0; (h.len() / down.cols) * down.rows];

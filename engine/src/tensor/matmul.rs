@@ -99,6 +99,38 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     }
 }
 
+/// Two products of the same activations (an expert's gate and up). Quantized matrices of one
+/// activation format share the activation quantization and one parallel step; every result is
+/// the one [`matmul`] gives.
+pub fn matmul_pair(x: &[f32], a: &WeightView<'_>, b: &WeightView<'_>) -> (Vec<f32>, Vec<f32>) {
+    if let (WeightData::Quant(ta, ba), WeightData::Quant(tb, bb)) = (a.data, b.data) {
+        if a.cols == b.cols {
+            let m = x.len() / a.cols;
+            let (mut ya, mut yb) = (vec![0.0; m * a.rows], vec![0.0; m * b.rows]);
+            super::qmatmul::qmatmul_multi(
+                x,
+                a.cols,
+                &mut [
+                    super::qmatmul::QMat {
+                        ty: ta,
+                        bytes: ba,
+                        n: a.rows,
+                        out: &mut ya,
+                    },
+                    super::qmatmul::QMat {
+                        ty: tb,
+                        bytes: bb,
+                        n: b.rows,
+                        out: &mut yb,
+                    },
+                ],
+            );
+            return (ya, yb);
+        }
+    }
+    (matmul_new(x, a), matmul_new(x, b))
+}
+
 /// [`matmul`] into a new vector.
 pub fn matmul_new(x: &[f32], w: &WeightView<'_>) -> Vec<f32> {
     let m = x.len() / w.cols;

@@ -376,26 +376,75 @@ impl OutPtr {
 /// `out[i·n + j] = Σ_k x[i, k] · W[j, k]` for a quantized `W` (`n × k_dim`, `bytes` holding
 /// `n` rows of `ty`).
 pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, out: &mut [f32]) {
+    qmatmul_multi(x, k_dim, &mut [QMat { ty, bytes, n, out }]);
+}
+
+/// One quantized matrix and its output for [`qmatmul_multi`].
+pub struct QMat<'a> {
+    pub ty: QuantType,
+    pub bytes: &'a [u8],
+    /// Rows of the matrix.
+    pub n: usize,
+    /// `m × n` results.
+    pub out: &'a mut [f32],
+}
+
+/// Several products of the same activations (an expert's gate and up): the activations are
+/// quantized once and every matrix's rows are shared out in one parallel step. Each output
+/// element is computed exactly as [`qmatmul`] computes it.
+pub fn qmatmul_multi(x: &[f32], k_dim: usize, mats: &mut [QMat<'_>]) {
     assert!(
         k_dim > 0 && x.len().is_multiple_of(k_dim),
         "qmatmul: x is not a whole number of rows"
     );
     let m = x.len() / k_dim;
-    assert_eq!(out.len(), m * n, "qmatmul: output has the wrong size");
-    let row_bytes = ty.row_bytes(k_dim).expect("row length checked at load");
-    assert_eq!(
-        bytes.len(),
-        n * row_bytes,
-        "qmatmul: weight bytes do not match the shape"
-    );
+    let format = mats.first().and_then(|q| act_format(q.ty));
+    if mats.len() > 1 && (format.is_none() || mats.iter().any(|q| act_format(q.ty) != format)) {
+        for q in mats.iter_mut() {
+            qmatmul_multi(x, k_dim, std::slice::from_mut(q));
+        }
+        return;
+    }
+    struct Job<'b> {
+        ty: QuantType,
+        bytes: &'b [u8],
+        n: usize,
+        row_bytes: usize,
+        out: OutPtr,
+        first_task: usize,
+    }
+    let mut jobs = Vec::with_capacity(mats.len());
+    let mut tasks = 0;
+    let mut work = 0;
+    for q in mats.iter_mut() {
+        assert_eq!(q.out.len(), m * q.n, "qmatmul: output has the wrong size");
+        let row_bytes = q.ty.row_bytes(k_dim).expect("row length checked at load");
+        assert_eq!(
+            q.bytes.len(),
+            q.n * row_bytes,
+            "qmatmul: weight bytes do not match the shape"
+        );
+        jobs.push(Job {
+            ty: q.ty,
+            bytes: q.bytes,
+            n: q.n,
+            row_bytes,
+            out: OutPtr(q.out.as_mut_ptr()),
+            first_task: tasks,
+        });
+        tasks += q.n.div_ceil(ROWS_PER_TASK);
+        work += m * q.n * k_dim;
+    }
     let isa = Isa::detect();
-    let ptr = OutPtr(out.as_mut_ptr());
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    let w_row = |j: usize| &bytes[j * row_bytes..(j + 1) * row_bytes];
-    // SAFETY (for `put`): every index i*n + j written has i < m and j < n, so it is inside
-    // `out`, and each (i, j) is written by exactly one task (the one owning row j).
-    let put = |i: usize, j: usize, v: f32| unsafe { *ptr.get().add(i * n + j) = v };
-    match act_format(ty) {
+    let job_of = |t: usize| {
+        let job = jobs
+            .iter()
+            .rev()
+            .find(|j| j.first_task <= t)
+            .expect("task 0 is in job 0");
+        (job, t - job.first_task)
+    };
+    match format {
         Some(format) => {
             let acts = QuantizedActs::quantize(format, x, k_dim);
             let act_rows: Vec<ActRow<'_>> = (0..m).map(|i| acts.row(i)).collect();
@@ -403,6 +452,13 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
             // the task passes over them (otherwise each weight row re-streams all of them).
             let chunk = (X_CHUNK_BYTES / k_dim).max(1).div_ceil(ROW_GROUP) * ROW_GROUP;
             let run = |t: usize| {
+                let (job, t) = job_of(t);
+                let (ty, n) = (job.ty, job.n);
+                let w_row = |j: usize| &job.bytes[j * job.row_bytes..(j + 1) * job.row_bytes];
+                // SAFETY: every index i*n + j written has i < m and j < n, so it is inside the
+                // job's output, and each (i, j) is written by exactly one task (the one owning
+                // row j of this job).
+                let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
                 let mut i0 = 0;
                 while i0 < m {
@@ -426,14 +482,19 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
                     i0 = i1;
                 }
             };
-            par_tasks(tasks, m * n * k_dim, run);
+            par_tasks(tasks, work, run);
         }
         None => {
             let run = |t: usize| {
+                let (job, t) = job_of(t);
+                let (ty, n) = (job.ty, job.n);
+                // SAFETY: as above.
+                let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
                 let mut wf = vec![0.0f32; k_dim];
                 for j in j0..j1 {
-                    dequantize_row(ty, w_row(j), &mut wf).expect("row length checked at load");
+                    let w = &job.bytes[j * job.row_bytes..(j + 1) * job.row_bytes];
+                    dequantize_row(ty, w, &mut wf).expect("row length checked at load");
                     for i in 0..m {
                         put(
                             i,
@@ -443,7 +504,7 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
                     }
                 }
             };
-            par_tasks(tasks, m * n * k_dim, run);
+            par_tasks(tasks, work, run);
         }
     }
 }
@@ -1224,6 +1285,49 @@ mod tests {
                     "{ty}: row {i} alone vs in a batch"
                 );
             }
+        }
+    }
+
+    /// Shared activations and one parallel step change no bit of either product, including when
+    /// the formats differ (then the products run apart).
+    #[test]
+    fn multi_equals_separate_products() {
+        let (k, m) = (512, 5);
+        let x = values(m * k, 41);
+        for (ta, tb) in [
+            (QuantType::Q4_K, QuantType::Q4_K),
+            (QuantType::Q4_K, QuantType::Q6_K),
+            (QuantType::Q8_0, QuantType::Q4_K),
+            (QuantType::Q5_K, QuantType::Q5_K),
+        ] {
+            let (na, nb) = (33, 70);
+            let wa = quantized(ta, &values(na * k, 42), k);
+            let wb = quantized(tb, &values(nb * k, 43), k);
+            let (mut sa, mut sb) = (vec![0.0f32; m * na], vec![0.0f32; m * nb]);
+            qmatmul(&x, ta, &wa, na, k, &mut sa);
+            qmatmul(&x, tb, &wb, nb, k, &mut sb);
+            let (mut ya, mut yb) = (vec![0.0f32; m * na], vec![0.0f32; m * nb]);
+            qmatmul_multi(
+                &x,
+                k,
+                &mut [
+                    QMat {
+                        ty: ta,
+                        bytes: &wa,
+                        n: na,
+                        out: &mut ya,
+                    },
+                    QMat {
+                        ty: tb,
+                        bytes: &wb,
+                        n: nb,
+                        out: &mut yb,
+                    },
+                ],
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ya), bits(&sa), "{ta}/{tb}: first");
+            assert_eq!(bits(&yb), bits(&sb), "{ta}/{tb}: second");
         }
     }
 
