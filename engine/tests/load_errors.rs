@@ -235,3 +235,26 @@ fn a_model_without_tokenizer_still_computes_logits() {
         .to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
 }
+
+#[test]
+fn a_file_that_is_not_gguf_is_named_as_such() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("model.bin");
+    std::fs::write(&f, b"not a model at all").unwrap();
+    let e = colibri::runtime::loaded::LoadedModel::open(&f, false)
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(
+        e.contains("model.bin") && e.contains("GGUF") && e.contains("config.json"),
+        "{e}"
+    );
+    // A GGUF whose header is cut short is a clear error naming the file, not a panic.
+    let g = tmp.path().join("cut.gguf");
+    std::fs::write(&g, b"GGUF\x03\x00\x00\x00\x01").unwrap();
+    let e = colibri::runtime::loaded::LoadedModel::open(&g, false)
+        .err()
+        .expect("must fail")
+        .to_string();
+    assert!(e.contains("cut.gguf"), "{e}");
+}

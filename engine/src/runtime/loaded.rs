@@ -35,6 +35,12 @@ impl LoadedModel {
         if crate::format::gguf_model::is_gguf(dir) {
             return Self::open_gguf(dir, needs_text, store);
         }
+        if dir.is_file() {
+            return Err(Error::corrupt(
+                dir,
+                "is neither a model directory nor a GGUF file (a GGUF file starts with the bytes \"GGUF\"); pass the directory holding config.json and the safetensors, or a .gguf file",
+            ));
+        }
         if !dir.is_dir() {
             return Err(Error::io(
                 dir,
