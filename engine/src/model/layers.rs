@@ -224,24 +224,18 @@ impl Rope {
         }
     }
 
-    /// Rotate `x` laid out `[tokens, heads, head_dim]` in place, in this RoPE's pairing.
+    /// Rotate `x` laid out `[tokens, heads, head_dim]` in place, token `t` at position
+    /// `positions[t]`: pair `i` is elements `(i, i + rotary_dim/2)` (half-split, Hugging Face)
+    /// or `(2i, 2i + 1)` (interleaved, llama.cpp's permuted Q/K); both rotate by the same angles.
     pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize]) {
-        if self.interleaved {
-            self.apply_interleaved(x, heads, head_dim, positions)
-        } else {
-            self.apply_half_split(x, heads, head_dim, positions)
-        }
-    }
-
-    /// Rotate adjacent pairs: element `2i` pairs with `2i + 1`, frequency `i`.
-    pub fn apply_interleaved(
-        &self,
-        x: &mut [f32],
-        heads: usize,
-        head_dim: usize,
-        positions: &[usize],
-    ) {
         let half = self.rotary_dim / 2;
+        let pair = |i: usize| {
+            if self.interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            }
+        };
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
         for (t, &pos) in positions.iter().enumerate() {
@@ -254,39 +248,10 @@ impl Rope {
                 let base = (t * heads + h) * head_dim;
                 let v = &mut x[base..base + head_dim];
                 for i in 0..half {
-                    let (a, b) = (v[2 * i], v[2 * i + 1]);
-                    v[2 * i] = a * cos[i] - b * sin[i];
-                    v[2 * i + 1] = b * cos[i] + a * sin[i];
-                }
-            }
-        }
-    }
-
-    /// Rotate `x` laid out `[tokens, heads, head_dim]` in place, half-split style (element
-    /// `i` pairs with `i + rotary_dim/2`), token `t` at position `positions[t]`.
-    pub fn apply_half_split(
-        &self,
-        x: &mut [f32],
-        heads: usize,
-        head_dim: usize,
-        positions: &[usize],
-    ) {
-        let half = self.rotary_dim / 2;
-        let mut cos = vec![0.0f32; half];
-        let mut sin = vec![0.0f32; half];
-        for (t, &pos) in positions.iter().enumerate() {
-            for i in 0..half {
-                let f = pos as f32 * self.inv_freq[i];
-                cos[i] = f.cos() * self.scaling;
-                sin[i] = f.sin() * self.scaling;
-            }
-            for h in 0..heads {
-                let base = (t * heads + h) * head_dim;
-                let v = &mut x[base..base + head_dim];
-                for i in 0..half {
-                    let (a, b) = (v[i], v[i + half]);
-                    v[i] = a * cos[i] - b * sin[i];
-                    v[i + half] = b * cos[i] + a * sin[i];
+                    let (p, q) = pair(i);
+                    let (a, b) = (v[p], v[q]);
+                    v[p] = a * cos[i] - b * sin[i];
+                    v[q] = b * cos[i] + a * sin[i];
                 }
             }
         }

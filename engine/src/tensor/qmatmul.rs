@@ -973,53 +973,80 @@ mod avx2 {
         out
     }
 
+    /// One Q6_K super-block unpacked for the integer steps.
+    struct Q6kBlock {
+        /// Codes of the 8 groups of 32 elements (element `32g + l`), 0..64.
+        codes: [__m256i; 8],
+        /// Scales of groups `2k` (low half) and `2k + 1` (high half) as i16 vectors.
+        scv: [__m256i; 8],
+        /// The 16 scales as i32, in two halves.
+        sc_lo: __m256i,
+        sc_hi: __m256i,
+        d: f32,
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn q6k_block(wb: &[u8]) -> Q6kBlock {
+        let m4 = _mm256_set1_epi8(0xf);
+        let m2 = _mm256_set1_epi8(3);
+        let mut codes = [_mm256_setzero_si256(); 8];
+        for h in 0..2 {
+            let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
+            let lows = [
+                _mm256_and_si256(ql0, m4),
+                _mm256_and_si256(ql1, m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+            ];
+            let highs = [
+                _mm256_and_si256(qh, m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+            ];
+            for s in 0..4 {
+                codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
+            }
+        }
+        let scp = wb.as_ptr().add(192);
+        let mut scv = [_mm256_setzero_si256(); 8];
+        for k in 0..8 {
+            let (a, c) = (
+                *scp.add(2 * k) as i8 as i16,
+                *scp.add(2 * k + 1) as i8 as i16,
+            );
+            scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
+        }
+        Q6kBlock {
+            codes,
+            scv,
+            sc_lo: _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i)),
+            sc_hi: _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i)),
+            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
+            ))),
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
-        let m4 = _mm256_set1_epi8(0xf);
-        let m2 = _mm256_set1_epi8(3);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
-            // Codes of the 8 groups of 32 elements (element 32g + l), 0..64.
-            let mut codes = [_mm256_setzero_si256(); 8];
-            for h in 0..2 {
-                let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
-                let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
-                let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
-                let lows = [
-                    _mm256_and_si256(ql0, m4),
-                    _mm256_and_si256(ql1, m4),
-                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                ];
-                let highs = [
-                    _mm256_and_si256(qh, m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
-                ];
-                for s in 0..4 {
-                    codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
-                }
-            }
-            let scp = wb.as_ptr().add(192);
-            let mut scv = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
-                let (a, c) = (
-                    *scp.add(2 * k) as i8 as i16,
-                    *scp.add(2 * k + 1) as i8 as i16,
-                );
-                scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
-            }
-            let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i));
-            let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i));
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
-            )));
+            let Q6kBlock {
+                codes,
+                scv,
+                sc_lo,
+                sc_hi,
+                d,
+            } = q6k_block(wb);
             for r in 0..R {
                 let xr = x[r];
                 let y = xr.qs.as_ptr().add(b * QK_K);
@@ -1049,44 +1076,18 @@ mod avx2 {
     unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
-        let m4 = _mm256_set1_epi8(0xf);
-        let m2 = _mm256_set1_epi8(3);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
-            // Codes of the 8 groups of 32 elements (element 32g + l), 0..64.
-            let mut codes = [_mm256_setzero_si256(); 8];
-            for h in 0..2 {
-                let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
-                let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
-                let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
-                let lows = [
-                    _mm256_and_si256(ql0, m4),
-                    _mm256_and_si256(ql1, m4),
-                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                ];
-                let highs = [
-                    _mm256_and_si256(qh, m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                    _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
-                ];
-                for s in 0..4 {
-                    codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
-                }
-            }
-            let scp = wb.as_ptr().add(192);
-            let mut scv = [_mm256_setzero_si256(); 8];
-            for k in 0..8 {
-                let (a, c) = (
-                    *scp.add(2 * k) as i8 as i16,
-                    *scp.add(2 * k + 1) as i8 as i16,
-                );
-                scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
-            }
+            let Q6kBlock {
+                codes,
+                scv,
+                sc_lo,
+                sc_hi,
+                d,
+            } = q6k_block(wb);
             let mut z = [_mm512_setzero_si512(); 4];
             let mut zs = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
@@ -1094,11 +1095,6 @@ mod avx2 {
                     _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * k]), codes[2 * k + 1], 1);
                 zs[k] = _mm512_inserti64x4(_mm512_castsi256_si512(scv[2 * k]), scv[2 * k + 1], 1);
             }
-            let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i));
-            let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i));
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
-            )));
             for r in 0..R {
                 let xr = x[r];
                 let y = xr.qs.as_ptr().add(b * QK_K);
