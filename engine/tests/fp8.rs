@@ -154,17 +154,7 @@ fn fp8_checkpoint_equals_its_dequantization_and_stays_near_transformers() {
     write_fp8_and_dequantized(&fixture("llama"), &fp8, &deq);
     let r = reference_json("llama");
     let ids = common::ids(&r, "prompt_ids");
-    let want: Vec<f32> = r["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-        })
-        .collect();
+    let want = common::reference_logits("llama");
     let run = |dir: &Path| {
         let m = model::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let mut cache = m.new_cache(ids.len());

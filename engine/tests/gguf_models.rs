@@ -11,17 +11,7 @@ use colibri::model::{self, Logits};
 
 fn reference_logits(arch: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
     let v = reference_json(arch);
-    let logits = v["logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| {
-            row.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-        })
-        .collect();
+    let logits = common::reference_logits(arch);
     (ids(&v, "prompt_ids"), logits, ids(&v, "greedy_ids"))
 }
 

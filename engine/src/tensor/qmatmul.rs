@@ -821,6 +821,33 @@ mod avx2 {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
     }
 
+    /// A Q4_K super-block's eight 6-bit scales (bytes 0..8) and mins (8..16), unpacked with word
+    /// operations (the layout of `get_scale_min_k4`), and the mins as i32 lanes in the order
+    /// `hadd` pairs the 16 sums: [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q4k_scales_mins(wb: &[u8]) -> ([u8; 16], __m256i) {
+        let q = wb.as_ptr().add(4) as *const u32;
+        let (q0, q1, q2) = (
+            q.read_unaligned(),
+            q.add(1).read_unaligned(),
+            q.add(2).read_unaligned(),
+        );
+        const K1: u32 = 0x3f3f_3f3f;
+        const K2: u32 = 0x0f0f_0f0f;
+        const K3: u32 = 0x0303_0303;
+        let u: [u32; 4] = [
+            q0 & K1,
+            (q2 & K2) | (((q0 >> 6) & K3) << 4),
+            q1 & K1,
+            ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
+        ];
+        let ub: [u8; 16] = std::mem::transmute(u);
+        let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
+        let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+        (ub, mv)
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q4k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
@@ -830,31 +857,11 @@ mod avx2 {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
-            // The eight 6-bit scales and mins unpacked with word operations (the layout of
-            // `get_scale_min_k4`): bytes 0..8 of `u` are the scales, 8..16 the mins.
-            let q = wb.as_ptr().add(4) as *const u32;
-            let (q0, q1, q2) = (
-                q.read_unaligned(),
-                q.add(1).read_unaligned(),
-                q.add(2).read_unaligned(),
-            );
-            const K1: u32 = 0x3f3f_3f3f;
-            const K2: u32 = 0x0f0f_0f0f;
-            const K3: u32 = 0x0303_0303;
-            let u: [u32; 4] = [
-                q0 & K1,
-                (q2 & K2) | (((q0 >> 6) & K3) << 4),
-                q1 & K1,
-                ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
-            ];
-            let ub: [u8; 16] = std::mem::transmute(u);
+            let (ub, mv) = q4k_scales_mins(wb);
             let mut scv = [_mm256_setzero_si256(); 8];
             for j in 0..8 {
                 scv[j] = _mm256_set1_epi16(ub[j] as i16);
             }
-            // hadd of the 16 sums pairs them as [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
-            let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
-            let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             let mut nib = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
                 let q = _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i);
@@ -895,33 +902,13 @@ mod avx2 {
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
             _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
-            // The eight 6-bit scales and mins unpacked with word operations (the layout of
-            // `get_scale_min_k4`): bytes 0..8 of `u` are the scales, 8..16 the mins.
-            let q = wb.as_ptr().add(4) as *const u32;
-            let (q0, q1, q2) = (
-                q.read_unaligned(),
-                q.add(1).read_unaligned(),
-                q.add(2).read_unaligned(),
-            );
-            const K1: u32 = 0x3f3f_3f3f;
-            const K2: u32 = 0x0f0f_0f0f;
-            const K3: u32 = 0x0303_0303;
-            let u: [u32; 4] = [
-                q0 & K1,
-                (q2 & K2) | (((q0 >> 6) & K3) << 4),
-                q1 & K1,
-                ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
-            ];
-            let ub: [u8; 16] = std::mem::transmute(u);
+            let (ub, mv) = q4k_scales_mins(wb);
             let mut scv = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
                 let lo = _mm256_set1_epi16(ub[2 * k] as i16);
                 let hi = _mm256_set1_epi16(ub[2 * k + 1] as i16);
                 scv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             }
-            // hadd of the 16 sums pairs them as [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
-            let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
-            let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
             // Groups (2k, 2k + 1) side by side: the low nibbles of chunk k, then its high ones.
             let m4z = _mm512_set1_epi8(0xf);
             let mut nib = [_mm512_setzero_si512(); 4];

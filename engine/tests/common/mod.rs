@@ -23,6 +23,22 @@ pub fn prompt(arch: &str) -> Vec<u32> {
     ids(&reference_json(arch), "prompt_ids")
 }
 
+/// The fixture's reference logits, all positions flattened (`positions × vocab`).
+pub fn reference_logits(arch: &str) -> Vec<f32> {
+    reference_json(arch)["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// A list of token ids under `key`.
 pub fn ids(v: &serde_json::Value, key: &str) -> Vec<u32> {
     v[key]
