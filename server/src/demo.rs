@@ -10,10 +10,46 @@ use colibri::format::tokenizer::{train_byte_level_bpe, Tokenizer};
 use crate::synth::{synthesize, SynthArch, SynthArgs, SynthDType};
 
 /// Bumped whenever the demo model's shape changes, so an old cache is not reused.
-const DEMO_NAME: &str = "demo-olmoe-1g-v2";
+const DEMO_NAME: &str = "demo-olmoe-1g-v3";
 
-/// ChatML, the template synthetic models carry.
-pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+/// ChatML with Hermes/Qwen-style tools (a `# Tools` system block, `<tool_call>` JSON in
+/// assistant turns, `<tool_response>` for tool results): the template synthetic models carry.
+pub const CHATML_TEMPLATE: &str = r#"{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+{%- elif message['role'] == 'assistant' %}<|im_start|>assistant
+{{ message['content'] }}{% for tc in message['tool_calls'] or [] %}
+<tool_call>
+{"name": "{{ tc['function']['name'] }}", "arguments": {{ tc['function']['arguments'] | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message['content'] }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"#;
 
 /// Text the synthetic tokenizers are trained on.
 const CORPUS: &str = include_str!("demo_corpus.txt");

@@ -1,6 +1,7 @@
-//! `coli`: colibri's command line — operator commands now, the HTTP server later.
+//! `coli`: colibri's command line — the OpenAI-compatible server and the operator commands.
 
 mod bench;
+mod config;
 mod convert;
 mod demo;
 mod generate_cmd;
@@ -9,7 +10,9 @@ mod kl;
 mod logits;
 mod machine;
 mod model_arg;
+mod serve;
 mod synth;
+mod tool_calls;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +26,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible HTTP API (the built-in demo model unless a model is configured).
+    Serve(serve::ServeArgs),
+    /// Print the effective server configuration and where each value comes from.
+    Config(config::ConfigArgs),
     /// Generate text from a prompt, streamed to stdout.
     Run(generate_cmd::RunArgs),
     /// Print the logits of a teacher-forced token sequence as JSON.
@@ -40,6 +47,15 @@ enum Command {
 }
 
 fn main() {
+    let cli = Cli::parse();
+    if let Command::Serve(a) = cli.command {
+        // The server sets up its own logging from its configuration.
+        if let Err(e) = serve::run(a) {
+            eprintln!("coli: error: {e:#}");
+            std::process::exit(1);
+        }
+        return;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("COLI_LOG")
@@ -47,8 +63,9 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(_) => unreachable!("handled above"),
+        Command::Config(a) => config::run_config_command(a),
         Command::Run(a) => generate_cmd::run(a),
         Command::Logits(a) => logits::run(a),
         Command::Info(a) => info::run(a),

@@ -36,6 +36,20 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Keep only the first `len` tokens (a shared prompt prefix), dropping the rest.
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len {
+            return;
+        }
+        for l in &mut self.layers {
+            let k_width = l.k.len() / self.len.max(1);
+            let v_width = l.v.len() / self.len.max(1);
+            l.k.truncate(len * k_width);
+            l.v.truncate(len * v_width);
+        }
+        self.len = len;
+    }
+
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
         self.layers

@@ -27,6 +27,18 @@ pub enum Logits {
     All,
     /// Only the last token's row.
     Last,
+    /// No rows (a prefill chunk that is not the prompt's last).
+    None,
+}
+
+/// One sequence's part of a batched forward pass.
+pub struct BatchItem<'a> {
+    /// Tokens to run (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// The sequence's cache; the tokens are appended to it.
+    pub cache: &'a mut KvCache,
+    /// Which logits rows to return for this sequence.
+    pub logits: Logits,
 }
 
 /// What `coli info` shows about a model.
@@ -58,6 +70,17 @@ pub trait CausalLm: Send + Sync {
     /// Run `tokens` (a prefill chunk or one decode token) at the cache's next positions,
     /// appending them to the cache, and return logits rows (`vocab_size` each).
     fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>>;
+    /// Run several sequences as one batch: each item's tokens continue its own cache, and
+    /// item `i`'s logits rows come back at index `i`. Every row is computed by the same
+    /// batch-invariant kernels as alone, so each result is bit-identical to a separate
+    /// [`CausalLm::forward`]; batching only shares the work (an expert routed by several
+    /// sequences is read and applied once). The default runs the items one by one.
+    fn forward_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        items
+            .iter_mut()
+            .map(|it| self.forward(it.tokens, it.cache, it.logits))
+            .collect()
+    }
     /// Counters of the expert store, if it keeps any.
     fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
         None

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::cache::KvCache;
 use super::layers::{embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
 use super::telemetry::{self, Part};
-use super::{CausalLm, Logits, ModelInfo};
+use super::{BatchItem, CausalLm, Logits, ModelInfo};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
 
@@ -51,6 +51,13 @@ impl CausalLm for Transformer {
         rayon::scope(|_| self.forward_on_pool(tokens, cache, logits))
     }
 
+    fn forward_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        rayon::scope(|_| self.forward_batch_on_pool(items))
+    }
+
     fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
         self.store.as_ref().and_then(|s| s.stats())
     }
@@ -64,32 +71,60 @@ impl CausalLm for Transformer {
 }
 
 impl Transformer {
-    /// The forward pass (see [`CausalLm::forward`]).
+    /// The forward pass of one sequence (see [`CausalLm::forward`]): a batch of one, so a
+    /// sequence alone and inside a batch take the same path.
     fn forward_on_pool(
         &self,
         tokens: &[u32],
         cache: &mut KvCache,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("forward needs at least one token".into()));
+        let mut item = [BatchItem {
+            tokens,
+            cache,
+            logits,
+        }];
+        Ok(self.forward_batch_on_pool(&mut item)?.remove(0))
+    }
+
+    /// The batched forward pass (see [`CausalLm::forward_batch`]): the rows of every item are
+    /// stacked; norms, projections and the MoE block run over the whole stack (so the expert
+    /// union of all sequences is acquired once per layer), attention runs per sequence over
+    /// its own cache.
+    fn forward_batch_on_pool(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        for it in items.iter() {
+            if it.tokens.is_empty() {
+                return Err(Error::Invalid("forward needs at least one token".into()));
+            }
+            if it.cache.len + it.tokens.len() > it.cache.max_len {
+                return Err(Error::Invalid(format!(
+                    "context overflow: {} cached + {} new tokens exceed the context of {} tokens",
+                    it.cache.len,
+                    it.tokens.len(),
+                    it.cache.max_len
+                )));
+            }
         }
-        if cache.len + tokens.len() > cache.max_len {
-            return Err(Error::Invalid(format!(
-                "context overflow: {} cached + {} new tokens exceed the context of {} tokens",
-                cache.len,
-                tokens.len(),
-                cache.max_len
-            )));
-        }
-        let start = cache.len;
         let d = self.info.hidden_size;
-        let mut h = embed(&self.embed, tokens)?;
-        for (l, (block, kv)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+        let all: Vec<u32> = items
+            .iter()
+            .flat_map(|it| it.tokens.iter().copied())
+            .collect();
+        let mut h = embed(&self.embed, &all)?;
+        for (l, block) in self.blocks.iter().enumerate() {
             let t0 = Instant::now();
             let x = block.attn_norm.forward(&h);
-            let a = block.attn.forward(&x, start, kv);
-            add_inplace(&mut h, &a);
+            let mut row = 0;
+            for it in items.iter_mut() {
+                let n = it.tokens.len();
+                let a = block.attn.forward(
+                    &x[row * d..(row + n) * d],
+                    it.cache.len,
+                    &mut it.cache.layers[l],
+                );
+                add_inplace(&mut h[row * d..(row + n) * d], &a);
+                row += n;
+            }
             telemetry::add(Part::Attention, t0);
             self.prefetch_next(l, &h);
             let x = block.ffn_norm.forward(&h);
@@ -104,19 +139,42 @@ impl Transformer {
             };
             add_inplace(&mut h, &f);
         }
-        cache.len += tokens.len();
-        if let Some(store) = &self.store {
-            store.step_done(tokens.len());
+        for it in items.iter_mut() {
+            it.cache.len += it.tokens.len();
         }
-        let rows = match logits {
-            Logits::All => &h[..],
-            Logits::Last => &h[(tokens.len() - 1) * d..],
-        };
+        if let Some(store) = &self.store {
+            store.step_done(all.len());
+        }
+        // One LM-head pass over the rows every item asked for.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(items.len());
+        let mut row = 0;
+        for it in items.iter() {
+            let n = it.tokens.len();
+            let (first, count) = match it.logits {
+                Logits::All => (row, n),
+                Logits::Last => (row + n - 1, 1),
+                Logits::None => (row, 0),
+            };
+            rows.extend_from_slice(&h[first * d..(first + count) * d]);
+            counts.push(count);
+            row += n;
+        }
+        if rows.is_empty() {
+            return Ok(vec![Vec::new(); items.len()]);
+        }
         let t0 = Instant::now();
-        let x = self.norm.forward(rows);
+        let x = self.norm.forward(&rows);
         let out = self.lm_head.forward(&x);
         telemetry::add(Part::LmHead, t0);
-        Ok(out)
+        let vocab = out.len() / counts.iter().sum::<usize>();
+        let mut result = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for c in counts {
+            result.push(out[at * vocab..(at + c) * vocab].to_vec());
+            at += c;
+        }
+        Ok(result)
     }
 
     /// One-layer-ahead prefetch: apply layer `l + 1`'s norm and router to the hidden state

@@ -92,9 +92,7 @@ pub fn generate(
     let mut sampler = Sampler::new(params.sampling);
     let mut history: Vec<u32> = prompt.to_vec();
     let mut tokens = Vec::new();
-    let mut stream = TextStream::new();
-    let mut text = String::new();
-    let mut emitted = 0usize;
+    let mut text = StopText::new(params.stop_strings.clone());
 
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
@@ -111,16 +109,13 @@ pub fn generate(
         history.push(id);
         on_token(id);
         if let Some(tok) = tokenizer {
-            text.push_str(&stream.push(tok, id)?);
-            if let Some(cut) = find_stop(&text, &params.stop_strings) {
-                text.truncate(cut);
+            let (piece, stopped) = text.push(tok, id)?;
+            if !piece.is_empty() {
+                on_text(&piece);
+            }
+            if stopped {
                 finish_reason = FinishReason::Stop;
                 break;
-            }
-            let safe = text.len() - held_back(&text, &params.stop_strings);
-            if safe > emitted {
-                on_text(&text[emitted..safe]);
-                emitted = safe;
             }
         }
         if tokens.len() >= params.max_tokens || cache.len >= max_len {
@@ -129,26 +124,93 @@ pub fn generate(
         logits = model.forward(&[id], &mut cache, Logits::Last)?;
     }
     if let Some(tok) = tokenizer {
-        if finish_reason == FinishReason::Length || find_stop(&text, &params.stop_strings).is_none()
-        {
-            text.push_str(&stream.finish(tok)?);
-            if let Some(cut) = find_stop(&text, &params.stop_strings) {
-                text.truncate(cut);
-                finish_reason = FinishReason::Stop;
-            }
+        let (piece, stopped) = text.finish(tok)?;
+        if stopped {
+            finish_reason = FinishReason::Stop;
         }
-        if text.len() > emitted {
-            on_text(&text[emitted..]);
+        if !piece.is_empty() {
+            on_text(&piece);
         }
     }
     Ok(Generation {
         tokens,
-        text,
+        text: text.into_text(),
         finish_reason,
         prompt_tokens: prompt.len(),
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
     })
+}
+
+/// Generated text as it grows, cut at the first stop string. Text that could be the start of
+/// a stop string is held back until the next token shows it is not.
+#[derive(Debug, Clone, Default)]
+pub struct StopText {
+    stream: TextStream,
+    text: String,
+    /// Bytes of `text` already handed out.
+    emitted: usize,
+    stops: Vec<String>,
+    stopped: bool,
+}
+
+impl StopText {
+    /// Track text ending at any of `stops`.
+    pub fn new(stops: Vec<String>) -> StopText {
+        StopText {
+            stops,
+            ..StopText::default()
+        }
+    }
+
+    /// Add a generated id: returns the newly safe text and whether a stop string appeared
+    /// (the text is then cut before it, and nothing more should be pushed).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(String, bool)> {
+        let piece = self.stream.push(tok, id)?;
+        self.text.push_str(&piece);
+        Ok(self.advance(false))
+    }
+
+    /// The end of generation: flush what was held back (an incomplete character comes out as
+    /// U+FFFD). Returns the remaining text and whether a stop string appeared in it.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<(String, bool)> {
+        if !self.stopped {
+            let piece = self.stream.finish(tok)?;
+            self.text.push_str(&piece);
+        }
+        Ok(self.advance(true))
+    }
+
+    /// Everything generated so far (cut before a stop string).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The final text.
+    pub fn into_text(self) -> String {
+        self.text
+    }
+
+    fn advance(&mut self, last: bool) -> (String, bool) {
+        if !self.stopped {
+            if let Some(cut) = find_stop(&self.text, &self.stops) {
+                self.text.truncate(cut);
+                self.stopped = true;
+            }
+        }
+        let safe = if self.stopped || last {
+            self.text.len()
+        } else {
+            self.text.len() - held_back(&self.text, &self.stops)
+        };
+        let piece = if safe > self.emitted {
+            self.text[self.emitted..safe].to_string()
+        } else {
+            String::new()
+        };
+        self.emitted = self.emitted.max(safe);
+        (piece, self.stopped)
+    }
 }
 
 /// Byte offset of the first stop string in `text`.

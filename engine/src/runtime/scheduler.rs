@@ -1,0 +1,754 @@
+//! KV-slot scheduling with continuous batching.
+//!
+//! The scheduler owns `slots` sequence slots, each with its own KV cache, and one engine
+//! thread. Requests wait in a bounded queue; a free slot takes the waiting request whose
+//! prompt it shares the longest prefix with (so a multi-turn chat reuses its KV and prefills
+//! only the new tokens). Every engine step runs all active slots as one batch through
+//! [`CausalLm::forward_batch`]: decode rows and prefill chunks together, so an expert routed
+//! by several sequences is read and applied once. Long prompts are prefilled in chunks
+//! interleaved with the other slots' decode steps.
+//!
+//! Batching never changes output: every row goes through batch-invariant kernels, and every
+//! request samples with its own seeded [`Sampler`], so a request gets exactly the tokens it
+//! would get alone.
+//!
+//! Results leave through an [`EventSink`] per request; a sink that reports the client gone
+//! cancels its sequence at the next step and frees the slot.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::generate::{FinishReason, StopText};
+use super::grammar::Constraint;
+use super::loaded::LoadedModel;
+use super::sampling::{Sampler, SamplingParams};
+use crate::model::cache::KvCache;
+use crate::model::{BatchItem, Logits};
+
+/// How the scheduler is sized.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Sequence slots (concurrent requests).
+    pub slots: usize,
+    /// Tokens each slot's cache holds (prompt plus generated).
+    pub context: usize,
+    /// Most prompt tokens one slot prefills in one step.
+    pub prefill_chunk: usize,
+    /// Most requests waiting for a slot; beyond it [`Scheduler::submit`] refuses.
+    pub queue_limit: usize,
+    /// Longest a request waits for a slot before it is refused.
+    pub queue_timeout: Duration,
+}
+
+/// The log-probability of a token, with the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// `(id, logprob)` of the most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a request hears back, in order: `Admitted`, then `Token`s, then `Done` (or `Failed`).
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A slot took the request; `cached_tokens` of its prompt were already in the slot's cache.
+    Admitted { slot: usize, cached_tokens: usize },
+    /// One generated token and the text it completed (possibly empty: text is held back
+    /// while it may still become a stop string or an incomplete character).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// Generation ended normally.
+    Done(Usage),
+    /// Generation could not run; nothing more follows.
+    Failed(Failure),
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// It waited longer than the queue timeout for a slot.
+    QueueTimeout,
+    /// The scheduler is shutting down.
+    ShuttingDown,
+    /// The request itself is wrong (the message says how).
+    Invalid(String),
+    /// The engine failed while running it.
+    Engine(String),
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::QueueTimeout => write!(f, "timed out waiting for a free slot"),
+            Failure::ShuttingDown => write!(f, "the server is shutting down"),
+            Failure::Invalid(m) => write!(f, "{m}"),
+            Failure::Engine(m) => write!(f, "engine error: {m}"),
+        }
+    }
+}
+
+/// Token counts and timings of a finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Usage {
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was reused from the slot's previous sequence.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// Time from admission to the first generated token.
+    pub prefill_seconds: f64,
+    /// Time from the first to the last generated token.
+    pub decode_seconds: f64,
+}
+
+/// Where a request's events go. `send` returns false once the client is gone; the sequence is
+/// then cancelled. `is_closed` lets the scheduler notice a departed client between tokens
+/// (e.g. during a long prefill).
+pub trait EventSink: Send {
+    fn send(&self, event: Event) -> bool;
+    fn is_closed(&self) -> bool;
+}
+
+impl EventSink for mpsc::Sender<Event> {
+    fn send(&self, event: Event) -> bool {
+        mpsc::Sender::send(self, event).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// One generation request.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    /// Ids that end generation (not emitted).
+    pub eos_token_ids: Vec<u32>,
+    /// Strings that end generation (cut from the text).
+    pub stop_strings: Vec<String>,
+    pub sampling: SamplingParams,
+    /// Report each token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Constrain the output (JSON schema, grammar, a required tool call).
+    pub constraint: Option<Constraint>,
+    pub sink: Box<dyn EventSink>,
+}
+
+/// Why [`Scheduler::submit`] refused a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The waiting queue is full.
+    QueueFull { limit: usize },
+    /// The scheduler no longer admits requests.
+    ShuttingDown,
+}
+
+/// Live counters, shared with whoever reports them (e.g. `/metrics`).
+#[derive(Debug, Default)]
+pub struct SchedulerStats {
+    /// Requests waiting for a slot.
+    pub queued: AtomicUsize,
+    /// Slots running a request.
+    pub active: AtomicUsize,
+    /// Engine steps run.
+    pub steps: AtomicU64,
+    /// Rows (tokens) run through the model.
+    pub rows: AtomicU64,
+    /// Prompt tokens reused from slot caches.
+    pub cached_prompt_tokens: AtomicU64,
+}
+
+/// A running scheduler: submit requests, read its counters, shut it down.
+pub struct Scheduler {
+    inbox: Mutex<Option<mpsc::Sender<Message>>>,
+    stats: Arc<SchedulerStats>,
+    config: SchedulerConfig,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    accepting: AtomicBool,
+}
+
+enum Message {
+    Submit(Box<Request>, Instant),
+    /// Fail everything queued or running with [`Failure::ShuttingDown`].
+    CancelAll,
+}
+
+impl Scheduler {
+    /// Start the engine thread over `model`.
+    pub fn start(model: Arc<LoadedModel>, config: SchedulerConfig) -> Scheduler {
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(SchedulerStats::default());
+        let engine = Engine::new(model, config.clone(), stats.clone());
+        let thread = std::thread::Builder::new()
+            .name("coli-engine".into())
+            .spawn(move || engine.run(rx))
+            .expect("spawning the engine thread");
+        Scheduler {
+            inbox: Mutex::new(Some(tx)),
+            stats,
+            config,
+            thread: Mutex::new(Some(thread)),
+            accepting: AtomicBool::new(true),
+        }
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &Arc<SchedulerStats> {
+        &self.stats
+    }
+
+    /// Queue a request. Its events arrive through its sink.
+    pub fn submit(&self, request: Request) -> Result<(), SubmitError> {
+        if !self.accepting.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let limit = self.config.queue_limit;
+        // Reserve a queue place; the engine thread releases it on admission.
+        let reserved = self
+            .stats
+            .queued
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| {
+                (q < limit).then_some(q + 1)
+            });
+        if reserved.is_err() {
+            return Err(SubmitError::QueueFull { limit });
+        }
+        let inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        let sent = inbox.as_ref().map(|tx| {
+            tx.send(Message::Submit(Box::new(request), Instant::now()))
+                .is_ok()
+        });
+        if sent != Some(true) {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(())
+    }
+
+    /// Stop admitting new requests (running and queued ones go on).
+    pub fn stop_accepting(&self) {
+        self.accepting.store(false, Ordering::SeqCst);
+    }
+
+    /// Requests queued or running.
+    pub fn in_flight(&self) -> usize {
+        self.stats.queued.load(Ordering::SeqCst) + self.stats.active.load(Ordering::SeqCst)
+    }
+
+    /// Fail every queued and running request with [`Failure::ShuttingDown`].
+    pub fn cancel_all(&self) {
+        let inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = inbox.as_ref() {
+            let _ = tx.send(Message::CancelAll);
+        }
+    }
+
+    /// Stop the engine thread after it has failed whatever is left, and wait for it.
+    pub fn shutdown(&self) {
+        self.stop_accepting();
+        self.cancel_all();
+        self.inbox.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A request in a slot.
+struct Running {
+    request: Box<Request>,
+    sampler: Sampler,
+    /// Prompt tokens not yet run.
+    pending: usize,
+    /// Prompt plus generated tokens (what the penalties look at).
+    history: Vec<u32>,
+    generated: usize,
+    text: StopText,
+    /// The token to run next in decode.
+    next: Option<u32>,
+    cached_tokens: usize,
+    admitted: Instant,
+    first_token: Option<Instant>,
+}
+
+/// One KV slot: its cache and the tokens the cache holds.
+struct Slot {
+    cache: KvCache,
+    tokens: Vec<u32>,
+    running: Option<Running>,
+    last_used: u64,
+}
+
+/// The engine thread's state.
+struct Engine {
+    model: Arc<LoadedModel>,
+    config: SchedulerConfig,
+    stats: Arc<SchedulerStats>,
+    slots: Vec<Slot>,
+    queue: VecDeque<(Box<Request>, Instant)>,
+    clock: u64,
+}
+
+impl Engine {
+    fn new(model: Arc<LoadedModel>, config: SchedulerConfig, stats: Arc<SchedulerStats>) -> Engine {
+        let slots = (0..config.slots.max(1))
+            .map(|_| Slot {
+                cache: model.model.new_cache(config.context),
+                tokens: Vec::new(),
+                running: None,
+                last_used: 0,
+            })
+            .collect();
+        Engine {
+            model,
+            config,
+            stats,
+            slots,
+            queue: VecDeque::new(),
+            clock: 0,
+        }
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Message>) {
+        loop {
+            // Take in messages: block only when there is nothing to do.
+            let idle = self.slots.iter().all(|s| s.running.is_none()) && self.queue.is_empty();
+            let first = if idle {
+                match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => return,
+                }
+            } else if self.slots.iter().all(|s| s.running.is_none()) {
+                // Only waiting requests: wake up in time to expire the oldest.
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(m) => Some(m),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        self.fail_all(Failure::ShuttingDown);
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            let mut disconnected = false;
+            let mut messages: Vec<Message> = first.into_iter().collect();
+            loop {
+                match rx.try_recv() {
+                    Ok(m) => messages.push(m),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
+                }
+            }
+            for m in messages {
+                match m {
+                    Message::Submit(r, at) => self.queue.push_back((r, at)),
+                    Message::CancelAll => self.fail_all(Failure::ShuttingDown),
+                }
+            }
+            if disconnected {
+                self.fail_all(Failure::ShuttingDown);
+                return;
+            }
+            self.expire_queue();
+            self.admit();
+            if self.slots.iter().any(|s| s.running.is_some()) {
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| self.step()));
+                let error = match result {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(panic) => Some(panic_message(&panic)),
+                };
+                if let Some(e) = error {
+                    tracing::error!("engine step failed: {e}");
+                    self.fail_running(Failure::Engine(e));
+                }
+            }
+        }
+    }
+
+    /// Refuse queued requests that waited too long or whose client left.
+    fn expire_queue(&mut self) {
+        let timeout = self.config.queue_timeout;
+        let mut kept = VecDeque::with_capacity(self.queue.len());
+        while let Some((r, at)) = self.queue.pop_front() {
+            if r.sink.is_closed() {
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            } else if at.elapsed() > timeout {
+                self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+                r.sink.send(Event::Failed(Failure::QueueTimeout));
+            } else {
+                kept.push_back((r, at));
+            }
+        }
+        self.queue = kept;
+    }
+
+    /// Put waiting requests into free slots, in arrival order; each takes the free slot whose
+    /// cache shares the longest prefix with its prompt (else the least recently used one).
+    fn admit(&mut self) {
+        while let Some((request, _)) = self.queue.pop_front() {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            if let Err(why) = self.check(&request) {
+                request.sink.send(Event::Failed(Failure::Invalid(why)));
+                continue;
+            }
+            let best = self
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.running.is_none())
+                .map(|(i, s)| (i, common_prefix(&s.tokens, &request.prompt), s.last_used))
+                .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)));
+            let Some((slot_index, common, _)) = best else {
+                // No free slot: back to the head of the queue.
+                self.stats.queued.fetch_add(1, Ordering::SeqCst);
+                self.queue.push_front((request, Instant::now()));
+                return;
+            };
+            // Keep at least one prompt token to run, so the prompt's last logits exist.
+            let reuse = common.min(request.prompt.len() - 1);
+            let slot = &mut self.slots[slot_index];
+            slot.cache.truncate(reuse);
+            slot.tokens.truncate(reuse);
+            self.clock += 1;
+            slot.last_used = self.clock;
+            if !request.sink.send(Event::Admitted {
+                slot: slot_index,
+                cached_tokens: reuse,
+            }) {
+                continue;
+            }
+            self.stats
+                .cached_prompt_tokens
+                .fetch_add(reuse as u64, Ordering::Relaxed);
+            self.stats.active.fetch_add(1, Ordering::SeqCst);
+            let sampler = Sampler::new(request.sampling);
+            let pending = request.prompt.len() - reuse;
+            let history = request.prompt.clone();
+            let text = StopText::new(request.stop_strings.clone());
+            slot.running = Some(Running {
+                request,
+                sampler,
+                pending,
+                history,
+                generated: 0,
+                text,
+                next: None,
+                cached_tokens: reuse,
+                admitted: Instant::now(),
+                first_token: None,
+            });
+        }
+    }
+
+    /// Whether a request can run at all.
+    fn check(&self, r: &Request) -> Result<(), String> {
+        if r.prompt.is_empty() {
+            return Err("the prompt is empty: nothing to continue from".into());
+        }
+        if r.prompt.len() >= self.config.context {
+            return Err(format!(
+                "the prompt has {} tokens but the context is {} tokens (at least one must be left to generate)",
+                r.prompt.len(),
+                self.config.context
+            ));
+        }
+        if r.max_tokens == 0 {
+            return Err("max_tokens must be at least 1".into());
+        }
+        r.sampling.validate().map_err(|e| e.to_string())?;
+        if !r.stop_strings.is_empty() && self.model.tokenizer.is_none() {
+            return Err("stop strings need a tokenizer".into());
+        }
+        Ok(())
+    }
+
+    /// One engine step over every active slot.
+    fn step(&mut self) -> crate::Result<()> {
+        // Drop sequences whose client left.
+        for slot in &mut self.slots {
+            if slot
+                .running
+                .as_ref()
+                .is_some_and(|r| r.request.sink.is_closed())
+            {
+                slot.running = None;
+                self.stats.active.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let chunk = self.config.prefill_chunk.max(1);
+        // Tokens each active slot runs this step, and whether it needs logits.
+        let mut plan: Vec<(usize, Vec<u32>, Logits)> = Vec::new();
+        for (i, slot) in self.slots.iter().enumerate() {
+            let Some(run) = &slot.running else { continue };
+            if run.pending > 0 {
+                let start = run.request.prompt.len() - run.pending;
+                let n = run.pending.min(chunk);
+                let tokens = run.request.prompt[start..start + n].to_vec();
+                let logits = if n == run.pending {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                plan.push((i, tokens, logits));
+            } else if let Some(id) = run.next {
+                plan.push((i, vec![id], Logits::Last));
+            }
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let rows: usize = plan.iter().map(|p| p.1.len()).sum();
+        let logits = {
+            let mut caches: Vec<Option<&mut KvCache>> =
+                self.slots.iter_mut().map(|s| Some(&mut s.cache)).collect();
+            let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
+            for (i, tokens, logits) in &plan {
+                let cache = caches[*i].take().expect("each slot appears once");
+                items.push(BatchItem {
+                    tokens,
+                    cache,
+                    logits: *logits,
+                });
+            }
+            self.model.model.forward_batch(&mut items)?
+        };
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        for ((i, tokens, _), row) in plan.into_iter().zip(logits) {
+            let slot = &mut self.slots[i];
+            slot.tokens.extend_from_slice(&tokens);
+            let run = slot.running.as_mut().expect("planned slots run");
+            if run.pending > 0 {
+                run.pending -= tokens.len();
+            }
+            if run.pending > 0 {
+                continue;
+            }
+            match sample_next(&self.model, self.config.context, run, row)? {
+                Outcome::Continue => {}
+                Outcome::Finished(usage) => {
+                    let run = slot.running.take().expect("running");
+                    run.request.sink.send(Event::Done(usage));
+                    self.stats.active.fetch_sub(1, Ordering::SeqCst);
+                }
+                Outcome::Gone => {
+                    slot.running = None;
+                    self.stats.active.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn fail_running(&mut self, why: Failure) {
+        for slot in &mut self.slots {
+            if let Some(run) = slot.running.take() {
+                run.request.sink.send(Event::Failed(why.clone()));
+                self.stats.active.fetch_sub(1, Ordering::SeqCst);
+                // The cache may hold a half-written step: forget it.
+                slot.cache.clear();
+                slot.tokens.clear();
+            }
+        }
+    }
+
+    fn fail_all(&mut self, why: Failure) {
+        self.fail_running(why.clone());
+        while let Some((r, _)) = self.queue.pop_front() {
+            self.stats.queued.fetch_sub(1, Ordering::SeqCst);
+            r.sink.send(Event::Failed(why.clone()));
+        }
+    }
+}
+
+/// Sample the next token of `run` from its logits row (`context`: the slot's capacity).
+fn sample_next(
+    model: &LoadedModel,
+    context: usize,
+    run: &mut Running,
+    mut logits: Vec<f32>,
+) -> crate::Result<Outcome> {
+    let logprob = run
+        .request
+        .logprobs
+        .map(|top| log_probabilities(&logits, top));
+    if let Some(c) = run.request.constraint.as_mut() {
+        c.mask_logits(&mut logits).map_err(crate::Error::Invalid)?;
+    }
+    let id = run.sampler.sample(&logits, &run.history);
+    let now = Instant::now();
+    let first = *run.first_token.get_or_insert(now);
+    let usage = |run: &Running, reason| Usage {
+        finish_reason: reason,
+        prompt_tokens: run.request.prompt.len(),
+        cached_tokens: run.cached_tokens,
+        completion_tokens: run.generated,
+        prefill_seconds: (first - run.admitted).as_secs_f64(),
+        decode_seconds: (now - first).as_secs_f64(),
+    };
+    let tokenizer = model.tokenizer.as_ref();
+    if run.request.eos_token_ids.contains(&id) {
+        if let Some(tok) = tokenizer {
+            let (piece, _) = run.text.finish(tok)?;
+            if !piece.is_empty() {
+                run.request.sink.send(Event::Token {
+                    id,
+                    text: piece,
+                    logprob: None,
+                });
+            }
+        }
+        return Ok(Outcome::Finished(usage(run, FinishReason::Stop)));
+    }
+    if let Some(c) = run.request.constraint.as_mut() {
+        c.consume(id).map_err(crate::Error::Invalid)?;
+    }
+    run.generated += 1;
+    run.history.push(id);
+    let logprob = logprob.map(|(lp, top)| TokenLogprob {
+        id,
+        logprob: lp[id as usize],
+        top,
+    });
+    let (mut text, mut stopped) = match tokenizer {
+        Some(tok) => run.text.push(tok, id)?,
+        None => (String::new(), false),
+    };
+    let grammar_done = run
+        .request
+        .constraint
+        .as_ref()
+        .is_some_and(|c| c.is_finished());
+    // The next token would not fit in the slot's cache.
+    let length = run.generated >= run.request.max_tokens
+        || run.request.prompt.len() + run.generated >= context;
+    let ends = stopped || grammar_done || length;
+    if ends && !stopped {
+        if let Some(tok) = tokenizer {
+            let (rest, s) = run.text.finish(tok)?;
+            text.push_str(&rest);
+            stopped = s;
+        }
+    }
+    if !run.request.sink.send(Event::Token { id, text, logprob }) {
+        return Ok(Outcome::Gone);
+    }
+    if stopped || grammar_done {
+        return Ok(Outcome::Finished(usage(run, FinishReason::Stop)));
+    }
+    if length {
+        return Ok(Outcome::Finished(usage(run, FinishReason::Length)));
+    }
+    run.next = Some(id);
+    Ok(Outcome::Continue)
+}
+
+/// What became of a sequence after a sampled token.
+enum Outcome {
+    Continue,
+    Finished(Usage),
+    /// The client left.
+    Gone,
+}
+
+/// Log-softmax of `logits` and the `top` most likely `(id, logprob)`.
+fn log_probabilities(logits: &[f32], top: usize) -> (Vec<f32>, Vec<(u32, f32)>) {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    let log_sum = max + sum.ln() as f32;
+    let lp: Vec<f32> = logits
+        .iter()
+        .map(|&v| {
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                v - log_sum
+            }
+        })
+        .collect();
+    let mut order: Vec<u32> = (0..lp.len() as u32).collect();
+    let top = top.min(lp.len());
+    if top > 0 {
+        order.select_nth_unstable_by(top - 1, |&a, &b| {
+            lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b))
+        });
+        order.truncate(top);
+        order.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
+    } else {
+        order.clear();
+    }
+    let top = order.into_iter().map(|i| (i, lp[i as usize])).collect();
+    (lp, top)
+}
+
+/// Length of the common prefix of two token sequences.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        format!("panic: {s}")
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        format!("panic: {s}")
+    } else {
+        "panic".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_probabilities_normalise_and_rank() {
+        let (lp, top) = log_probabilities(&[1.0, 3.0, 2.0, f32::NAN], 2);
+        let total: f64 = lp.iter().map(|&v| (v as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6, "{total}");
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(lp[3], f32::NEG_INFINITY);
+        // log(e^3 / (e^1 + e^3 + e^2))
+        let expected = 3.0 - (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
+        assert!((top[0].1 as f64 - expected).abs() < 1e-6);
+    }
+
+    #[test]
+    fn common_prefix_counts_matching_heads() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[7, 8], &[7, 8]), 2);
+    }
+}

@@ -1,0 +1,1369 @@
+//! `/v1/chat/completions` and `/v1/completions`: parse and validate the request, render the
+//! conversation through the model's chat template (with tools), build the sampling
+//! parameters and the output constraint, submit to the scheduler, and turn its events into a
+//! JSON response or an SSE stream (reasoning split off, tool calls parsed back).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use colibri::runtime::generate::FinishReason;
+use colibri::runtime::grammar::Grammar;
+use colibri::runtime::sampling::SamplingParams;
+use colibri::runtime::scheduler::{
+    Event, EventSink, Failure, Request as EngineRequest, SubmitError,
+    TokenLogprob as EngineLogprob, Usage as EngineUsage,
+};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::errors::ApiError;
+use super::openai::*;
+use super::{AppState, Serving};
+use crate::tool_calls::{
+    parse_tool_calls, required_tool_call_grammar, split_reasoning, ReasoningEvent, ReasoningStream,
+    ToolCallStream, ToolStreamEvent,
+};
+
+/// Sends scheduler events into a tokio channel; a dropped receiver is a departed client.
+struct ChannelSink(mpsc::UnboundedSender<Event>);
+
+impl EventSink for ChannelSink {
+    fn send(&self, event: Event) -> bool {
+        self.0.send(event).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// Parse a JSON body, naming the field that is wrong.
+fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|r| {
+        let status = r.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                status,
+                "request body too large (the server's max_body_bytes limit)",
+            )
+        } else {
+            ApiError::new(status, r.body_text())
+        }
+    })?;
+    let de = &mut serde_json::Deserializer::from_slice(&body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let param = if path == "." || path.is_empty() {
+            None
+        } else {
+            Some(path.clone())
+        };
+        let mut err = ApiError::new(
+            StatusCode::BAD_REQUEST,
+            match &param {
+                Some(p) => format!("invalid request body at `{p}`: {inner}"),
+                None => format!("invalid request body: {inner}"),
+            },
+        );
+        err.param = param;
+        err
+    })
+}
+
+/// Everything a request asks the engine for.
+struct Job {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    stop: Vec<String>,
+    sampling: SamplingParams,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+    grammar: Option<Grammar>,
+}
+
+/// Sampling parameters from the request, the model's generation defaults, then OpenAI's.
+fn sampling_params(f: &SamplingFields, serving: &Serving) -> Result<SamplingParams, ApiError> {
+    let g = &serving.loaded.generation;
+    let sampled_by_default = g.do_sample != Some(false);
+    let temperature = f
+        .temperature
+        .or(if sampled_by_default {
+            g.temperature
+        } else {
+            Some(0.0)
+        })
+        .unwrap_or(1.0);
+    let check = |name: &str, v: f32, ok: bool, expected: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(
+                name,
+                format!("`{name}` is {v}; expected {expected}"),
+            ))
+        }
+    };
+    check(
+        "temperature",
+        temperature,
+        temperature.is_finite() && (0.0..=2.0).contains(&temperature),
+        "a number in [0, 2]",
+    )?;
+    let top_p = f.top_p.or(g.top_p).unwrap_or(1.0);
+    check(
+        "top_p",
+        top_p,
+        top_p > 0.0 && top_p <= 1.0,
+        "a number in (0, 1]",
+    )?;
+    let min_p = f.min_p.or(g.min_p).unwrap_or(0.0);
+    check(
+        "min_p",
+        min_p,
+        (0.0..=1.0).contains(&min_p),
+        "a number in [0, 1]",
+    )?;
+    let presence = f.presence_penalty.unwrap_or(0.0);
+    check(
+        "presence_penalty",
+        presence,
+        (-2.0..=2.0).contains(&presence),
+        "a number in [-2, 2]",
+    )?;
+    let frequency = f.frequency_penalty.unwrap_or(0.0);
+    check(
+        "frequency_penalty",
+        frequency,
+        (-2.0..=2.0).contains(&frequency),
+        "a number in [-2, 2]",
+    )?;
+    let repetition = f.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0);
+    check(
+        "repetition_penalty",
+        repetition,
+        repetition.is_finite() && repetition > 0.0 && repetition <= 10.0,
+        "a number in (0, 10]",
+    )?;
+    let top_k = match f.top_k {
+        Some(k) if k < -1 => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` is {k}; expected 0 or -1 (off) or a positive number"),
+            ))
+        }
+        Some(k) if k <= 0 => 0,
+        Some(k) => k as usize,
+        None => g.top_k.map(|k| k as usize).unwrap_or(0),
+    };
+    if let Some(n) = f.n {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                "n",
+                format!("`n` is {n}; this server generates one choice per request (n = 1)"),
+            ));
+        }
+    }
+    Ok(SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repetition_penalty: repetition,
+        presence_penalty: presence,
+        frequency_penalty: frequency,
+        seed: match f.seed {
+            Some(s) => s as u64,
+            None => random_seed(),
+        },
+    })
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// `max_tokens` resolved against the server's cap and the slot's room.
+fn max_tokens(
+    requested: Option<i64>,
+    param: &str,
+    prompt_len: usize,
+    serving: &Serving,
+    cap: usize,
+) -> Result<usize, ApiError> {
+    let context = serving.context;
+    if prompt_len >= context {
+        return Err(ApiError::invalid(
+            "messages",
+            format!(
+                "the prompt is {prompt_len} tokens but this server's context is {context} tokens per request (prompt plus output, at least one output token); shorten the prompt{}",
+                if context < serving.loaded.model.info().max_position_embeddings {
+                    format!(
+                        " or start the server with a larger --context (the model allows {})",
+                        serving.loaded.model.info().max_position_embeddings
+                    )
+                } else {
+                    String::new()
+                }
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    let room = context - prompt_len;
+    match requested {
+        None => Ok(cap.min(room)),
+        Some(n) if n < 1 => Err(ApiError::invalid(
+            param,
+            format!("`{param}` is {n}; expected at least 1"),
+        )),
+        Some(n) if n as u64 > cap as u64 => Err(ApiError::invalid(
+            param,
+            format!("`{param}` is {n}; this server allows at most {cap} tokens per request (max_tokens_cap)"),
+        )),
+        Some(n) => Ok((n as usize).min(room)),
+    }
+}
+
+fn stop_strings(stop: &Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let stops = stop.clone().map(Stop::into_vec).unwrap_or_default();
+    if stops.len() > 16 {
+        return Err(ApiError::invalid("stop", "at most 16 stop strings"));
+    }
+    if stops.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    Ok(stops)
+}
+
+fn response_grammar(
+    format: &Option<ResponseFormat>,
+    grammar: &Option<String>,
+) -> Result<Option<Grammar>, ApiError> {
+    let from_format = match format {
+        None => None,
+        Some(f) => match f.kind.as_str() {
+            "text" => None,
+            "json_object" => Some(Grammar::JsonObject),
+            "json_schema" => match &f.json_schema {
+                Some(s) => Some(Grammar::JsonSchema(s.schema.clone())),
+                None => {
+                    return Err(ApiError::invalid(
+                        "response_format.json_schema",
+                        "`response_format` of type json_schema needs a `json_schema` object with a `schema`",
+                    ))
+                }
+            },
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    format!("unknown response_format type `{other}`; expected text, json_object or json_schema"),
+                ))
+            }
+        },
+    };
+    match (from_format, grammar) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            "grammar",
+            "give either `response_format` or `grammar`, not both",
+        )),
+        (Some(g), None) => Ok(Some(g)),
+        (None, Some(l)) => Ok(Some(Grammar::Lark(l.clone()))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Submit a job; returns the receiver of its events.
+fn submit(serving: &Serving, job: Job) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    let constraint = match &job.grammar {
+        None => None,
+        Some(g) => {
+            let vocab = serving.grammar.as_ref().ok_or_else(|| {
+                ApiError::invalid(
+                    "response_format",
+                    "constrained output is not available for this model (its vocabulary could not be read for the grammar engine)",
+                )
+            })?;
+            Some(vocab.constraint(g).map_err(|e| {
+                ApiError::invalid(
+                    match g {
+                        Grammar::Lark(_) => "grammar",
+                        _ => "response_format",
+                    },
+                    format!("cannot compile the output constraint: {e}"),
+                )
+            })?)
+        }
+    };
+    let (tx, rx) = mpsc::unbounded_channel();
+    let request = EngineRequest {
+        prompt: job.prompt,
+        max_tokens: job.max_tokens,
+        eos_token_ids: if job.ignore_eos && job.grammar.is_none() {
+            Vec::new()
+        } else {
+            serving.loaded.eos_token_ids.clone()
+        },
+        stop_strings: job.stop,
+        sampling: job.sampling,
+        logprobs: job.logprobs,
+        constraint,
+        sink: Box::new(ChannelSink(tx)),
+    };
+    serving.scheduler.submit(request).map_err(|e| match e {
+        SubmitError::QueueFull { limit } => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "the server is busy: {limit} requests are already waiting for a slot; retry later"
+            ),
+        )
+        .code("queue_full")
+        .retry_after(1),
+        SubmitError::ShuttingDown => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+        )
+        .retry_after(5),
+    })?;
+    Ok(rx)
+}
+
+fn failure_error(f: Failure) -> ApiError {
+    match f {
+        Failure::QueueTimeout => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "timed out waiting for a free slot; retry later",
+        )
+        .retry_after(1),
+        Failure::ShuttingDown => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+        ),
+        Failure::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, m),
+        Failure::Engine(m) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("engine error: {m}"),
+        ),
+    }
+}
+
+/// Timing of one request's tokens, for the latency metrics.
+struct Timing {
+    arrived: Instant,
+    last: Option<Instant>,
+}
+
+impl Timing {
+    fn token(&mut self, state: &AppState) {
+        let now = Instant::now();
+        match self.last {
+            None => state
+                .metrics
+                .ttft
+                .observe((now - self.arrived).as_secs_f64()),
+            Some(t) => state.metrics.inter_token.observe((now - t).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+
+    fn done(&self, state: &AppState, usage: &EngineUsage) {
+        state
+            .metrics
+            .e2e
+            .observe(self.arrived.elapsed().as_secs_f64());
+        state
+            .metrics
+            .prompt_tokens
+            .inc_by(usage.prompt_tokens as u64);
+        state
+            .metrics
+            .generated_tokens
+            .inc_by(usage.completion_tokens as u64);
+        state
+            .metrics
+            .cached_tokens
+            .inc_by(usage.cached_tokens as u64);
+        tracing::info!(
+            prompt_tokens = usage.prompt_tokens,
+            cached_tokens = usage.cached_tokens,
+            generated_tokens = usage.completion_tokens,
+            prefill_s = usage.prefill_seconds,
+            decode_s = usage.decode_seconds,
+            total_s = self.arrived.elapsed().as_secs_f64(),
+            "request finished"
+        );
+    }
+}
+
+fn usage(u: &EngineUsage) -> Usage {
+    Usage {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        total_tokens: u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: u.cached_tokens,
+        },
+    }
+}
+
+fn finish(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+/// The text and bytes of one token id.
+fn token_text(serving: &Serving, id: u32) -> (String, Vec<u8>) {
+    let text = serving
+        .loaded
+        .tokenizer
+        .as_ref()
+        .and_then(|t| t.decode(&[id], false).ok())
+        .unwrap_or_default();
+    let bytes = text.as_bytes().to_vec();
+    (text, bytes)
+}
+
+fn chat_logprob(serving: &Serving, lp: &EngineLogprob) -> TokenLogprob {
+    let (token, bytes) = token_text(serving, lp.id);
+    TokenLogprob {
+        token,
+        logprob: lp.logprob,
+        bytes,
+        top_logprobs: lp
+            .top
+            .iter()
+            .map(|&(id, logprob)| {
+                let (token, bytes) = token_text(serving, id);
+                TopLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                }
+            })
+            .collect(),
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", random_seed())
+}
+
+// ---------------------------------------------------------------------------------------
+// Chat completions
+// ---------------------------------------------------------------------------------------
+
+/// How tools take part in a chat request.
+enum ToolMode {
+    /// No tools rendered, no parsing.
+    Off,
+    /// Tools rendered; calls parsed from the output if the model makes them.
+    Auto,
+    /// Tools rendered; the output is constrained to one call (of any tool, or the named one).
+    Required(Option<String>),
+}
+
+/// Render the conversation for the template, checking roles and content.
+fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` is empty"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            other => return Err(ApiError::invalid(
+                &format!("messages[{i}].role"),
+                format!(
+                    "unknown role `{other}`; expected system, developer, user, assistant or tool"
+                ),
+            )),
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                &format!("messages[{i}].content[{j}]"),
+                                format!(
+                                    "content parts of type `{}` are not supported (text only)",
+                                    p.kind
+                                ),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        let mut msg = json!({"role": role, "content": content});
+        if let Some(calls) = &m.tool_calls {
+            let calls: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    // Templates expect the arguments as an object.
+                    let args: Value = serde_json::from_str(&c.function.arguments)
+                        .unwrap_or_else(|_| Value::String(c.function.arguments.clone()));
+                    json!({"id": c.id, "type": "function",
+                           "function": {"name": c.function.name, "arguments": args}})
+                })
+                .collect();
+            msg["tool_calls"] = Value::Array(calls);
+        }
+        if let Some(id) = &m.tool_call_id {
+            msg["tool_call_id"] = Value::String(id.clone());
+        }
+        if let Some(n) = &m.name {
+            msg["name"] = Value::String(n.clone());
+        }
+        if let Some(r) = &m.reasoning_content {
+            msg["reasoning_content"] = Value::String(r.clone());
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
+    let tools = req.tools.as_deref().unwrap_or(&[]);
+    for (i, t) in tools.iter().enumerate() {
+        if t.kind != "function" {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}].type"),
+                format!("tool type `{}` is not supported; expected function", t.kind),
+            ));
+        }
+    }
+    let mode = match &req.tool_choice {
+        None => {
+            if tools.is_empty() {
+                ToolMode::Off
+            } else {
+                ToolMode::Auto
+            }
+        }
+        Some(ToolChoice::Mode(m)) => match m.as_str() {
+            "none" => ToolMode::Off,
+            "auto" => ToolMode::Auto,
+            "required" => ToolMode::Required(None),
+            other => return Err(ApiError::invalid(
+                "tool_choice",
+                format!(
+                    "unknown tool_choice `{other}`; expected none, auto, required or a function"
+                ),
+            )),
+        },
+        Some(ToolChoice::Named(v)) => {
+            let name = v
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            if !tools.iter().any(|t| t.function.name == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("tool_choice names `{name}`, which is not among `tools`"),
+                ));
+            }
+            ToolMode::Required(Some(name.to_string()))
+        }
+    };
+    if !matches!(mode, ToolMode::Off) && tools.is_empty() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice needs `tools`",
+        ));
+    }
+    Ok(mode)
+}
+
+/// What the response side needs to know about a chat request.
+struct ChatShape {
+    id: String,
+    model: String,
+    created: u64,
+    parse_tools: bool,
+    /// The prompt opened a `<think>` block the output continues.
+    thinking_started: bool,
+    include_usage: bool,
+}
+
+/// `POST /v1/chat/completions`.
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The completion (JSON), or with `stream` an SSE stream of `data: <ChatCompletionChunk>` events ending with `data: [DONE]`",
+            content((ChatCompletion = "application/json"), (ChatCompletionChunk = "text/event-stream"))),
+        (status = 400, body = ErrorBody, description = "A request field is invalid (`param` names it), or the prompt exceeds the context"),
+        (status = 401, body = ErrorBody, description = "Missing or invalid API key"),
+        (status = 404, body = ErrorBody, description = "Unknown model"),
+        (status = 413, body = ErrorBody, description = "Body larger than max_body_bytes"),
+        (status = 429, body = ErrorBody, description = "Queue full (see Retry-After)"),
+        (status = 500, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "Loading, draining, or timed out waiting for a slot")
+    ),
+    security(("api_key" = []))
+)]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let result = chat_inner(&state, body, arrived).await;
+    respond(&state, "/v1/chat/completions", result)
+}
+
+fn respond(state: &AppState, endpoint: &str, result: Result<Response, ApiError>) -> Response {
+    match result {
+        Ok(r) => {
+            state.metrics.request(endpoint, r.status().as_u16());
+            r
+        }
+        Err(e) => {
+            state.metrics.request(endpoint, e.status.as_u16());
+            e.into_response()
+        }
+    }
+}
+
+fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !m.is_empty() && *m != state.model_id => Err(super::unknown_model(state, m)),
+        _ => Ok(()),
+    }
+}
+
+async fn chat_inner(
+    state: &Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(body)?;
+    check_model(state, &req.model)?;
+    let serving = state.serving()?;
+    let tokenizer = serving.loaded.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "this model has no tokenizer, so it cannot chat",
+        )
+    })?;
+    let template = serving.loaded.chat_template.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "this model has no chat template; use /v1/completions with a raw prompt",
+        )
+    })?;
+    let messages = template_messages(&req.messages)?;
+    let mode = tool_mode(&req)?;
+    let tools_json: Option<Vec<Value>> = match (&mode, &req.tools) {
+        (ToolMode::Off, _) | (_, None) => None,
+        (_, Some(tools)) => Some(
+            tools
+                .iter()
+                .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
+                .collect(),
+        ),
+    };
+    let kwargs = req.chat_template_kwargs.clone();
+    if kwargs
+        .as_ref()
+        .is_some_and(|k| !k.is_object() && !k.is_null())
+    {
+        return Err(ApiError::invalid(
+            "chat_template_kwargs",
+            "`chat_template_kwargs` must be an object",
+        ));
+    }
+    let text = template
+        .render(&messages, true, tools_json.as_deref(), kwargs.as_ref())
+        .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    let prompt = tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    let requested = req.max_completion_tokens.or(req.max_tokens);
+    let param = if req.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let max = max_tokens(
+        requested,
+        param,
+        prompt.len(),
+        &serving,
+        state.config.max_tokens_cap,
+    )?;
+    let sampling = sampling_params(&req.sampling, &serving)?;
+    let stop = stop_strings(&req.sampling.stop)?;
+    let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+        (_, Some(n)) if !(0..=20).contains(&n) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("`top_logprobs` is {n}; expected 0 to 20"),
+            ))
+        }
+        (false, Some(n)) if n > 0 => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs: true`",
+            ))
+        }
+        (true, n) => Some(n.unwrap_or(0) as usize),
+        (false, _) => None,
+    };
+    let mut grammar = response_grammar(&req.response_format, &req.grammar)?;
+    if let ToolMode::Required(only) = &mode {
+        if grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a required tool call cannot be combined with response_format or grammar",
+            ));
+        }
+        let tools: Vec<Value> = tools_json.clone().unwrap_or_default();
+        let lark = required_tool_call_grammar(&tools, only.as_deref())
+            .map_err(|e| ApiError::invalid("tools", e))?;
+        grammar = Some(Grammar::Lark(lark));
+    }
+    let shape = ChatShape {
+        id: new_id("chatcmpl"),
+        model: state.model_id.clone(),
+        created: super::now_secs(),
+        parse_tools: !matches!(mode, ToolMode::Off),
+        thinking_started: text.trim_end().ends_with("<think>"),
+        include_usage: req
+            .sampling
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let job = Job {
+        prompt,
+        max_tokens: max,
+        stop,
+        sampling,
+        ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
+        logprobs,
+        grammar,
+    };
+    let rx = submit(&serving, job)?;
+    let timing = Timing {
+        arrived,
+        last: None,
+    };
+    if req.sampling.stream.unwrap_or(false) {
+        Ok(chat_stream(state.clone(), serving, shape, rx, timing))
+    } else {
+        chat_json(state, &serving, shape, rx, timing).await
+    }
+}
+
+async fn chat_json(
+    state: &AppState,
+    serving: &Serving,
+    shape: ChatShape,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut timing: Timing,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    let done = loop {
+        match rx.recv().await {
+            Some(Event::Admitted { .. }) => {}
+            Some(Event::Token {
+                text: t, logprob, ..
+            }) => {
+                timing.token(state);
+                text.push_str(&t);
+                if let Some(lp) = logprob {
+                    logprobs.push(chat_logprob(serving, &lp));
+                }
+            }
+            Some(Event::Done(u)) => break u,
+            Some(Event::Failed(f)) => return Err(failure_error(f)),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the engine stopped before finishing the request",
+                ))
+            }
+        }
+    };
+    timing.done(state, &done);
+    let (reasoning, content) = split_reasoning(&text, shape.thinking_started);
+    let (content, calls) = if shape.parse_tools {
+        parse_tool_calls(&content, &format!("call_{}", &shape.id[9..]))
+    } else {
+        (content, Vec::new())
+    };
+    let finish_reason = if calls.is_empty() {
+        finish(done.finish_reason).to_string()
+    } else {
+        "tool_calls".to_string()
+    };
+    let tool_calls = (!calls.is_empty()).then(|| {
+        calls
+            .into_iter()
+            .map(|c| ToolCall {
+                id: c.id,
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: c.name,
+                    arguments: c.arguments,
+                },
+            })
+            .collect()
+    });
+    let content = if tool_calls.is_some() && content.is_empty() {
+        None
+    } else {
+        Some(content)
+    };
+    let body = ChatCompletion {
+        id: shape.id,
+        object: "chat.completion".into(),
+        created: shape.created,
+        model: shape.model,
+        system_fingerprint: fingerprint(),
+        choices: vec![ChatChoice {
+            index: 0,
+            message: AssistantMessage {
+                role: "assistant".into(),
+                content,
+                reasoning_content: reasoning,
+                tool_calls,
+            },
+            logprobs: serving_logprobs(logprobs),
+            finish_reason,
+        }],
+        usage: usage(&done),
+    };
+    Ok(Json(body).into_response())
+}
+
+fn serving_logprobs(content: Vec<TokenLogprob>) -> Option<ChoiceLogprobs> {
+    (!content.is_empty()).then_some(ChoiceLogprobs { content })
+}
+
+/// Identifies the build that produced an answer.
+fn fingerprint() -> String {
+    format!("colibri-{}", env!("CARGO_PKG_VERSION"))
+}
+
+fn sse_json<T: serde::Serialize>(value: &T) -> SseEvent {
+    SseEvent::default().data(serde_json::to_string(value).unwrap_or_default())
+}
+
+fn sse_error(e: &ApiError) -> SseEvent {
+    sse_json(&e.body())
+}
+
+/// Turn scheduler events into SSE events on a task of their own; a departed client drops the
+/// stream, which drops the scheduler's receiver, which cancels the sequence.
+fn chat_stream(
+    state: Arc<AppState>,
+    serving: Arc<Serving>,
+    shape: ChatShape,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut timing: Timing,
+) -> Response {
+    let (out, out_rx) = mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        let chunk = |delta: Delta, logprobs: Option<ChoiceLogprobs>, finish: Option<String>| {
+            ChatCompletionChunk {
+                id: shape.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: shape.created,
+                model: shape.model.clone(),
+                system_fingerprint: fingerprint(),
+                choices: vec![ChunkChoice {
+                    index: 0,
+                    delta,
+                    logprobs,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            }
+        };
+        let first = chunk(
+            Delta {
+                role: Some("assistant".into()),
+                content: Some(String::new()),
+                ..Delta::default()
+            },
+            None,
+            None,
+        );
+        if out.send(sse_json(&first)).await.is_err() {
+            return;
+        }
+        let mut reasoning = ReasoningStream::new(shape.thinking_started);
+        let mut tools = ToolCallStream::new(&format!("call_{}", &shape.id[9..]));
+        let mut calls = 0u32;
+        let mut pending_logprobs: Vec<TokenLogprob> = Vec::new();
+        // Turn text into deltas: reasoning, then content through the tool-call parser.
+        let deltas = |events: Vec<ReasoningEvent>, tools: &mut ToolCallStream, calls: &mut u32| {
+            let mut ds = Vec::new();
+            for e in events {
+                match e {
+                    ReasoningEvent::Reasoning(r) if !r.is_empty() => ds.push(Delta {
+                        reasoning_content: Some(r),
+                        ..Delta::default()
+                    }),
+                    ReasoningEvent::Reasoning(_) => {}
+                    ReasoningEvent::Content(c) => {
+                        let evs = if shape.parse_tools {
+                            tools.push(&c)
+                        } else {
+                            vec![ToolStreamEvent::Content(c)]
+                        };
+                        ds.extend(tool_deltas(evs, calls));
+                    }
+                }
+            }
+            ds
+        };
+        let done = loop {
+            match rx.recv().await {
+                Some(Event::Admitted { .. }) => {}
+                Some(Event::Token { text, logprob, .. }) => {
+                    timing.token(&state);
+                    if let Some(lp) = logprob {
+                        pending_logprobs.push(chat_logprob(&serving, &lp));
+                    }
+                    let ds = deltas(reasoning.push(&text), &mut tools, &mut calls);
+                    if ds.is_empty() && !pending_logprobs.is_empty() && !text.is_empty() {
+                        // Nothing visible yet; logprobs ride on the next visible delta.
+                    }
+                    for d in ds {
+                        let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
+                        if out.send(sse_json(&chunk(d, lp, None))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                Some(Event::Done(u)) => break u,
+                Some(Event::Failed(f)) => {
+                    let _ = out.send(sse_error(&failure_error(f))).await;
+                    let _ = out.send(SseEvent::default().data("[DONE]")).await;
+                    return;
+                }
+                None => {
+                    let e = ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "the engine stopped before finishing the request",
+                    );
+                    let _ = out.send(sse_error(&e)).await;
+                    return;
+                }
+            }
+        };
+        timing.done(&state, &done);
+        let mut ds = deltas(reasoning.finish(), &mut tools, &mut calls);
+        if shape.parse_tools {
+            ds.extend(tool_deltas(tools.finish(), &mut calls));
+        }
+        for d in ds {
+            let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
+            if out.send(sse_json(&chunk(d, lp, None))).await.is_err() {
+                return;
+            }
+        }
+        let reason = if calls > 0 {
+            "tool_calls".to_string()
+        } else {
+            finish(done.finish_reason).to_string()
+        };
+        let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
+        if out
+            .send(sse_json(&chunk(Delta::default(), lp, Some(reason))))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if shape.include_usage {
+            let mut last = chunk(Delta::default(), None, None);
+            last.choices.clear();
+            last.usage = Some(usage(&done));
+            if out.send(sse_json(&last)).await.is_err() {
+                return;
+            }
+        }
+        let _ = out.send(SseEvent::default().data("[DONE]")).await;
+    });
+    sse_response(out_rx)
+}
+
+fn sse_response(rx: mpsc::Receiver<SseEvent>) -> Response {
+    let stream =
+        tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), |e| {
+            Ok::<_, std::convert::Infallible>(e)
+        });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
+        .into_response()
+}
+
+fn tool_deltas(events: Vec<ToolStreamEvent>, calls: &mut u32) -> Vec<Delta> {
+    let mut out = Vec::new();
+    for e in events {
+        match e {
+            ToolStreamEvent::Content(c) if c.is_empty() => {}
+            ToolStreamEvent::Content(c) => out.push(Delta {
+                content: Some(c),
+                ..Delta::default()
+            }),
+            ToolStreamEvent::Call(call) => {
+                out.push(Delta {
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index: *calls,
+                        id: Some(call.id),
+                        kind: Some("function".into()),
+                        function: FunctionCallDelta {
+                            name: Some(call.name),
+                            arguments: Some(call.arguments),
+                        },
+                    }]),
+                    ..Delta::default()
+                });
+                *calls += 1;
+            }
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Text completions
+// ---------------------------------------------------------------------------------------
+
+/// `POST /v1/completions`.
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion (JSON), or with `stream` an SSE stream of `data: <Completion>` events ending with `data: [DONE]`",
+            content((Completion = "application/json"), (Completion = "text/event-stream"))),
+        (status = 400, body = ErrorBody, description = "A request field is invalid (`param` names it), or the prompt exceeds the context"),
+        (status = 401, body = ErrorBody, description = "Missing or invalid API key"),
+        (status = 404, body = ErrorBody, description = "Unknown model"),
+        (status = 413, body = ErrorBody, description = "Body larger than max_body_bytes"),
+        (status = 429, body = ErrorBody, description = "Queue full (see Retry-After)"),
+        (status = 500, body = ErrorBody),
+        (status = 503, body = ErrorBody, description = "Loading, draining, or timed out waiting for a slot")
+    ),
+    security(("api_key" = []))
+)]
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let arrived = Instant::now();
+    let result = completions_inner(&state, body, arrived).await;
+    respond(&state, "/v1/completions", result)
+}
+
+async fn completions_inner(
+    state: &Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(body)?;
+    check_model(state, &req.model)?;
+    let serving = state.serving()?;
+    let (prompt, prompt_text) = match &req.prompt {
+        Prompt::Text(t) => (encode(&serving, t)?, Some(t.clone())),
+        Prompt::Texts(v) if v.len() == 1 => (encode(&serving, &v[0])?, Some(v[0].clone())),
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!(
+                    "`prompt` has {} strings; this server takes one prompt per request",
+                    v.len()
+                ),
+            ))
+        }
+        Prompt::Tokens(ids) => {
+            let vocab = serving.loaded.model.info().vocab_size;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            (ids.clone(), None)
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    let max = max_tokens(
+        Some(req.max_tokens.unwrap_or(16)),
+        "max_tokens",
+        prompt.len(),
+        &serving,
+        state.config.max_tokens_cap,
+    )
+    .map_err(|mut e| {
+        if e.param.as_deref() == Some("messages") {
+            e.param = Some("prompt".into());
+        }
+        e
+    })?;
+    let sampling = sampling_params(&req.sampling, &serving)?;
+    let stop = stop_strings(&req.sampling.stop)?;
+    let logprobs = match req.logprobs {
+        Some(n) if !(0..=20).contains(&n) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` is {n}; expected 0 to 20"),
+            ))
+        }
+        Some(n) => Some(n as usize),
+        None => None,
+    };
+    let grammar = response_grammar(&req.response_format, &req.grammar)?;
+    let echo = if req.echo.unwrap_or(false) {
+        Some(match prompt_text {
+            Some(t) => t,
+            None => serving
+                .loaded
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.decode(&prompt, false).ok())
+                .unwrap_or_default(),
+        })
+    } else {
+        None
+    };
+    let job = Job {
+        prompt,
+        max_tokens: max,
+        stop,
+        sampling,
+        ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
+        logprobs,
+        grammar,
+    };
+    let rx = submit(&serving, job)?;
+    let shape = ChatShape {
+        id: new_id("cmpl"),
+        model: state.model_id.clone(),
+        created: super::now_secs(),
+        parse_tools: false,
+        thinking_started: false,
+        include_usage: req
+            .sampling
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    };
+    let timing = Timing {
+        arrived,
+        last: None,
+    };
+    if req.sampling.stream.unwrap_or(false) {
+        Ok(completion_stream(
+            state.clone(),
+            serving,
+            shape,
+            echo,
+            rx,
+            timing,
+        ))
+    } else {
+        completion_json(state, &serving, shape, echo, rx, timing).await
+    }
+}
+
+fn encode(serving: &Serving, text: &str) -> Result<Vec<u32>, ApiError> {
+    let tok = serving.loaded.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "prompt",
+            "this model has no tokenizer: send the prompt as token ids",
+        )
+    })?;
+    tok.encode(text, true)
+        .map_err(|e| ApiError::invalid("prompt", format!("{e}")))
+}
+
+/// Legacy-format logprobs of one token.
+fn completion_logprob(
+    serving: &Serving,
+    lp: &EngineLogprob,
+    offset: usize,
+    into: &mut CompletionLogprobs,
+) {
+    let (token, _) = token_text(serving, lp.id);
+    into.tokens.push(token);
+    into.token_logprobs.push(lp.logprob);
+    let mut top = serde_json::Map::new();
+    for &(id, l) in &lp.top {
+        top.insert(token_text(serving, id).0, json!(l));
+    }
+    into.top_logprobs.push(top);
+    into.text_offset.push(offset);
+}
+
+async fn completion_json(
+    state: &AppState,
+    serving: &Serving,
+    shape: ChatShape,
+    echo: Option<String>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut timing: Timing,
+) -> Result<Response, ApiError> {
+    let mut text = echo.unwrap_or_default();
+    let mut logprobs: Option<CompletionLogprobs> = None;
+    let done = loop {
+        match rx.recv().await {
+            Some(Event::Admitted { .. }) => {}
+            Some(Event::Token {
+                text: t, logprob, ..
+            }) => {
+                timing.token(state);
+                if let Some(lp) = logprob {
+                    completion_logprob(
+                        serving,
+                        &lp,
+                        text.len(),
+                        logprobs.get_or_insert_with(Default::default),
+                    );
+                }
+                text.push_str(&t);
+            }
+            Some(Event::Done(u)) => break u,
+            Some(Event::Failed(f)) => return Err(failure_error(f)),
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the engine stopped before finishing the request",
+                ))
+            }
+        }
+    };
+    timing.done(state, &done);
+    Ok(Json(Completion {
+        id: shape.id,
+        object: "text_completion".into(),
+        created: shape.created,
+        model: shape.model,
+        system_fingerprint: fingerprint(),
+        choices: vec![CompletionChoice {
+            index: 0,
+            text,
+            logprobs,
+            finish_reason: Some(finish(done.finish_reason).into()),
+        }],
+        usage: Some(usage(&done)),
+    })
+    .into_response())
+}
+
+fn completion_stream(
+    state: Arc<AppState>,
+    serving: Arc<Serving>,
+    shape: ChatShape,
+    echo: Option<String>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut timing: Timing,
+) -> Response {
+    let (out, out_rx) = mpsc::channel::<SseEvent>(64);
+    tokio::spawn(async move {
+        let chunk = |text: String, logprobs: Option<CompletionLogprobs>, finish: Option<String>| {
+            Completion {
+                id: shape.id.clone(),
+                object: "text_completion".into(),
+                created: shape.created,
+                model: shape.model.clone(),
+                system_fingerprint: fingerprint(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            }
+        };
+        let mut offset = 0;
+        if let Some(e) = echo {
+            offset = e.len();
+            if out.send(sse_json(&chunk(e, None, None))).await.is_err() {
+                return;
+            }
+        }
+        let done = loop {
+            match rx.recv().await {
+                Some(Event::Admitted { .. }) => {}
+                Some(Event::Token { text, logprob, .. }) => {
+                    timing.token(&state);
+                    let lp = logprob.map(|lp| {
+                        let mut c = CompletionLogprobs::default();
+                        completion_logprob(&serving, &lp, offset, &mut c);
+                        c
+                    });
+                    offset += text.len();
+                    if (text.is_empty() && lp.is_none())
+                        || out.send(sse_json(&chunk(text, lp, None))).await.is_ok()
+                    {
+                        continue;
+                    }
+                    return;
+                }
+                Some(Event::Done(u)) => break u,
+                Some(Event::Failed(f)) => {
+                    let _ = out.send(sse_error(&failure_error(f))).await;
+                    let _ = out.send(SseEvent::default().data("[DONE]")).await;
+                    return;
+                }
+                None => return,
+            }
+        };
+        timing.done(&state, &done);
+        if out
+            .send(sse_json(&chunk(
+                String::new(),
+                None,
+                Some(finish(done.finish_reason).into()),
+            )))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if shape.include_usage {
+            let mut last = chunk(String::new(), None, None);
+            last.choices.clear();
+            last.usage = Some(usage(&done));
+            if out.send(sse_json(&last)).await.is_err() {
+                return;
+            }
+        }
+        let _ = out.send(SseEvent::default().data("[DONE]")).await;
+    });
+    sse_response(out_rx)
+}
