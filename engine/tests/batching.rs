@@ -1,0 +1,286 @@
+//! Batching changes speed, never results: a sequence run inside a batch of other sequences
+//! (prefill chunks and decode rows mixed, each continuing its own cache) gives the same logits
+//! bits as run alone; the scheduler's concurrent requests get exactly the tokens each gets
+//! alone with the same seed; a prompt that extends a slot's previous sequence reuses its KV and
+//! still gives the same tokens.
+
+mod common;
+use common::{bits, fixture, prompt};
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use colibri::model::{self, BatchItem, Logits};
+use colibri::runtime::generate::{generate, FinishReason, GenerateParams};
+use colibri::runtime::loaded::LoadedModel;
+use colibri::runtime::sampling::SamplingParams;
+use colibri::runtime::scheduler::{
+    Event, Failure, Request, Scheduler, SchedulerConfig, SubmitError, Usage,
+};
+
+#[test]
+fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
+    for arch in ["olmoe", "qwen3_moe", "llama"] {
+        let m = model::load(&fixture(arch)).unwrap();
+        let ids = prompt(arch);
+        let vocab = m.info().vocab_size as u32;
+        let a: Vec<u32> = ids.clone();
+        let b: Vec<u32> = ids.iter().rev().map(|&t| (t * 7 + 3) % vocab).collect();
+        let c: Vec<u32> = ids[..3].to_vec();
+
+        // Alone: a prefix of each, then one more step of each.
+        let alone = |seq: &[u32], split: usize| {
+            let mut cache = m.new_cache(64);
+            let first = m.forward(&seq[..split], &mut cache, Logits::All).unwrap();
+            let second = m.forward(&seq[split..], &mut cache, Logits::All).unwrap();
+            (first, second)
+        };
+        let (a1, a2) = alone(&a, a.len() - 1);
+        let (b1, _) = alone(&b, 4);
+        let (c1, c2) = alone(&c, 2);
+
+        // Together: the same two steps, the three sequences batched each time.
+        let mut ca = m.new_cache(64);
+        let mut cb = m.new_cache(64);
+        let mut cc = m.new_cache(64);
+        let step1 = m
+            .forward_batch(&mut [
+                BatchItem {
+                    tokens: &a[..a.len() - 1],
+                    cache: &mut ca,
+                    logits: Logits::All,
+                },
+                BatchItem {
+                    tokens: &b[..4],
+                    cache: &mut cb,
+                    logits: Logits::All,
+                },
+                BatchItem {
+                    tokens: &c[..2],
+                    cache: &mut cc,
+                    logits: Logits::All,
+                },
+            ])
+            .unwrap();
+        let step2 = m
+            .forward_batch(&mut [
+                BatchItem {
+                    tokens: &c[2..],
+                    cache: &mut cc,
+                    logits: Logits::All,
+                },
+                BatchItem {
+                    tokens: &a[a.len() - 1..],
+                    cache: &mut ca,
+                    logits: Logits::Last,
+                },
+                BatchItem {
+                    tokens: &b[4..],
+                    cache: &mut cb,
+                    logits: Logits::None,
+                },
+            ])
+            .unwrap();
+        assert_eq!(bits(&step1[0]), bits(&a1), "{arch}: a, step 1");
+        assert_eq!(bits(&step1[1]), bits(&b1), "{arch}: b, step 1");
+        assert_eq!(bits(&step1[2]), bits(&c1), "{arch}: c, step 1");
+        assert_eq!(bits(&step2[0]), bits(&c2), "{arch}: c, step 2");
+        assert_eq!(bits(&step2[1]), bits(&a2), "{arch}: a, step 2");
+        assert!(step2[2].is_empty(), "{arch}: Logits::None returns no rows");
+        assert_eq!(cb.len, b.len(), "{arch}: b's cache advanced all the same");
+    }
+}
+
+/// Collect a request's events: its tokens and how it ended.
+fn collect(rx: mpsc::Receiver<Event>) -> (Vec<u32>, Result<Usage, Failure>) {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
+            Event::Admitted { .. } => {}
+            Event::Token { id, .. } => tokens.push(id),
+            Event::Done(u) => return (tokens, Ok(u)),
+            Event::Failed(f) => return (tokens, Err(f)),
+        }
+    }
+}
+
+fn request(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> (Request, mpsc::Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
+    let r = Request {
+        prompt,
+        max_tokens,
+        eos_token_ids: vec![],
+        stop_strings: vec![],
+        sampling: SamplingParams {
+            temperature: 0.9,
+            seed,
+            ..SamplingParams::default()
+        },
+        logprobs: None,
+        constraint: None,
+        sink: Box::new(tx),
+    };
+    (r, rx)
+}
+
+#[test]
+fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
+    let dir = fixture("olmoe");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let vocab = loaded.model.info().vocab_size as u32;
+    let base = prompt("olmoe");
+    // Eight prompts of different lengths, eight seeds.
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| {
+            (0..(3 + i as usize * 2))
+                .map(|j| (base[j % base.len()] + i * 31 + j as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    // Alone: the plain generation loop, no scheduler.
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let params = GenerateParams {
+                max_tokens: 12,
+                eos_token_ids: vec![],
+                stop_strings: vec![],
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    seed: 100 + i as u64,
+                    ..SamplingParams::default()
+                },
+            };
+            generate(loaded.model.as_ref(), None, p, &params, |_| {}, |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    // Together: 4 slots, small prefill chunks, everything submitted at once.
+    let scheduler = Scheduler::start(
+        loaded.clone(),
+        SchedulerConfig {
+            slots: 4,
+            context: 64,
+            prefill_chunk: 4,
+            queue_limit: 16,
+            queue_timeout: Duration::from_secs(120),
+        },
+    );
+    let receivers: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (r, rx) = request(p.clone(), 100 + i as u64, 12);
+            scheduler.submit(r).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in receivers.into_iter().enumerate() {
+        let (tokens, end) = collect(rx);
+        let usage = end.unwrap();
+        assert_eq!(usage.finish_reason, FinishReason::Length);
+        assert_eq!(usage.completion_tokens, 12);
+        assert_eq!(tokens, alone[i], "request {i}");
+    }
+    let stats = scheduler.stats();
+    assert!(
+        stats.steps.load(std::sync::atomic::Ordering::Relaxed)
+            < 8 * 12 + prompts.iter().map(|p| p.len() as u64).sum::<u64>(),
+        "requests were batched"
+    );
+}
+
+#[test]
+fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() {
+    let dir = fixture("qwen3_moe");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let base = prompt("qwen3_moe");
+    let scheduler = Scheduler::start(
+        loaded.clone(),
+        SchedulerConfig {
+            slots: 2,
+            context: 64,
+            prefill_chunk: 256,
+            queue_limit: 4,
+            queue_timeout: Duration::from_secs(120),
+        },
+    );
+    let (r, rx) = request(base.clone(), 7, 6);
+    scheduler.submit(r).unwrap();
+    let (first, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, 0);
+    // The next turn: the previous prompt, its answer, and two new tokens.
+    let mut turn2 = base.clone();
+    turn2.extend_from_slice(&first);
+    turn2.extend_from_slice(&[5, 9]);
+    let (r, rx) = request(turn2.clone(), 8, 6);
+    scheduler.submit(r).unwrap();
+    let (second, end) = collect(rx);
+    let usage = end.unwrap();
+    // Every token whose KV the slot holds is reused: the prompt and all generated tokens but
+    // the last (which was sampled, never run).
+    assert_eq!(usage.cached_tokens, base.len() + first.len() - 1);
+    // Without reuse: the same request on a fresh scheduler.
+    let fresh = Scheduler::start(
+        loaded,
+        SchedulerConfig {
+            slots: 1,
+            context: 64,
+            prefill_chunk: 256,
+            queue_limit: 4,
+            queue_timeout: Duration::from_secs(120),
+        },
+    );
+    let (r, rx) = request(turn2, 8, 6);
+    fresh.submit(r).unwrap();
+    let (again, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, 0);
+    assert_eq!(second, again);
+}
+
+#[test]
+fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
+    let dir = fixture("olmoe");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let scheduler = Scheduler::start(
+        loaded,
+        SchedulerConfig {
+            slots: 1,
+            context: 64,
+            prefill_chunk: 8,
+            queue_limit: 1,
+            queue_timeout: Duration::from_secs(120),
+        },
+    );
+    let (r, rx) = request(vec![1; 70], 1, 4);
+    scheduler.submit(r).unwrap();
+    match collect(rx).1 {
+        Err(Failure::Invalid(m)) => assert!(m.contains("70 tokens") && m.contains("64"), "{m}"),
+        other => panic!("expected an invalid-request failure, got {other:?}"),
+    }
+    // A long request takes the one slot (its first token proves it is running)...
+    let (r, long) = request(vec![1, 2], 1, 62);
+    scheduler.submit(r).unwrap();
+    loop {
+        if let Event::Token { .. } = long.recv_timeout(Duration::from_secs(60)).unwrap() {
+            break;
+        }
+    }
+    // ...the next waits in the one queue place, and the one after is refused.
+    let (r, waiting) = request(vec![3, 4], 2, 2);
+    scheduler.submit(r).unwrap();
+    let (r, _refused) = request(vec![5, 6], 3, 2);
+    assert_eq!(
+        scheduler.submit(r).unwrap_err(),
+        SubmitError::QueueFull { limit: 1 }
+    );
+    // Both accepted requests still finish.
+    assert_eq!(collect(long).1.unwrap().completion_tokens, 62);
+    assert_eq!(collect(waiting).1.unwrap().completion_tokens, 2);
+    scheduler.stop_accepting();
+    let (r, _rx) = request(vec![1, 2], 1, 4);
+    assert_eq!(scheduler.submit(r).unwrap_err(), SubmitError::ShuttingDown);
+}
