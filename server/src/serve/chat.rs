@@ -488,12 +488,14 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
         let role = match m.role.as_str() {
             "developer" => "system",
             r @ ("system" | "user" | "assistant" | "tool") => r,
-            other => return Err(ApiError::invalid(
-                &format!("messages[{i}].role"),
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].role"),
+                    format!(
                     "unknown role `{other}`; expected system, developer, user, assistant or tool"
                 ),
-            )),
+                ))
+            }
         };
         let content = match &m.content {
             None => String::new(),
@@ -567,12 +569,14 @@ fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
             "none" => ToolMode::Off,
             "auto" => ToolMode::Auto,
             "required" => ToolMode::Required(None),
-            other => return Err(ApiError::invalid(
-                "tool_choice",
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
                     "unknown tool_choice `{other}`; expected none, auto, required or a function"
                 ),
-            )),
+                ))
+            }
         },
         Some(ToolChoice::Named(v)) => {
             let name = v
