@@ -1,6 +1,7 @@
 //! `coli`: colibri's command line — the OpenAI-compatible server and the operator commands.
 
 mod bench;
+mod chat_client;
 mod config;
 mod convert;
 mod demo;
@@ -44,6 +45,8 @@ enum Command {
     Kl(kl::KlArgs),
     /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
     Synth(synth::SynthArgs),
+    /// Chat with a server (or with a model started in-process) from the terminal.
+    Chat(chat_client::ChatArgs),
 }
 
 fn main() {
@@ -73,6 +76,7 @@ fn main() {
         Command::Synth(a) => synth::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Kl(a) => kl::run(a),
+        Command::Chat(a) => chat_client::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");
