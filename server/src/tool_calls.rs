@@ -288,7 +288,8 @@ pub fn split_reasoning(text: &str, started_inside: bool) -> (Option<String>, Str
     } else {
         match text.trim_start().strip_prefix(THINK_OPEN) {
             Some(rest) => rest,
-            None => return (None, text.trim().to_string()),
+            // No thought: the answer is the text exactly as generated.
+            None => return (None, text.to_string()),
         }
     };
     let (reasoning, content) = match inside.find(THINK_CLOSE) {
@@ -329,6 +330,8 @@ pub struct ReasoningStream {
     buf: String,
     reasoning: Trimmer,
     content: Trimmer,
+    /// The text opened without `<think>`: the answer passes through untrimmed.
+    raw_content: bool,
 }
 
 impl ReasoningStream {
@@ -343,12 +346,15 @@ impl ReasoningStream {
             buf: String::new(),
             reasoning: Trimmer::default(),
             content: Trimmer::default(),
+            raw_content: false,
         }
     }
 
     fn emit(&mut self, events: &mut Vec<ReasoningEvent>, reasoning: bool, text: &str) {
         let shown = if reasoning {
             self.reasoning.push(text)
+        } else if self.raw_content {
+            text.to_string()
         } else {
             self.content.push(text)
         };
@@ -378,6 +384,7 @@ impl ReasoningStream {
                         break; // blank, or a prefix of the tag: wait
                     } else {
                         self.phase = Phase::Answer;
+                        self.raw_content = true;
                     }
                 }
                 Phase::Thinking => {
@@ -408,6 +415,10 @@ impl ReasoningStream {
     pub fn finish(&mut self) -> Vec<ReasoningEvent> {
         let mut events = Vec::new();
         let rest = std::mem::take(&mut self.buf);
+        if self.phase == Phase::Undecided {
+            // It never opened `<think>`: all of it is the answer, as generated.
+            self.raw_content = true;
+        }
         let reasoning = self.phase == Phase::Thinking;
         self.emit(&mut events, reasoning, &rest);
         events
@@ -812,8 +823,12 @@ mod tests {
         check_reasoning(
             "  <thinking> is a word",
             false,
-            (None, "<thinking> is a word"),
+            (None, "  <thinking> is a word"),
         );
+        // Without a thought the answer is exactly the generated text, whitespace included.
+        check_reasoning(" a\n", false, (None, " a\n"));
+        check_reasoning("  ", false, (None, "  "));
+        check_reasoning("<thi", false, (None, "<thi"));
         check_reasoning(
             "Answer with </think> inside",
             false,

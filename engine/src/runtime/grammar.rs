@@ -128,6 +128,21 @@ impl GrammarVocab {
         self.vocab_size
     }
 
+    /// The raw bytes token `id` stands for (a byte-level token may hold part of a UTF-8
+    /// character); empty for special tokens and ids outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let trie = self.factory.tok_env().tok_trie();
+        if id as usize >= trie.vocab_size() {
+            return Vec::new();
+        }
+        let bytes = trie.token(id);
+        if bytes.first() == Some(&0xFF) {
+            Vec::new()
+        } else {
+            bytes.to_vec()
+        }
+    }
+
     /// Compile a grammar into a fresh per-request constraint (errors are user errors: bad
     /// schema/grammar text, with llguidance's message).
     pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint, String> {

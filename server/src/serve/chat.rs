@@ -59,13 +59,19 @@ fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Resul
     })?;
     let de = &mut serde_json::Deserializer::from_slice(&body);
     serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        let param = if path == "." || path.is_empty() {
-            None
-        } else {
-            Some(path.clone())
-        };
+        let mut path = e.path().to_string();
+        let mut inner = e.into_inner().to_string();
+        if path == "." || path.is_empty() {
+            // serde loses the path inside `#[serde(flatten)]` (the shared sampling fields):
+            // find the culprit by reading them on their own.
+            if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+                if let Err(e) = serde_path_to_error::deserialize::<_, SamplingFields>(v) {
+                    path = e.path().to_string();
+                    inner = e.into_inner().to_string();
+                }
+            }
+        }
+        let param = (path != "." && !path.is_empty()).then_some(path);
         let mut err = ApiError::new(
             StatusCode::BAD_REQUEST,
             match &param {
@@ -427,7 +433,8 @@ fn finish(reason: FinishReason) -> &'static str {
     }
 }
 
-/// The text and bytes of one token id.
+/// The text and raw bytes of one token id (special tokens: empty, as they are not part of
+/// the text).
 fn token_text(serving: &Serving, id: u32) -> (String, Vec<u8>) {
     let text = serving
         .loaded
@@ -435,7 +442,10 @@ fn token_text(serving: &Serving, id: u32) -> (String, Vec<u8>) {
         .as_ref()
         .and_then(|t| t.decode(&[id], false).ok())
         .unwrap_or_default();
-    let bytes = text.as_bytes().to_vec();
+    let bytes = match &serving.grammar {
+        Some(g) => g.token_bytes(id),
+        None => text.as_bytes().to_vec(),
+    };
     (text, bytes)
 }
 
@@ -1125,7 +1135,11 @@ async fn completions_inner(
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
     let max = max_tokens(
-        Some(req.max_tokens.unwrap_or(16)),
+        // OpenAI's default of 16, within this server's cap.
+        Some(
+            req.max_tokens
+                .unwrap_or(16.min(state.config.max_tokens_cap as i64)),
+        ),
         "max_tokens",
         prompt.len(),
         &serving,
