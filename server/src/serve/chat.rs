@@ -716,6 +716,27 @@ async fn chat_inner(
     let text = template
         .render(&messages, true, tools_json.as_deref(), kwargs.as_ref())
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    let mut grammar = response_grammar(&req.response_format, &req.grammar)?;
+    if let ToolMode::Required(only) = &mode {
+        if grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a required tool call cannot be combined with response_format or grammar",
+            ));
+        }
+        let tools: Vec<Value> = tools_json.clone().unwrap_or_default();
+        let lark = required_tool_call_grammar(&tools, only.as_deref())
+            .map_err(|e| ApiError::invalid("tools", e))?;
+        grammar = Some(Grammar::Lark(lark));
+    }
+    // A constrained answer cannot think first: when the template opened a thought, close it
+    // (as templates do when thinking is switched off), so the constraint applies to the answer.
+    let mut text = text;
+    let mut thinking_started = text.trim_end().ends_with("<think>");
+    if grammar.is_some() && thinking_started {
+        text.push_str("</think>\n\n");
+        thinking_started = false;
+    }
     let prompt = tokenizer
         .encode(&text, false)
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
@@ -750,25 +771,12 @@ async fn chat_inner(
         (true, n) => Some(n.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    let mut grammar = response_grammar(&req.response_format, &req.grammar)?;
-    if let ToolMode::Required(only) = &mode {
-        if grammar.is_some() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "a required tool call cannot be combined with response_format or grammar",
-            ));
-        }
-        let tools: Vec<Value> = tools_json.clone().unwrap_or_default();
-        let lark = required_tool_call_grammar(&tools, only.as_deref())
-            .map_err(|e| ApiError::invalid("tools", e))?;
-        grammar = Some(Grammar::Lark(lark));
-    }
     let shape = ChatShape {
         id: new_id("chatcmpl"),
         model: state.model_id.clone(),
         created: super::now_secs(),
         parse_tools: !matches!(mode, ToolMode::Off),
-        thinking_started: text.trim_end().ends_with("<think>"),
+        thinking_started,
         include_usage: req
             .sampling
             .stream_options
