@@ -369,8 +369,11 @@ fn failure_error(f: Failure) -> ApiError {
 
 /// Timing of one request's tokens, for the latency metrics.
 struct Timing {
+    /// The response id (`chatcmpl-…`, `cmpl-…`).
+    id: String,
     arrived: Instant,
     last: Option<Instant>,
+    slot: Option<usize>,
 }
 
 impl Timing {
@@ -404,6 +407,8 @@ impl Timing {
             .cached_tokens
             .inc_by(usage.cached_tokens as u64);
         tracing::info!(
+            id = %self.id,
+            slot = self.slot,
             prompt_tokens = usage.prompt_tokens,
             cached_tokens = usage.cached_tokens,
             generated_tokens = usage.completion_tokens,
@@ -794,8 +799,10 @@ async fn chat_inner(
     };
     let rx = submit(&serving, job)?;
     let timing = Timing {
+        id: shape.id.clone(),
         arrived,
         last: None,
+        slot: None,
     };
     if req.sampling.stream.unwrap_or(false) {
         Ok(chat_stream(state.clone(), serving, shape, rx, timing))
@@ -815,7 +822,7 @@ async fn chat_json(
     let mut logprobs = Vec::new();
     let done = loop {
         match rx.recv().await {
-            Some(Event::Admitted { .. }) => {}
+            Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
             Some(Event::Token {
                 text: t, logprob, ..
             }) => {
@@ -971,7 +978,7 @@ fn chat_stream(
         };
         let done = loop {
             match rx.recv().await {
-                Some(Event::Admitted { .. }) => {}
+                Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
                 Some(Event::Token { text, logprob, .. }) => {
                     timing.token(&state);
                     if let Some(lp) = logprob {
@@ -1208,8 +1215,10 @@ async fn completions_inner(
             .is_some_and(|o| o.include_usage),
     };
     let timing = Timing {
+        id: shape.id.clone(),
         arrived,
         last: None,
+        slot: None,
     };
     if req.sampling.stream.unwrap_or(false) {
         Ok(completion_stream(
@@ -1266,7 +1275,7 @@ async fn completion_json(
     let mut logprobs: Option<CompletionLogprobs> = None;
     let done = loop {
         match rx.recv().await {
-            Some(Event::Admitted { .. }) => {}
+            Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
             Some(Event::Token {
                 text: t, logprob, ..
             }) => {
@@ -1344,7 +1353,7 @@ fn completion_stream(
         }
         let done = loop {
             match rx.recv().await {
-                Some(Event::Admitted { .. }) => {}
+                Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
                 Some(Event::Token { text, logprob, .. }) => {
                     timing.token(&state);
                     let lp = logprob.map(|lp| {
