@@ -5,23 +5,24 @@
 #
 #   loadtest/concurrency_bench.sh [COLI_BIN] [MODEL_DIR] [OUT_DIR]
 #
-# MODEL_DIR defaults to a synthesized OLMoE-shaped model (8 layers, hidden 1024, 32 experts
-# top-4, the demo model's shape) written once under target/. Needs python with `openai`
+# MODEL_DIR defaults to the demo model (OLMoE-shaped: 8 layers, hidden 1024, 32 experts top-4;
+# every token id is text, so each token shows up as its own SSE chunk), synthesized once under
+# target/bench-cache. Served from its directory it gets the default RAM budget, so every expert
+# stays resident after the warm-up round. Needs python with `openai`
 # (loadtest/requirements.txt); PYTHON selects the interpreter. Each configuration runs in its own
 # autogroup at raised priority where allowed (see ../shared/reference/peer-bench.md) and records
 # the load average beside its numbers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COLI=${1:-target/release/coli}
-MODEL=${2:-target/bench-olmoe-1g}
+MODEL=${2:-target/bench-cache/demo-olmoe-1g-v3}
 OUT=${3:-docs/bench/concurrency-$(date +%Y%m%d-%H%M)}
 PYTHON=${PYTHON:-python3}
 GEN=${GEN:-64}
 mkdir -p "$OUT"
 
 if [ ! -f "$MODEL/config.json" ]; then
-  "$COLI" synth --arch olmoe --layers 8 --hidden 1024 --heads 16 --experts 32 --top-k 4 \
-    --moe-intermediate 640 --vocab 4096 --seed 0 --out "$MODEL"
+  COLI_CACHE_DIR="$PWD/target/bench-cache" "$COLI" run --model demo --prompt hi --max-tokens 1 >/dev/null
 fi
 
 run_config() { # users slots

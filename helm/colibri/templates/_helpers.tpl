@@ -1,0 +1,200 @@
+{{/*
+The chart name, truncated to 63 characters (a DNS label).
+*/}}
+{{- define "colibri.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name: RELEASE-NAME, or RELEASE when the release name already contains the chart name.
+*/}}
+{{- define "colibri.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "colibri.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "colibri.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "colibri.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "colibri.labels" -}}
+helm.sh/chart: {{ include "colibri.chart" . }}
+{{ include "colibri.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: server
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "colibri.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "colibri.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "colibri.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (toString .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The workload kind, checked.
+*/}}
+{{- define "colibri.kind" -}}
+{{- if not (has .Values.kind (list "Deployment" "StatefulSet")) }}
+{{- fail (printf "kind must be Deployment or StatefulSet, found %q" (toString .Values.kind)) }}
+{{- end }}
+{{- .Values.kind }}
+{{- end }}
+
+{{/*
+The state volume's type with `auto` resolved, checked against the workload kind.
+*/}}
+{{- define "colibri.stateType" -}}
+{{- $kind := include "colibri.kind" . }}
+{{- $t := .Values.state.type }}
+{{- if eq $t "auto" }}
+{{- $t = ternary "volumeClaimTemplate" "emptyDir" (eq $kind "StatefulSet") }}
+{{- end }}
+{{- if not (has $t (list "emptyDir" "pvc" "volumeClaimTemplate")) }}
+{{- fail (printf "state.type must be auto, emptyDir, pvc or volumeClaimTemplate, found %q" $t) }}
+{{- end }}
+{{- if and (eq $t "volumeClaimTemplate") (ne $kind "StatefulSet") }}
+{{- fail "state.type volumeClaimTemplate needs kind: StatefulSet" }}
+{{- end }}
+{{- if and (eq $t "pvc") (or .Values.autoscaling.enabled (gt (int .Values.replicaCount) 1)) }}
+{{- fail "state.type pvc is one claim shared by every replica, and replicas must not share a usage history: use kind: StatefulSet (one claim per replica) or emptyDir" }}
+{{- end }}
+{{- $t }}
+{{- end }}
+
+{{/*
+The name of the Secret holding the API keys; empty when there is none.
+*/}}
+{{- define "colibri.apiKeysSecret" -}}
+{{- if .Values.apiKeys.existingSecret }}
+{{- .Values.apiKeys.existingSecret }}
+{{- else if .Values.apiKeys.keys }}
+{{- printf "%s-api-keys" (include "colibri.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A Kubernetes memory quantity (e.g. 32Gi, 500M, 1.5Gi, 34359738368) in MiB, rounded down.
+*/}}
+{{- define "colibri.quantityToMiB" -}}
+{{- $q := . }}
+{{- if or (kindIs "float64" $q) (kindIs "int" $q) (kindIs "int64" $q) }}
+{{- divf $q 1048576.0 | floor | int64 }}
+{{- else }}
+{{- $q = toString $q | trim }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $suffix := trimPrefix $num $q }}
+{{- $factors := dict "" 1.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 }}
+{{- if or (not $num) (not (hasKey $factors $suffix)) }}
+{{- fail (printf "cannot read the memory quantity %q (expected e.g. 32Gi, 500M or a byte count)" $q) }}
+{{- end }}
+{{- divf (mulf $num (get $factors $suffix)) 1048576.0 | floor | int64 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The RAM budget: config.ram when set; else memory limit × fraction when ramFromMemoryLimit is on
+and there is a memory limit; else empty (the server's default).
+*/}}
+{{- define "colibri.ram" -}}
+{{- $limits := (.Values.resources | default dict).limits | default dict }}
+{{- if .Values.config.ram }}
+{{- .Values.config.ram }}
+{{- else if and .Values.ramFromMemoryLimit.enabled (hasKey $limits "memory") }}
+{{- $fraction := float64 .Values.ramFromMemoryLimit.fraction }}
+{{- if or (le $fraction 0.0) (gt $fraction 1.0) }}
+{{- fail (printf "ramFromMemoryLimit.fraction must be in (0, 1], found %v" $fraction) }}
+{{- end }}
+{{- $mib := include "colibri.quantityToMiB" (get $limits "memory") | float64 }}
+{{- $ram := mulf $mib $fraction | floor | int64 }}
+{{- if lt $ram 256 }}
+{{- fail (printf "the RAM budget derived from the memory limit is %dM: raise resources.limits.memory" $ram) }}
+{{- end }}
+{{- printf "%dM" $ram }}
+{{- end }}
+{{- end }}
+
+{{/*
+The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS).
+*/}}
+{{- define "colibri.configKeys" -}}
+model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes drain_secs log_level log_json otlp_endpoint tls_cert tls_key
+{{- end }}
+
+{{/*
+One table of colibri.toml: `key = value` lines, joined by newlines, for a map of
+configuration keys, in the order of the configuration; null values and empty lists are left out. Values are written
+as JSON, which is valid TOML for strings, numbers, booleans and arrays of those.
+Called with (dict "values" MAP "where" NAME "root" $).
+*/}}
+{{- define "colibri.tomlTable" -}}
+{{- $keys := splitList " " (include "colibri.configKeys" .root) }}
+{{- $managed := list "api_keys" "mirrors" "port" }}
+{{- range $k, $v := .values }}
+{{- if not (has $k $keys) }}
+{{- fail (printf "%s: unknown configuration key %q (docs/api.md lists them)" $.where $k) }}
+{{- end }}
+{{- if and (has $k $managed) (not (kindIs "invalid" $v)) }}
+{{- fail (printf "%s: %s is set by the chart (api_keys: apiKeys; mirrors: mirrors; port: containerPort)" $.where $k) }}
+{{- end }}
+{{- end }}
+{{- $lines := list }}
+{{- range $k := $keys }}
+{{- if hasKey $.values $k }}
+{{- $v := get $.values $k }}
+{{- if not (or (kindIs "invalid" $v) (and (kindIs "slice" $v) (empty $v))) }}
+{{- $lines = append $lines (printf "%s = %s" $k (toJson $v)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- join "\n" $lines }}
+{{- end }}
+
+{{/*
+The mirrors' paths inside the container.
+*/}}
+{{- define "colibri.mirrorPaths" -}}
+{{- $paths := list }}
+{{- range .Values.mirrors }}
+{{- $paths = append $paths (trimSuffix "/" (printf "/mirrors/%s/%s" .name (.dir | default ""))) }}
+{{- end }}
+{{- toJson $paths }}
+{{- end }}
+
+{{/*
+terminationGracePeriodSeconds: explicit, or preStop sleep + drain_secs + 10.
+*/}}
+{{- define "colibri.terminationGracePeriod" -}}
+{{- if not (kindIs "invalid" .Values.terminationGracePeriodSeconds) }}
+{{- .Values.terminationGracePeriodSeconds | int64 }}
+{{- else }}
+{{- $drain := 30 }}
+{{- if not (kindIs "invalid" .Values.config.drain_secs) }}
+{{- $drain = int64 .Values.config.drain_secs }}
+{{- end }}
+{{- add (int64 .Values.lifecycle.preStopSleepSeconds) $drain 10 }}
+{{- end }}
+{{- end }}
