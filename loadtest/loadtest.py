@@ -14,7 +14,10 @@ symmetry with the non-streamed variant `short-json`), tools (a required tool cal
 json_schema answer), mixed (all of them in turn).
 
 Prints a summary and writes it as JSON (`--out`): requests, errors by status, aggregate
-generated tok/s, per-stream decode tok/s, TTFT and ITL percentiles.
+generated tok/s, per-stream decode tok/s, TTFT and ITL percentiles. Each record has its status
+(the HTTP status; 0 for a connection error or client timeout; `invalid` for an answer that fails
+the check; `stream:TYPE` for an error event inside a stream that had started with 200), its
+start time (`started_at`, Unix seconds) and `latency_s`.
 
     python loadtest/loadtest.py --url http://127.0.0.1:8080 --users 4 --requests 32 --max-tokens 64
 """
@@ -134,7 +137,7 @@ def check(scenario, content, tool_calls):
 
 def one_request(client, scenario, req):
     """Run one streamed request; returns its record."""
-    rec = {"scenario": scenario, "status": 200, "error": None}
+    rec = {"scenario": scenario, "status": 200, "error": None, "started_at": time.time()}
     start = time.perf_counter()
     token_times = []
     content = []
@@ -166,8 +169,13 @@ def one_request(client, scenario, req):
     except openai.APIStatusError as e:
         rec["status"] = e.status_code
         rec["error"] = str(e)[:300]
-    except openai.APIError as e:
+    except openai.APIConnectionError as e:
         rec["status"] = 0
+        rec["error"] = str(e)[:300]
+    except openai.APIError as e:
+        # An error event inside a stream that had already answered 200 (e.g. a queue timeout
+        # after the first chunk): "stream:" and the error's type, e.g. stream:service_unavailable.
+        rec["status"] = f"stream:{e.type}" if getattr(e, "type", None) else 0
         rec["error"] = str(e)[:300]
     end = time.perf_counter()
     rec["latency_s"] = end - start

@@ -671,6 +671,11 @@ pub fn load_from(flags: &ServeFlags, env: &[(String, String)], cwd: &Path) -> Re
                 known_keys()
             );
         };
+        // An empty variable is unset (`COLI_API_KEYS=` from an unset shell variable must not
+        // drop the file's keys); `[]` clears a list on purpose.
+        if text.trim().is_empty() {
+            continue;
+        }
         let value = env_value(shape, text).with_context(|| {
             format!("invalid configuration: `{key}` from environment variable {name}")
         })?;
@@ -1415,11 +1420,18 @@ mod tests {
             Source::Env("COLI_API_KEYS".into())
         );
 
-        // An empty list variable clears the list set by the file.
+        // An empty variable is unset: the file's keys stay. `[]` clears the list.
         let file = dir_with("api_keys = [\"x\"]\n");
         let loaded = load_from(
             &ServeFlags::default(),
             &env(&[("COLI_API_KEYS", "")]),
+            file.path(),
+        )
+        .unwrap();
+        assert_eq!(loaded.config.api_keys, vec!["x".to_string()]);
+        let loaded = load_from(
+            &ServeFlags::default(),
+            &env(&[("COLI_API_KEYS", "[]")]),
             file.path(),
         )
         .unwrap();

@@ -18,7 +18,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// RAM budget for resident weights plus the expert cache, e.g. 512M or 6G (default: 80 %
-    /// of available memory less 1 GiB). Routed experts beyond it are read from disk on demand.
+    /// of available memory, or of the container's memory limit when smaller, less 1 GiB). Routed experts beyond it are read from disk on demand.
     #[arg(long)]
     pub ram: Option<String>,
     /// Memory-map every weight instead of reading experts into a budgeted cache.

@@ -37,10 +37,30 @@ pub fn available_memory() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// The default RAM budget: 80 % of available memory less 1 GiB of headroom, at least 256 MiB.
+/// The memory limit of this process's cgroup (a container's `--memory`, a pod's limit), if one
+/// is set: cgroup v2 `memory.max`, else v1 `memory.limit_in_bytes`, as seen from inside the
+/// container (its cgroup namespace root).
+pub fn cgroup_memory_limit() -> Option<u64> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let limit = read("/sys/fs/cgroup/memory.max")
+        .or_else(|| read("/sys/fs/cgroup/memory/memory.limit_in_bytes"))?;
+    // "max" (v2) or a page-rounded i64::MAX (v1) mean no limit.
+    let bytes: u64 = limit.trim().parse().ok()?;
+    (bytes < 1 << 60).then_some(bytes)
+}
+
+/// The default RAM budget: 80 % of the memory this process may use — available memory, or the
+/// cgroup's limit when that is smaller — less 1 GiB of headroom, at least 256 MiB.
 pub fn default_budget() -> u64 {
-    let avail = available_memory().unwrap_or(4 << 30);
-    ((avail as f64 * 0.8) as u64)
+    budget_from(available_memory(), cgroup_memory_limit())
+}
+
+/// [`default_budget`] from its two readings (unknown available memory counts as 4 GiB).
+pub fn budget_from(available: Option<u64>, cgroup_limit: Option<u64>) -> u64 {
+    let usable = available
+        .unwrap_or(4 << 30)
+        .min(cgroup_limit.unwrap_or(u64::MAX));
+    ((usable as f64 * 0.8) as u64)
         .saturating_sub(1 << 30)
         .max(256 << 20)
 }
@@ -48,6 +68,24 @@ pub fn default_budget() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_container_limit_below_available_memory_bounds_the_budget() {
+        const G: u64 = 1 << 30;
+        // 20 GiB available, no limit: 16 GiB less 1 GiB.
+        assert_eq!(budget_from(Some(20 * G), None), 15 * G);
+        // The same machine, a 4 GiB container: 3.2 GiB less 1 GiB.
+        assert_eq!(
+            budget_from(Some(20 * G), Some(4 * G)),
+            (4 * G as u64) * 8 / 10 - G
+        );
+        // A limit above what is available changes nothing; tiny limits keep the floor.
+        assert_eq!(
+            budget_from(Some(8 * G), Some(64 * G)),
+            budget_from(Some(8 * G), None)
+        );
+        assert_eq!(budget_from(Some(8 * G), Some(G)), 256 << 20);
+    }
 
     #[test]
     fn sizes_parse() {
