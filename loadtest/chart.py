@@ -46,8 +46,36 @@ def read_rates_csv(path):
     return rows
 
 
+def nginx_by_rate(path, extra):
+    """Per offered load: nginx's client-facing statuses, and the 429s it passed to the other
+    backend (proxy_next_upstream) with what came of them, from its access log."""
+    import re
+
+    out = {}
+    if not os.path.exists(path) or not extra:
+        return out
+    line_re = re.compile(r"^(\S+) (\d+) up=(.*?) ust=(.*?) rt=")
+    windows = sorted((float(e["start_unix"]), float(e["end_unix"]) + 0.5, rate) for rate, e in extra.items())
+    with open(path) as f:
+        for line in f:
+            m = line_re.match(line)
+            if not m or "chat/completions" not in line:
+                continue
+            t, status, ups = float(m.group(1)), m.group(2), m.group(4)
+            for lo, hi, rate in windows:
+                if lo <= t <= hi:
+                    d = out.setdefault(rate, {"statuses": {}, "retried_429": 0, "retried_429_then_200": 0})
+                    d["statuses"][status] = d["statuses"].get(status, 0) + 1
+                    if ups.startswith("429, "):
+                        d["retried_429"] += 1
+                        d["retried_429_then_200"] += status == "200"
+                    break
+    return out
+
+
 def summarise(out_dir):
     extra = read_rates_csv(os.path.join(out_dir, "rates.csv"))
+    lb = nginx_by_rate(os.path.join(out_dir, "nginx-access.log"), extra)
     rows = []
     for path in glob.glob(os.path.join(out_dir, "rate-*.json")):
         with open(path) as f:
@@ -84,6 +112,8 @@ def summarise(out_dir):
             row["max_rss_mib"] = {"a": round(int(e["max_rss_a_kb"]) / 1024, 1), "b": round(int(e["max_rss_b_kb"]) / 1024, 1)}
             row["loadavg_before"] = e["loadavg_before"]
             row["loadavg_after"] = e["loadavg_after"]
+        if float(s["rate"]) in lb:
+            row["nginx"] = lb[float(s["rate"])]
         rows.append(row)
     rows.sort(key=lambda r: r["offered_req_s"])
     return rows

@@ -554,8 +554,8 @@ async fn method_not_allowed(request: Request) -> ApiError {
     )
 }
 
-/// Resolves on SIGTERM or Ctrl-C: stop admitting, then give in-flight requests until the drain
-/// deadline before ending them with an error event.
+/// Resolves after SIGTERM or Ctrl-C and the drain: stop admitting (503), give in-flight
+/// requests until the drain deadline, end the rest with an error event.
 async fn shutdown_signal(state: Arc<AppState>) {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -578,23 +578,29 @@ async fn shutdown_signal(state: Arc<AppState>) {
     state.draining.store(true, Ordering::SeqCst);
     let deadline = Duration::from_secs(state.config.drain_secs);
     eprintln!(
-        "coli: shutting down: no new requests; draining in-flight ones for up to {} s",
+        "coli: shutting down: new requests get 503; draining in-flight ones for up to {} s",
         deadline.as_secs()
     );
+    // Keep listening while draining, so /ready says 503 (a load balancer takes this replica
+    // out) and new requests get a 503 instead of a refused connection. Polling the counters
+    // here is the drain's own clock, not test synchronisation.
     if let Some(s) = state.serving.get() {
         s.scheduler.stop_accepting();
-        let s = s.clone();
-        tokio::spawn(async move {
-            let start = tokio::time::Instant::now();
-            while s.scheduler.in_flight() > 0 && start.elapsed() < deadline {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+        let start = tokio::time::Instant::now();
+        while s.scheduler.in_flight() > 0 && start.elapsed() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if s.scheduler.in_flight() > 0 {
+            eprintln!("coli: drain deadline reached: ending the remaining requests");
+            s.scheduler.cancel_all();
+            // Let the ended requests' last events reach their clients.
+            let grace = tokio::time::Instant::now();
+            while s.scheduler.in_flight() > 0 && grace.elapsed() < Duration::from_secs(2) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            if s.scheduler.in_flight() > 0 {
-                eprintln!("coli: drain deadline reached: ending the remaining requests");
-                s.scheduler.cancel_all();
-            }
-        });
+        }
     }
+    // Returning stops the listener; axum then waits for open responses to finish.
 }
 
 fn now_secs() -> u64 {

@@ -169,11 +169,9 @@ def test_second_turn_reuses_the_first_turns_kv(server):
 
 
 def not_admitted(url: str) -> bool:
-    """Whether a new request is refused: connection refused, or 503 with Retry-After."""
-    try:
-        r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
-    except httpx.ConnectError:
-        return True
+    """Whether a new request is refused with 503 and Retry-After (the server keeps listening
+    while it drains, so load balancers see it leave)."""
+    r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=5)
     return r.status_code == 503 and "retry-after" in r.headers
 
 
@@ -198,9 +196,10 @@ def test_sigterm_drains_streams_and_exits_zero(start_server):
             assert "choices" in events[0]
             s.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            # Draining: no new requests. (axum's graceful shutdown closes the listener at once,
-            # so a new connection is refused; a 503 with Retry-After would do as well.)
+            # Draining: new requests get 503, /ready is 503, /health says so.
             wait_until(lambda: not_admitted(s.url), drain, "new requests to be refused")
+            assert httpx.get(s.url + "/ready", timeout=5).status_code == 503
+            assert httpx.get(s.url + "/health", timeout=5).json() == {"status": "draining"}
             for e in it:
                 events.append(e)
     ended = [e for e in events if e != "[DONE]"]
