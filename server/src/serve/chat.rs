@@ -369,6 +369,8 @@ fn failure_error(f: Failure) -> ApiError {
 
 /// Timing of one request's tokens, for the latency metrics.
 struct Timing {
+    /// `/v1/chat/completions` or `/v1/completions`.
+    endpoint: &'static str,
     /// The response id (`chatcmpl-…`, `cmpl-…`).
     id: String,
     arrived: Instant,
@@ -417,6 +419,36 @@ impl Timing {
             total_s = self.arrived.elapsed().as_secs_f64(),
             "request finished"
         );
+        if let Some(exporter) = state.otlp.get() {
+            use super::otlp::{Attr, SpanRecord};
+            let end = std::time::SystemTime::now();
+            let mut attributes = vec![
+                ("coli.request_id", Attr::Str(self.id.clone())),
+                ("gen_ai.request.model", Attr::Str(state.model_id.clone())),
+                ("coli.prompt_tokens", Attr::Int(usage.prompt_tokens as i64)),
+                ("coli.cached_tokens", Attr::Int(usage.cached_tokens as i64)),
+                (
+                    "coli.generated_tokens",
+                    Attr::Int(usage.completion_tokens as i64),
+                ),
+                ("coli.prefill_seconds", Attr::Float(usage.prefill_seconds)),
+                ("coli.decode_seconds", Attr::Float(usage.decode_seconds)),
+                (
+                    "coli.finish_reason",
+                    Attr::Str(finish(usage.finish_reason).into()),
+                ),
+            ];
+            if let Some(slot) = self.slot {
+                attributes.push(("coli.slot", Attr::Int(slot as i64)));
+            }
+            exporter.record(SpanRecord {
+                name: format!("POST {}", self.endpoint),
+                start: end - self.arrived.elapsed(),
+                end,
+                attributes,
+                error: None,
+            });
+        }
     }
 }
 
@@ -654,10 +686,15 @@ pub async fn chat_completions(
 ) -> Response {
     let arrived = Instant::now();
     let result = chat_inner(&state, body, arrived).await;
-    respond(&state, "/v1/chat/completions", result)
+    respond(&state, "/v1/chat/completions", arrived, result)
 }
 
-fn respond(state: &AppState, endpoint: &str, result: Result<Response, ApiError>) -> Response {
+fn respond(
+    state: &AppState,
+    endpoint: &str,
+    arrived: Instant,
+    result: Result<Response, ApiError>,
+) -> Response {
     match result {
         Ok(r) => {
             state.metrics.request(endpoint, r.status().as_u16());
@@ -665,6 +702,20 @@ fn respond(state: &AppState, endpoint: &str, result: Result<Response, ApiError>)
         }
         Err(e) => {
             state.metrics.request(endpoint, e.status.as_u16());
+            if let Some(exporter) = state.otlp.get() {
+                use super::otlp::{Attr, SpanRecord};
+                let end = std::time::SystemTime::now();
+                exporter.record(SpanRecord {
+                    name: format!("POST {endpoint}"),
+                    start: end - arrived.elapsed(),
+                    end,
+                    attributes: vec![(
+                        "http.response.status_code",
+                        Attr::Int(e.status.as_u16() as i64),
+                    )],
+                    error: Some(e.message.clone()),
+                });
+            }
             e.into_response()
         }
     }
@@ -799,6 +850,7 @@ async fn chat_inner(
     };
     let rx = submit(&serving, job)?;
     let timing = Timing {
+        endpoint: "/v1/chat/completions",
         id: shape.id.clone(),
         arrived,
         last: None,
@@ -1112,7 +1164,7 @@ pub async fn completions(
 ) -> Response {
     let arrived = Instant::now();
     let result = completions_inner(&state, body, arrived).await;
-    respond(&state, "/v1/completions", result)
+    respond(&state, "/v1/completions", arrived, result)
 }
 
 async fn completions_inner(
@@ -1215,6 +1267,7 @@ async fn completions_inner(
             .is_some_and(|o| o.include_usage),
     };
     let timing = Timing {
+        endpoint: "/v1/completions",
         id: shape.id.clone(),
         arrived,
         last: None,

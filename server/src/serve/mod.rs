@@ -11,6 +11,7 @@ mod chat;
 mod errors;
 pub mod metrics;
 pub mod openai;
+pub mod otlp;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -63,6 +64,8 @@ pub struct AppState {
     pub load_error: Mutex<Option<String>>,
     pub draining: AtomicBool,
     pub metrics: Metrics,
+    /// The span exporter, when `otlp_endpoint` is configured.
+    pub otlp: OnceLock<otlp::Exporter>,
 }
 
 impl AppState {
@@ -186,6 +189,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         serving: OnceLock::new(),
         load_error: Mutex::new(None),
         draining: AtomicBool::new(false),
+        otlp: OnceLock::new(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -208,14 +212,14 @@ fn init_logging(cfg: &ServeConfig) {
     } else {
         builder.try_init()
     };
-    if let Some(endpoint) = &cfg.otlp_endpoint {
-        tracing::warn!(
-            "otlp_endpoint {endpoint}: OTLP export is not built into this version; request spans go to the log"
-        );
-    }
 }
 
 async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
+    if let Some(endpoint) = &state.config.otlp_endpoint {
+        let exporter = otlp::Exporter::start(endpoint)?;
+        let _ = state.otlp.set(exporter);
+        eprintln!("coli: exporting a span per request to {endpoint} (OTLP/HTTP JSON)");
+    }
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr} (is another server using the port?)"))?;

@@ -156,3 +156,79 @@ def test_schemathesis_finds_no_server_errors(cap8_server, tmp_path):
     assert rep["failures"] == [] and rep["errors"] == [], rep["failures"] or rep["errors"]
     assert rep["operations"]["tested"] == rep["operations"]["total"] >= 6
     assert server_errors == 0, statuses
+
+
+def test_a_span_per_request_goes_to_the_otlp_collector(start_server):
+    """With `--otlp-endpoint`, each request becomes one OTLP/HTTP JSON span carrying its slot,
+    token counts and timings; a refused request becomes a span with an error status."""
+    import http.server
+    import queue
+    import threading
+
+    received: "queue.Queue[dict]" = queue.Queue()
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            assert self.path == "/v1/traces", self.path
+            assert self.headers["Content-Type"] == "application/json"
+            for rs in json.loads(body)["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
+                        received.put(span)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    collector = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=collector.serve_forever, daemon=True).start()
+    try:
+        s = start_server(
+            "--otlp-endpoint",
+            f"http://127.0.0.1:{collector.server_address[1]}",
+            "--slots",
+            "1",
+            "--drain-secs",
+            "5",
+            name="otlp",
+        )
+        r = s.client().chat.completions.create(
+            model=s.model_id,
+            messages=[{"role": "user", "content": "Trace me."}],
+            max_tokens=7,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        span = received.get(timeout=30)
+        attrs = {a["key"]: a["value"] for a in span["attributes"]}
+        assert span["name"] == "POST /v1/chat/completions"
+        assert span["status"]["code"] == 1
+        assert int(attrs["coli.prompt_tokens"]["intValue"]) == r.usage.prompt_tokens
+        assert int(attrs["coli.generated_tokens"]["intValue"]) == r.usage.completion_tokens == 7
+        assert int(attrs["coli.cached_tokens"]["intValue"]) == r.usage.prompt_tokens_details.cached_tokens
+        assert int(attrs["coli.slot"]["intValue"]) == 0
+        assert attrs["coli.request_id"]["stringValue"] == r.id
+        assert attrs["coli.finish_reason"]["stringValue"] == "length"
+        assert int(span["endTimeUnixNano"]) > int(span["startTimeUnixNano"])
+        assert len(span["traceId"]) == 32 and len(span["spanId"]) == 16
+
+        # A refused request: an error span with its status.
+        import openai
+
+        try:
+            s.client().chat.completions.create(
+                model=s.model_id, messages=[{"role": "user", "content": "x"}], temperature=9
+            )
+            raise AssertionError("temperature 9 was accepted")
+        except openai.BadRequestError:
+            pass
+        span = received.get(timeout=30)
+        attrs = {a["key"]: a["value"] for a in span["attributes"]}
+        assert span["status"]["code"] == 2 and "temperature" in span["status"]["message"]
+        assert int(attrs["http.response.status_code"]["intValue"]) == 400
+    finally:
+        collector.shutdown()
