@@ -296,14 +296,33 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Attend `x` (`[T, D]`, tokens at positions `kv.k.len()/kv_dim ..`) and append its keys and
-    /// values to `kv`. Returns `[T, D]`.
+    /// Attend `x` (`[T, D]`, tokens at positions `start..`) and append its keys and values to
+    /// `kv`. Returns `[T, D]`.
     pub fn forward(&self, x: &[f32], start: usize, kv: &mut LayerKv) -> Vec<f32> {
+        let (q, k, v) = self.project(x);
+        let out = self.attend_sequence(q, k, v, start, kv);
+        self.o.forward(&out)
+    }
+
+    /// The q, k and v projections of rows `x` (any number of sequences: row-wise, so a batch
+    /// gives each row the bits it gets alone).
+    pub fn project(&self, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        (self.q.forward(x), self.k.forward(x), self.v.forward(x))
+    }
+
+    /// One sequence's attention from its projected rows (tokens at positions `start..`):
+    /// q/k norms, clipping, RoPE, the keys and values appended to `kv`, attention over the
+    /// cache. Returns the rows before the output projection (`[T, heads · head_dim]`).
+    pub fn attend_sequence(
+        &self,
+        mut q: Vec<f32>,
+        mut k: Vec<f32>,
+        mut v: Vec<f32>,
+        start: usize,
+        kv: &mut LayerKv,
+    ) -> Vec<f32> {
         let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
-        let t_len = x.len() / self.q.weight.shape[1];
-        let mut q = self.q.forward(x);
-        let mut k = self.k.forward(x);
-        let mut v = self.v.forward(x);
+        let t_len = q.len() / (h * hd);
         match &self.qk_norm {
             QkNorm::None => {}
             QkNorm::FullWidth { q: qn, k: kn } | QkNorm::PerHead { q: qn, k: kn } => {
@@ -330,7 +349,7 @@ impl Attention {
         }
         kv.k.extend_from_slice(&k);
         kv.v.extend_from_slice(&v);
-        let out = attend(
+        attend(
             &q,
             kv,
             h,
@@ -340,8 +359,7 @@ impl Attention {
             self.window,
             self.scale,
             self.kv_f16,
-        );
-        self.o.forward(&out)
+        )
     }
 }
 

@@ -114,17 +114,27 @@ impl Transformer {
         for (l, block) in self.blocks.iter().enumerate() {
             let t0 = Instant::now();
             let x = block.attn_norm.forward(&h);
+            // Projections over all rows at once (each weight read once per step), attention
+            // per sequence over its own cache.
+            let attn = &block.attn;
+            let (q, k, v) = attn.project(&x);
+            let (qw, kw) = (q.len() / all.len(), k.len() / all.len());
+            let mut heads_out = Vec::with_capacity(q.len());
             let mut row = 0;
             for it in items.iter_mut() {
                 let n = it.tokens.len();
-                let a = block.attn.forward(
-                    &x[row * d..(row + n) * d],
+                let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
+                heads_out.extend(attn.attend_sequence(
+                    seg(&q, qw),
+                    seg(&k, kw),
+                    seg(&v, kw),
                     it.cache.len,
                     &mut it.cache.layers[l],
-                );
-                add_inplace(&mut h[row * d..(row + n) * d], &a);
+                ));
                 row += n;
             }
+            let a = attn.o.forward(&heads_out);
+            add_inplace(&mut h, &a);
             telemetry::add(Part::Attention, t0);
             self.prefetch_next(l, &h);
             let x = block.ffn_norm.forward(&h);
