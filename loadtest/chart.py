@@ -173,7 +173,9 @@ def chart(rows, path):
     a3.bar(shift(1.5), other, width=w, color="C3", label="other errors / 5xx")
     for xi, o in zip(shift(1.5), other):
         a3.annotate(str(o), (xi, o), ha="center", va="bottom", fontsize=7)
-    a3.set_ylabel("requests per run")
+    a3.set_yscale("symlog", linthresh=1)
+    a3.yaxis.set_major_formatter(plain)
+    a3.set_ylabel("requests per run (symlog)")
     a3.set_title("Outcomes")
     a3.grid(True, axis="y", alpha=0.3)
     a3.legend(loc="upper left", fontsize=8)

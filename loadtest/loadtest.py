@@ -184,7 +184,8 @@ def one_request(client, scenario, req):
         rec["itl_s"] = [b - a for a, b in zip(token_times, token_times[1:])]
         rec["completion_tokens"] = usage.completion_tokens if usage else None
         rec["prompt_tokens"] = usage.prompt_tokens if usage else None
-        if usage and usage.completion_tokens > 1 and token_times:
+        # A tool call arrives whole in one delta: no per-token timing to speak of.
+        if usage and usage.completion_tokens > 1 and token_times and scenario != "tools":
             rec["decode_tok_s"] = (usage.completion_tokens - 1) / max(end - token_times[0], 1e-9)
         rec["finish_reason"] = finish
         # A constrained answer cut by max_tokens cannot be complete: counted, not judged.

@@ -410,7 +410,7 @@ impl Engine {
     /// Put waiting requests into free slots, in arrival order; each takes the free slot whose
     /// cache shares the longest prefix with its prompt (else the least recently used one).
     fn admit(&mut self) {
-        while let Some((request, _)) = self.queue.pop_front() {
+        while let Some((request, queued_at)) = self.queue.pop_front() {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             if let Err(why) = self.check(&request) {
                 request.sink.send(Event::Failed(Failure::Invalid(why)));
@@ -424,9 +424,10 @@ impl Engine {
                 .map(|(i, s)| (i, common_prefix(&s.tokens, &request.prompt), s.last_used))
                 .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)));
             let Some((slot_index, common, _)) = best else {
-                // No free slot: back to the head of the queue.
+                // No free slot: back to the head of the queue, keeping its arrival time (the
+                // queue timeout counts from there).
                 self.stats.queued.fetch_add(1, Ordering::SeqCst);
-                self.queue.push_front((request, Instant::now()));
+                self.queue.push_front((request, queued_at));
                 return;
             };
             // Keep at least one prompt token to run, so the prompt's last logits exist.

@@ -367,6 +367,39 @@ fn failure_error(f: Failure) -> ApiError {
     }
 }
 
+/// Hold a stream's response until a slot takes the request, so a request that is never
+/// admitted (queue timeout, shutdown, invalid) gets a real HTTP status rather than a 200 with an
+/// error event. Once admitted, the prefill runs with the stream open (keep-alive comments).
+async fn await_admission(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    timing: &mut Timing,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    match rx.recv().await {
+        Some(Event::Admitted { slot, .. }) => {
+            timing.slot = Some(slot);
+            Ok(rx)
+        }
+        Some(Event::Failed(f)) => Err(failure_error(f)),
+        Some(other) => {
+            // Not expected before admission; hand it back in front of the rest.
+            let (tx, new_rx) = mpsc::unbounded_channel();
+            let _ = tx.send(other);
+            tokio::spawn(async move {
+                while let Some(e) = rx.recv().await {
+                    if tx.send(e).is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(new_rx)
+        }
+        None => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the engine stopped before admitting the request",
+        )),
+    }
+}
+
 /// Timing of one request's tokens, for the latency metrics.
 struct Timing {
     /// `/v1/chat/completions` or `/v1/completions`.
@@ -857,6 +890,8 @@ async fn chat_inner(
         slot: None,
     };
     if req.sampling.stream.unwrap_or(false) {
+        let mut timing = timing;
+        let rx = await_admission(rx, &mut timing).await?;
         Ok(chat_stream(state.clone(), serving, shape, rx, timing))
     } else {
         chat_json(state, &serving, shape, rx, timing).await
@@ -1274,6 +1309,8 @@ async fn completions_inner(
         slot: None,
     };
     if req.sampling.stream.unwrap_or(false) {
+        let mut timing = timing;
+        let rx = await_admission(rx, &mut timing).await?;
         Ok(completion_stream(
             state.clone(),
             serving,

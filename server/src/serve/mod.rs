@@ -206,6 +206,7 @@ fn init_logging(cfg: &ServeConfig) {
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = if cfg.log_json {
         builder.json().try_init()

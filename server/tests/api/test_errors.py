@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import openai
 import pytest
@@ -237,13 +239,16 @@ def test_queue_full_is_429_with_retry_after(queue_server):
     client = s.client()
     long = dict(model=s.model_id, max_tokens=4000, temperature=0.8, seed=1, stream=True, extra_body={"ignore_eos": True})
     first = client.completions.create(prompt="first", **long)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
     second = None
     try:
         # The first one is generating: it holds the only slot.
         chunk = next(iter(first))
         assert chunk.choices[0].text is not None
         assert s.metrics().get("coli_active_slots") == 1
-        second = client.completions.create(prompt="second", **long)
+        # A stream's response starts when a slot takes the request, so the second one waits
+        # (in a thread) in the one queue place.
+        second = pool.submit(client.completions.create, prompt="second", **long)
         wait_until(lambda: s.metrics().get("coli_queue_depth") == 1, 10, "the second request to queue")
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model=s.model_id, prompt="third", max_tokens=4)
@@ -261,8 +266,33 @@ def test_queue_full_is_429_with_retry_after(queue_server):
     finally:
         first.close()
         if second is not None:
-            second.close()
+            # The first left, so the second got the slot and its stream started.
+            second.result(timeout=60).close()
+        pool.shutdown()
     # Both clients left: the slot and the queue empty, and the server serves again.
     s.wait_idle()
     r = client.completions.create(model=s.model_id, prompt="after", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens <= 3
+
+
+def test_a_stream_that_never_gets_a_slot_is_a_real_503(start_server):
+    """A streamed request that times out in the queue gets HTTP 503 with Retry-After (its
+    response is held until a slot takes it), not a 200 with an error event."""
+    s = start_server(
+        "--slots", "1", "--queue-timeout-secs", "1", "--max-tokens-cap", "4000", "--drain-secs", "5",
+        name="qtimeout",
+    )
+    client = s.client().with_options(max_retries=0)
+    long = dict(model=s.model_id, max_tokens=4000, temperature=0.8, seed=1, stream=True, extra_body={"ignore_eos": True})
+    first = client.completions.create(prompt="first", **long)
+    try:
+        assert next(iter(first)).choices[0].text is not None
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=s.model_id, messages=HI, max_tokens=4, stream=True)
+        assert e.value.status_code == 503
+        assert "slot" in e.value.message
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        m = s.metrics()
+        assert m.get("coli_requests_total", endpoint="/v1/chat/completions", status="503") == 1
+    finally:
+        first.close()

@@ -4,6 +4,9 @@ drains in-flight streams and exits 0."""
 
 from __future__ import annotations
 
+import json
+import socket
+
 import signal
 import subprocess
 import threading
@@ -113,9 +116,19 @@ def test_cancelled_queued_request_leaves_the_queue(queue_server):
     long = dict(model=s.model_id, max_tokens=4000, temperature=0.8, seed=2, stream=True, extra_body=IGNORE_EOS)
     first = client.completions.create(prompt="first", **long)
     next(iter(first))
-    second = client.completions.create(prompt="second", **long)
+    # The second waits for the slot; its response has not started, so the client leaving is
+    # a closed socket.
+    host, port = s.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": s.model_id, "prompt": "second", "max_tokens": 4000, "stream": True}).encode()
+    second = socket.create_connection((host, int(port)))
+    second.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     wait_until(lambda: s.metrics().get("coli_queue_depth") == 1, 10, "the second request to queue")
     second.close()
+    wait_until(lambda: s.metrics().get("coli_queue_depth") == 0, 10, "the departed request to leave the queue")
     first.close()
     s.wait_idle(20)
     r = client.completions.create(model=s.model_id, prompt="third", max_tokens=3, temperature=0)
