@@ -75,10 +75,7 @@ mod tests {
         // 20 GiB available, no limit: 16 GiB less 1 GiB.
         assert_eq!(budget_from(Some(20 * G), None), 15 * G);
         // The same machine, a 4 GiB container: 3.2 GiB less 1 GiB.
-        assert_eq!(
-            budget_from(Some(20 * G), Some(4 * G)),
-            (4 * G as u64) * 8 / 10 - G
-        );
+        assert_eq!(budget_from(Some(20 * G), Some(4 * G)), (4 * G) * 8 / 10 - G);
         // A limit above what is available changes nothing; tiny limits keep the floor.
         assert_eq!(
             budget_from(Some(8 * G), Some(64 * G)),
