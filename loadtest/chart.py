@@ -23,16 +23,9 @@ import json
 import os
 import sys
 
+from loadtest import percentile  # the same percentile the load test reports
+
 OVERLOAD = {"429", "503", "stream:service_unavailable"}
-
-
-def percentile(values, p):
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def read_rates_csv(path):
