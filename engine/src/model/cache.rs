@@ -1,14 +1,35 @@
 //! Per-sequence attention state: the key/value cache of every layer.
+//!
+//! Every buffer holds a fixed number of values per cached token, so a cache can be cut back
+//! to a prefix ([`KvCache::truncate`]) and saved byte for byte (`runtime::kv_file`). What the
+//! buffers mean depends on the layer's attention kind:
+//! * grouped-query attention: `k` and `v` are `[len, kv_heads · head_dim]`;
+//! * multi-head latent attention (MLA): `k` is the normalised latent `[len, kv_lora_rank]`,
+//!   `v` the rotated shared rope key `[len, qk_rope_head_dim]`, and `aux` the sparse-attention
+//!   indexer's keys `[len, index_head_dim]` on layers that have an indexer.
 
-/// Keys and values of one attention layer, `[len, kv_heads · head_dim]` each.
-#[derive(Debug, Clone, Default)]
+/// The cached state of one attention layer.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerKv {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    /// Extra per-token values some attention kinds keep (the DSA indexer's keys).
+    pub aux: Vec<f32>,
+}
+
+impl LayerKv {
+    fn buffers_mut(&mut self) -> [&mut Vec<f32>; 3] {
+        [&mut self.k, &mut self.v, &mut self.aux]
+    }
+
+    /// Values held, over every buffer.
+    pub fn values(&self) -> usize {
+        self.k.len() + self.v.len() + self.aux.len()
+    }
 }
 
 /// The KV cache of one sequence.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct KvCache {
     pub layers: Vec<LayerKv>,
     /// Tokens already processed (the position of the next token).
@@ -30,8 +51,9 @@ impl KvCache {
     /// Forget everything.
     pub fn clear(&mut self) {
         for l in &mut self.layers {
-            l.k.clear();
-            l.v.clear();
+            for b in l.buffers_mut() {
+                b.clear();
+            }
         }
         self.len = 0;
     }
@@ -41,20 +63,18 @@ impl KvCache {
         if len >= self.len {
             return;
         }
+        let old = self.len.max(1);
         for l in &mut self.layers {
-            let k_width = l.k.len() / self.len.max(1);
-            let v_width = l.v.len() / self.len.max(1);
-            l.k.truncate(len * k_width);
-            l.v.truncate(len * v_width);
+            for b in l.buffers_mut() {
+                let width = b.len() / old;
+                b.truncate(len * width);
+            }
         }
         self.len = len;
     }
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| (l.k.len() + l.v.len()) * 4)
-            .sum()
+        self.layers.iter().map(|l| l.values() * 4).sum()
     }
 }
