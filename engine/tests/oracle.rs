@@ -142,3 +142,23 @@ fn olmoe_matches_transformers() {
 fn qwen3_moe_matches_transformers() {
     check("qwen3_moe");
 }
+
+#[test]
+fn glm4_moe_matches_transformers() {
+    check("glm4_moe");
+}
+
+#[test]
+fn deepseek_v3_matches_transformers() {
+    check("deepseek_v3");
+}
+
+#[test]
+fn kimi_k25_matches_transformers() {
+    check("kimi_k25");
+}
+
+#[test]
+fn glm_moe_dsa_matches_transformers() {
+    check("glm_moe_dsa");
+}

@@ -202,6 +202,17 @@ impl TextStream {
         TextStream::default()
     }
 
+    /// A stream whose first pushed id follows `context` (ids already shown elsewhere, e.g. the
+    /// end of an earlier generation of the same conversation): what it returns is the text
+    /// that the pushed ids add after `context`, decoded in its context.
+    pub fn with_context(tok: &Tokenizer, context: &[u32]) -> Result<TextStream> {
+        Ok(TextStream {
+            ids: context.to_vec(),
+            read: context.len(),
+            prefix: tok.decode(context, true)?,
+        })
+    }
+
     /// Add one generated id; returns the newly completed text (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);

@@ -103,6 +103,7 @@ impl RmsNorm {
 }
 
 /// Rotary position embedding tables.
+#[derive(Debug, Clone)]
 pub struct Rope {
     /// Inverse frequencies, `rotary_dim / 2` of them.
     pub inv_freq: Vec<f32>,
@@ -488,11 +489,23 @@ pub enum Router {
     /// Softmax over all experts in f32, top-k, optionally renormalised over the k
     /// (OLMoE, Qwen3-MoE; Mixtral always renormalises).
     SoftmaxTopK { renormalize: bool },
+    /// DeepSeek-V3 style (also Kimi and GLM): `s = sigmoid(logits)`; the selection uses
+    /// `s + correction_bias`, restricted to the `topk_group` best of `n_group` equal expert
+    /// groups (a group scores the sum of its two best biased scores); the weights are the
+    /// unbiased `s` of the chosen experts, renormalised if asked (`Σ + 1e-20`), times
+    /// `scaling`.
+    SigmoidGrouped {
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+        scaling: f32,
+    },
 }
 
 impl Router {
-    /// The `k` (expert, weight) choices of one token, by descending score (ties: lower id).
-    pub fn route(&self, logits: &[f32], k: usize) -> Vec<(usize, f32)> {
+    /// The `k` (expert, weight) choices of one token, by descending selection score (ties:
+    /// lower id). `bias` is the correction bias of the routers that have one.
+    pub fn route(&self, logits: &[f32], k: usize, bias: Option<&[f32]>) -> Vec<(usize, f32)> {
         match *self {
             Router::SoftmaxTopK { renormalize } => {
                 let mut p = logits.to_vec();
@@ -506,8 +519,53 @@ impl Router {
                 }
                 chosen
             }
+            Router::SigmoidGrouped {
+                n_group,
+                topk_group,
+                renormalize,
+                scaling,
+            } => {
+                let scores: Vec<f32> = logits.iter().map(|&x| sigmoid(x)).collect();
+                let mut choice: Vec<f32> = match bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                if n_group > 1 && topk_group < n_group {
+                    let per = choice.len() / n_group;
+                    let group_scores: Vec<f32> = choice
+                        .chunks(per)
+                        .map(|g| top_k(g, 2).iter().map(|c| c.1).sum())
+                        .collect();
+                    let keep = top_k(&group_scores, topk_group);
+                    for (g, chunk) in choice.chunks_mut(per).enumerate() {
+                        if !keep.iter().any(|c| c.0 == g) {
+                            chunk.fill(f32::NEG_INFINITY);
+                        }
+                    }
+                }
+                let mut chosen: Vec<(usize, f32)> = top_k(&choice, k)
+                    .into_iter()
+                    .map(|(e, _)| (e, scores[e]))
+                    .collect();
+                if renormalize {
+                    let sum: f32 = chosen.iter().map(|c| c.1).sum::<f32>() + 1e-20;
+                    for c in &mut chosen {
+                        c.1 /= sum;
+                    }
+                }
+                for c in &mut chosen {
+                    c.1 *= scaling;
+                }
+                chosen
+            }
         }
     }
+}
+
+/// The logistic function.
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
 }
 
 /// The `k` largest values with their indices, largest first, ties broken by lower index.
@@ -530,6 +588,10 @@ pub struct MoeBlock {
     /// Width of each expert.
     pub intermediate: usize,
     pub store: Arc<dyn ExpertStore>,
+    /// Selection-only bias of the routers that have one (`e_score_correction_bias`).
+    pub correction_bias: Option<Vec<f32>>,
+    /// Always-on experts added to the routed sum (DeepSeek's `shared_experts`).
+    pub shared: Option<Mlp>,
 }
 
 impl MoeBlock {
@@ -538,7 +600,10 @@ impl MoeBlock {
         self.gate
             .forward(x)
             .chunks(self.num_experts)
-            .map(|l| self.router.route(l, self.top_k))
+            .map(|l| {
+                self.router
+                    .route(l, self.top_k, self.correction_bias.as_deref())
+            })
             .collect()
     }
 
@@ -589,6 +654,11 @@ impl MoeBlock {
                 }
             }
         }
+        if let Some(shared) = &self.shared {
+            let t0 = std::time::Instant::now();
+            add_assign(&mut out, &shared.forward(x));
+            super::telemetry::add(super::telemetry::Part::DenseMlp, t0);
+        }
         Ok(out)
     }
 }
@@ -598,6 +668,13 @@ fn union_of(routes: &[Vec<(usize, f32)>]) -> Vec<usize> {
     union.sort_unstable();
     union.dedup();
     union
+}
+
+/// `a += b` element-wise.
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
 }
 
 /// Look up embedding rows as f32.

@@ -4,9 +4,13 @@
 //! [`load`] reads a model directory and picks the family by `model_type`.
 
 pub mod cache;
+pub mod deepseek_v3;
+pub mod glm4_moe;
+pub mod glm_moe_dsa;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
+pub mod mla;
 pub mod olmoe;
 pub mod qwen3_moe;
 pub mod telemetry;
@@ -59,6 +63,11 @@ pub struct ModelInfo {
     pub routed_expert_bytes: usize,
     pub dtypes: Vec<String>,
     pub max_position_embeddings: usize,
+    /// Bytes one token adds to the KV cache (f32 values, every layer).
+    pub kv_bytes_per_token: usize,
+    /// What per-head K/V attention of the same shape would store per token (equals
+    /// `kv_bytes_per_token` except for latent attention).
+    pub kv_bytes_per_token_full: usize,
 }
 
 /// A causal language model: tokens in, next-token logits out.
@@ -92,7 +101,16 @@ pub trait CausalLm: Send + Sync {
 }
 
 /// The `model_type`s this build runs.
-pub const SUPPORTED: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
+pub const SUPPORTED: &[&str] = &[
+    "llama",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "kimi_k25",
+    "glm4_moe",
+    "glm_moe_dsa",
+];
 
 /// Load the model in `dir` with every weight resident.
 pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
@@ -140,6 +158,10 @@ fn load_family(
         "mixtral" => Box::new(mixtral::load(ckpt, cfg, opts)?),
         "olmoe" => Box::new(olmoe::load(ckpt, cfg, opts)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(ckpt, cfg, opts)?),
+        "deepseek_v3" => Box::new(deepseek_v3::load(ckpt, cfg, opts)?),
+        "kimi_k25" => Box::new(deepseek_v3::load_kimi_k25(ckpt, cfg, opts)?),
+        "glm4_moe" => Box::new(glm4_moe::load(ckpt, cfg, opts)?),
+        "glm_moe_dsa" => Box::new(glm_moe_dsa::load(ckpt, cfg, opts)?),
         other => {
             return Err(Error::config(
                 cfg.path(),

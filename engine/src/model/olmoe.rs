@@ -75,6 +75,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 num_experts: experts,
                 intermediate: inter,
                 store: store.clone(),
+                correction_bias: None,
+                shared: None,
             }),
         })
     })

@@ -44,6 +44,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 num_experts: experts,
                 intermediate: moe_inter,
                 store: store.clone(),
+                correction_bias: None,
+                shared: None,
             })
         } else {
             Ffn::Dense(Mlp::load(

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::cache::KvCache;
 use super::layers::{embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
+use super::mla::{Mla, Selection};
 use super::telemetry::{self, Part};
 use super::{BatchItem, CausalLm, Logits, ModelInfo};
 use crate::tensor::Tensor;
@@ -17,10 +18,43 @@ pub enum Ffn {
     Moe(MoeBlock),
 }
 
+/// A decoder layer's attention part.
+pub enum SelfAttention {
+    /// Grouped-query attention over per-head keys and values.
+    Gqa(Attention),
+    /// Multi-head latent attention, optionally sparse (DSA).
+    Mla(Mla),
+}
+
+impl SelfAttention {
+    /// The output projection.
+    pub fn output(&self) -> &Linear {
+        match self {
+            SelfAttention::Gqa(a) => &a.o,
+            SelfAttention::Mla(m) => &m.o,
+        }
+    }
+
+    /// Values one token adds to this layer's cache, and what full (per-head K and V)
+    /// attention of the same shape would store.
+    pub fn cache_values_per_token(&self) -> (usize, usize) {
+        match self {
+            SelfAttention::Gqa(a) => {
+                let n = 2 * a.kv_heads * a.head_dim;
+                (n, n)
+            }
+            SelfAttention::Mla(m) => (
+                m.cache_values_per_token(),
+                m.heads * (m.nope_dim + m.rope_dim + m.v_dim),
+            ),
+        }
+    }
+}
+
 /// One decoder layer.
 pub struct Block {
     pub attn_norm: RmsNorm,
-    pub attn: Attention,
+    pub attn: SelfAttention,
     pub ffn_norm: RmsNorm,
     pub ffn: Ffn,
 }
@@ -111,29 +145,47 @@ impl Transformer {
             .flat_map(|it| it.tokens.iter().copied())
             .collect();
         let mut h = embed(&self.embed, &all)?;
+        // Each sequence's sparse-attention pick, handed from a layer to the next.
+        let mut selections: Vec<Option<Selection>> = vec![None; items.len()];
         for (l, block) in self.blocks.iter().enumerate() {
             let t0 = Instant::now();
             let x = block.attn_norm.forward(&h);
             // Projections over all rows at once (each weight read once per step), attention
             // per sequence over its own cache.
-            let attn = &block.attn;
-            let (q, k, v) = attn.project(&x);
-            let (qw, kw) = (q.len() / all.len(), k.len() / all.len());
-            let mut heads_out = Vec::with_capacity(q.len());
+            let mut heads_out = Vec::new();
             let mut row = 0;
-            for it in items.iter_mut() {
-                let n = it.tokens.len();
-                let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
-                heads_out.extend(attn.attend_sequence(
-                    seg(&q, qw),
-                    seg(&k, kw),
-                    seg(&v, kw),
-                    it.cache.len,
-                    &mut it.cache.layers[l],
-                ));
-                row += n;
+            match &block.attn {
+                SelfAttention::Gqa(attn) => {
+                    let (q, k, v) = attn.project(&x);
+                    let (qw, kw) = (q.len() / all.len(), k.len() / all.len());
+                    for it in items.iter_mut() {
+                        let n = it.tokens.len();
+                        let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
+                        heads_out.extend(attn.attend_sequence(
+                            seg(&q, qw),
+                            seg(&k, kw),
+                            seg(&v, kw),
+                            it.cache.len,
+                            &mut it.cache.layers[l],
+                        ));
+                        row += n;
+                    }
+                }
+                SelfAttention::Mla(mla) => {
+                    let rows = mla.project(&x);
+                    for (it, sel) in items.iter_mut().zip(selections.iter_mut()) {
+                        let n = it.tokens.len();
+                        heads_out.extend(mla.attend_sequence(
+                            rows.segment(row, n, all.len()),
+                            it.cache.len,
+                            &mut it.cache.layers[l],
+                            sel,
+                        ));
+                        row += n;
+                    }
+                }
             }
-            let a = attn.o.forward(&heads_out);
+            let a = block.attn.output().forward(&heads_out);
             add_inplace(&mut h, &a);
             telemetry::add(Part::Attention, t0);
             self.prefetch_next(l, &h);
@@ -303,6 +355,7 @@ pub fn load_standard(
     for l in 0..sc.layers {
         let p = format!("model.layers.{l}");
         let parts = layer_parts(l)?;
+        let o_bias = sc.attention_bias && ckpt.contains(&format!("{p}.self_attn.o_proj.bias"));
         let attn = Attention {
             q: Linear::load(
                 ckpt,
@@ -330,7 +383,7 @@ pub fn load_standard(
                 &format!("{p}.self_attn.o_proj"),
                 d,
                 sc.heads * hd,
-                sc.attention_bias,
+                o_bias,
             )?,
             heads: sc.heads,
             kv_heads: sc.kv_heads,
@@ -349,7 +402,7 @@ pub fn load_standard(
                 d,
                 sc.rms_norm_eps,
             )?,
-            attn,
+            attn: SelfAttention::Gqa(attn),
             ffn_norm: RmsNorm::load(
                 ckpt,
                 &format!("{p}.post_attention_layernorm.weight"),
@@ -371,7 +424,7 @@ pub fn load_standard(
     })
 }
 
-fn standard_info(
+pub(crate) fn standard_info(
     ckpt: &crate::format::safetensors::Checkpoint,
     cfg: &crate::format::config::ModelConfig,
     sc: &StandardConfig,
@@ -424,7 +477,21 @@ fn standard_info(
         layers: sc.layers,
         moe_layers,
         routed_experts: routed,
-        shared_experts: 0,
+        shared_experts: blocks
+            .iter()
+            .find_map(|b| match &b.ffn {
+                Ffn::Moe(m) => m.shared.as_ref().map(|_| 1),
+                Ffn::Dense(_) => None,
+            })
+            .unwrap_or(0),
+        kv_bytes_per_token: blocks
+            .iter()
+            .map(|b| 4 * b.attn.cache_values_per_token().0)
+            .sum(),
+        kv_bytes_per_token_full: blocks
+            .iter()
+            .map(|b| 4 * b.attn.cache_values_per_token().1)
+            .sum(),
         active_experts: active,
         total_params,
         active_params: total_params - expert_params + active_expert_params,

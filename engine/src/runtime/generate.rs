@@ -1,11 +1,14 @@
 //! The generation loop: prefill the prompt as one batch, then decode one token at a time,
 //! sampling each from the last logits row, until an end-of-sequence id, a stop string or the
-//! token limit. Text is streamed through a callback as it becomes complete.
+//! token limit. Text is streamed through a callback as it becomes complete. A
+//! [`Conversation`] carries the tokens and cache from one generation to the next
+//! ([`generate_continue`]).
 
 use std::time::Instant;
 
 use super::sampling::{Sampler, SamplingParams};
 use crate::format::tokenizer::{TextStream, Tokenizer};
+use crate::model::cache::KvCache;
 use crate::model::{CausalLm, Logits};
 use crate::{Error, Result};
 
@@ -61,6 +64,32 @@ impl Generation {
     }
 }
 
+/// A conversation that can be continued: every token so far, and the cache of the ones the
+/// model has already run. The cache covers a prefix of the tokens (`cache.len <=
+/// tokens.len()`); the rest — after a generation, the last sampled token, which has not been
+/// run yet — are pending and run first by the next [`generate_continue`]. This is what
+/// `runtime::kv_file` saves and restores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    pub tokens: Vec<u32>,
+    pub cache: KvCache,
+}
+
+impl Conversation {
+    /// An empty conversation for `model`.
+    pub fn new(model: &dyn CausalLm) -> Conversation {
+        Conversation {
+            tokens: Vec::new(),
+            cache: model.new_cache(0),
+        }
+    }
+
+    /// The tokens the cache does not hold yet.
+    pub fn pending(&self) -> &[u32] {
+        &self.tokens[self.cache.len.min(self.tokens.len())..]
+    }
+}
+
 /// Generate from `prompt`. `on_text` receives each newly completed piece of text (only when a
 /// tokenizer is given); `on_token` each generated id.
 pub fn generate(
@@ -68,10 +97,36 @@ pub fn generate(
     tokenizer: Option<&Tokenizer>,
     prompt: &[u32],
     params: &GenerateParams,
+    on_text: impl FnMut(&str),
+    on_token: impl FnMut(u32),
+) -> Result<Generation> {
+    let mut conv = Conversation::new(model);
+    generate_continue(
+        model, tokenizer, &mut conv, prompt, params, on_text, on_token,
+    )
+}
+
+/// Continue `conv`: append `prompt` (which may be empty) to its tokens, run every token its
+/// cache does not hold yet as one prefill, then generate as [`generate`] does. The
+/// repetition penalties see the whole conversation.
+///
+/// On success `conv` holds every token, the generated ones included, plus the
+/// end-of-sequence id that ended the generation, if one did; the last token is left pending
+/// (not run), so that a later continuation runs it exactly as an uninterrupted generation
+/// would have: splitting a greedy generation into several calls gives the same tokens and a
+/// bit-identical cache. A continued conversation (one that had tokens before this call)
+/// decodes its new text in the context of the tokens before it, so the pieces join up as one
+/// text. On error `conv` is left part-way and should be dropped.
+pub fn generate_continue(
+    model: &dyn CausalLm,
+    tokenizer: Option<&Tokenizer>,
+    conv: &mut Conversation,
+    prompt: &[u32],
+    params: &GenerateParams,
     mut on_text: impl FnMut(&str),
     mut on_token: impl FnMut(u32),
 ) -> Result<Generation> {
-    if prompt.is_empty() {
+    if prompt.is_empty() && conv.tokens.is_empty() {
         return Err(Error::Invalid(
             "the prompt is empty: nothing to continue from".into(),
         ));
@@ -80,33 +135,63 @@ pub fn generate(
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
         return Err(Error::Invalid("stop strings need a tokenizer".into()));
     }
-    let ctx = model.info().max_position_embeddings.max(1);
-    if prompt.len() >= ctx {
+    if conv.cache.len > conv.tokens.len() {
         return Err(Error::Invalid(format!(
-            "the prompt has {} tokens but the model's context is {ctx} tokens",
-            prompt.len()
+            "the conversation's cache holds {} tokens but the conversation has only {}",
+            conv.cache.len,
+            conv.tokens.len()
         )));
     }
-    let max_len = (prompt.len() + params.max_tokens).min(ctx);
-    let mut cache = model.new_cache(max_len);
+    let continued = !conv.tokens.is_empty();
+    let ctx = model.info().max_position_embeddings.max(1);
+    let total = conv.tokens.len() + prompt.len();
+    if total >= ctx {
+        return Err(Error::Invalid(if continued {
+            format!(
+                "the conversation has {} tokens ({} restored + {} new) but the model's context is {ctx} tokens",
+                total,
+                conv.tokens.len(),
+                prompt.len()
+            )
+        } else {
+            format!(
+                "the prompt has {} tokens but the model's context is {ctx} tokens",
+                prompt.len()
+            )
+        }));
+    }
+    conv.tokens.extend_from_slice(prompt);
+    if conv.cache.len == conv.tokens.len() {
+        // Everything was run already (a conversation saved after a prefill without
+        // generation): run the last token again for its logits.
+        conv.cache.truncate(conv.tokens.len() - 1);
+    }
+    let run = conv.tokens[conv.cache.len..].to_vec();
+    let max_len = (conv.tokens.len() + params.max_tokens).min(ctx);
+    conv.cache.max_len = max_len;
     let mut sampler = Sampler::new(params.sampling);
-    let mut history: Vec<u32> = prompt.to_vec();
     let mut tokens = Vec::new();
     let mut text = StopText::new(params.stop_strings.clone());
+    if let (true, Some(tok)) = (continued, tokenizer) {
+        // The new text continues the conversation's: decode it after the last few tokens.
+        let context = &conv.tokens[conv.tokens.len().saturating_sub(CONTEXT_TOKENS)..];
+        text.stream = TextStream::with_context(tok, context)?;
+    }
 
     let t0 = Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
+    let mut logits = model.forward(&run, &mut conv.cache, Logits::Last)?;
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut finish_reason = FinishReason::Length;
     while tokens.len() < params.max_tokens {
-        let id = sampler.sample(&logits, &history);
+        let id = sampler.sample(&logits, &conv.tokens);
         if params.eos_token_ids.contains(&id) {
+            conv.tokens.push(id);
             finish_reason = FinishReason::Stop;
             break;
         }
         tokens.push(id);
-        history.push(id);
+        conv.tokens.push(id);
         on_token(id);
         if let Some(tok) = tokenizer {
             let (piece, stopped) = text.push(tok, id)?;
@@ -118,10 +203,10 @@ pub fn generate(
                 break;
             }
         }
-        if tokens.len() >= params.max_tokens || cache.len >= max_len {
+        if tokens.len() >= params.max_tokens || conv.cache.len >= max_len {
             break;
         }
-        logits = model.forward(&[id], &mut cache, Logits::Last)?;
+        logits = model.forward(&[id], &mut conv.cache, Logits::Last)?;
     }
     if let Some(tok) = tokenizer {
         let (piece, stopped) = text.finish(tok)?;
@@ -136,11 +221,15 @@ pub fn generate(
         tokens,
         text: text.into_text(),
         finish_reason,
-        prompt_tokens: prompt.len(),
+        prompt_tokens: run.len(),
         prefill_seconds,
         decode_seconds: t1.elapsed().as_secs_f64(),
     })
 }
+
+/// Tokens of a continued conversation its new text is decoded after (enough for decoders
+/// whose output depends on what precedes a token: leading spaces, split characters).
+const CONTEXT_TOKENS: usize = 4;
 
 /// Generated text as it grows, cut at the first stop string. Text that could be the start of
 /// a stop string is held back until the next token shows it is not.

@@ -294,6 +294,9 @@ pub struct StoreOptions {
     pub direct_io: bool,
     /// Which expert is evicted when the cache is full.
     pub policy: CachePolicy,
+    /// How multi-head latent attention is computed (not placement, but chosen at load time
+    /// like it, and like it never changes which tokens come out beyond rounding).
+    pub mla_form: crate::model::mla::MlaForm,
 }
 
 /// Expert cache eviction policy.

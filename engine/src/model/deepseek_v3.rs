@@ -1,0 +1,385 @@
+//! DeepSeek-V3 / R1 (`model_type: deepseek_v3`) and the Kimi K2 / K2.5 text model
+//! (`kimi_k25`, whose `text_config` is a DeepSeek-V3 config): multi-head latent attention
+//! ([`super::mla`]) with interleaved RoPE and yarn's `mscale²` on the softmax scale; the first
+//! `first_k_dense_replace` layers dense, the rest a DeepSeek MoE (sigmoid router with a
+//! selection-only correction bias, group-limited top-k, `routed_scaling_factor`, plus ungated
+//! shared experts). The MTP block that checkpoints carry at layer `num_hidden_layers` is not
+//! part of the forward pass and is not loaded.
+//!
+//! [`load_mla_stack`] builds any of these MLA models (GLM-5's `glm_moe_dsa` adds its indexer
+//! through it).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
+use super::mla::{Mla, MlaQuery, Sparse};
+use super::transformer::{standard_info, Block, Ffn, SelfAttention, StandardConfig, Transformer};
+use crate::format::config::{ModelConfig, RopeKind};
+use crate::format::safetensors::Checkpoint;
+use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
+use crate::{Error, Result};
+
+/// Where a family keeps its tensors.
+pub struct StackNames {
+    /// Prefix of `embed_tokens`, `layers.{L}` and `norm` (`model`, or Kimi's
+    /// `language_model.model`).
+    pub model: String,
+    /// Name of the LM head without `.weight`.
+    pub lm_head: String,
+}
+
+impl Default for StackNames {
+    fn default() -> StackNames {
+        StackNames {
+            model: "model".into(),
+            lm_head: "lm_head".into(),
+        }
+    }
+}
+
+/// Build a DeepSeek-V3 model.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+    let interleave = cfg.bool_or("rope_interleave", true)?;
+    load_mla_stack(ckpt, cfg, opts, &StackNames::default(), interleave, |_| {
+        Ok(Sparse::None)
+    })
+}
+
+/// Build the text model of a Kimi K2.5 checkpoint (`language_model.*`; vision tower ignored).
+pub fn load_kimi_k25(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    opts: &StoreOptions,
+) -> Result<Transformer> {
+    let text = cfg.get("text_config").cloned().ok_or_else(|| {
+        Error::config(
+            cfg.path(),
+            "text_config",
+            "missing (a kimi_k25 config holds its DeepSeek-V3 text model there)",
+        )
+    })?;
+    let mut text = text;
+    // The tie flag lives at the top level of a Kimi config (default true there).
+    let tie = cfg.bool_or("tie_word_embeddings", true)?;
+    text["tie_word_embeddings"] = serde_json::Value::Bool(tie);
+    let text_cfg = ModelConfig::from_value(PathBuf::from(cfg.path()), text);
+    let interleave = text_cfg.bool_or("rope_interleave", true)?;
+    let names = StackNames {
+        model: "language_model.model".into(),
+        lm_head: "language_model.lm_head".into(),
+    };
+    let mut model = load_mla_stack(ckpt, &text_cfg, opts, &names, interleave, |_| {
+        Ok(Sparse::None)
+    })?;
+    model.info.model_type = cfg.model_type()?;
+    Ok(model)
+}
+
+/// Per-expert names `{prefix}.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight` of the
+/// MoE layers.
+pub fn expert_names(prefix: &str, moe: &[bool], experts: usize) -> Vec<Vec<ExpertNames>> {
+    moe.iter()
+        .enumerate()
+        .map(|(l, &is_moe)| {
+            if !is_moe {
+                return Vec::new();
+            }
+            (0..experts)
+                .map(|e| {
+                    let p = format!("{prefix}.layers.{l}.mlp.experts.{e}");
+                    ExpertNames {
+                        gate: format!("{p}.gate_proj.weight"),
+                        up: format!("{p}.up_proj.weight"),
+                        down: format!("{p}.down_proj.weight"),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The DeepSeek MoE settings of a config (shared by deepseek_v3, kimi, glm4_moe and
+/// glm_moe_dsa).
+pub struct DeepseekMoe {
+    pub experts: usize,
+    pub top_k: usize,
+    pub intermediate: usize,
+    pub shared: usize,
+    pub router: Router,
+    /// Which layers are MoE (the rest are dense).
+    pub is_moe: Vec<bool>,
+}
+
+impl DeepseekMoe {
+    /// Read the MoE keys: `mlp_layer_types` ("dense"/"sparse") if present, else the first
+    /// `first_k_dense_replace` layers dense.
+    pub fn read(cfg: &ModelConfig, layers: usize) -> Result<DeepseekMoe> {
+        let experts = cfg.usize("n_routed_experts")?;
+        let n_group = cfg.usize_or("n_group", 1)?.max(1);
+        let topk_group = cfg.usize_or("topk_group", n_group)?;
+        if experts % n_group != 0 || experts / n_group < 2 || topk_group > n_group {
+            return Err(Error::config(
+                cfg.path(),
+                "n_group",
+                format!(
+                    "n_group = {n_group} and topk_group = {topk_group} do not fit \
+                     {experts} routed experts (groups must divide them, two experts at least each)"
+                ),
+            ));
+        }
+        if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
+            if f != "sigmoid" {
+                return Err(Error::config(
+                    cfg.path(),
+                    "scoring_func",
+                    format!("`{f}` is not supported (this family routes with `sigmoid`)"),
+                ));
+            }
+        }
+        let is_moe = match cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
+            Some(list) => {
+                if list.len() != layers {
+                    return Err(Error::config(
+                        cfg.path(),
+                        "mlp_layer_types",
+                        format!("has {} entries for {layers} layers", list.len()),
+                    ));
+                }
+                list.iter()
+                    .map(|v| match v.as_str() {
+                        Some("sparse") => Ok(true),
+                        Some("dense") => Ok(false),
+                        _ => Err(Error::config(
+                            cfg.path(),
+                            "mlp_layer_types",
+                            format!("unknown entry {v} (expected \"dense\" or \"sparse\")"),
+                        )),
+                    })
+                    .collect::<Result<Vec<bool>>>()?
+            }
+            None => {
+                let dense = cfg.usize_or("first_k_dense_replace", 0)?;
+                (0..layers).map(|l| l >= dense).collect()
+            }
+        };
+        Ok(DeepseekMoe {
+            experts,
+            top_k: cfg.usize("num_experts_per_tok")?,
+            intermediate: cfg.usize("moe_intermediate_size")?,
+            shared: cfg.usize_or("n_shared_experts", 0)?,
+            router: Router::SigmoidGrouped {
+                n_group,
+                topk_group,
+                renormalize: cfg.bool_or("norm_topk_prob", true)?,
+                scaling: cfg.f64_or("routed_scaling_factor", 1.0)? as f32,
+            },
+            is_moe,
+        })
+    }
+
+    /// Layer `l`'s feed-forward part: a dense MLP (`{p}.mlp.*_proj`, `intermediate_size`) or
+    /// the MoE block (`{p}.mlp.gate`, its correction bias and the shared experts).
+    pub fn load_ffn(
+        &self,
+        ckpt: &Checkpoint,
+        cfg: &ModelConfig,
+        p: &str,
+        l: usize,
+        d: usize,
+        store: &Arc<dyn ExpertStore>,
+    ) -> Result<Ffn> {
+        if !self.is_moe[l] {
+            return Ok(Ffn::Dense(Mlp::load(
+                ckpt,
+                &format!("{p}.mlp"),
+                d,
+                cfg.usize("intermediate_size")?,
+                false,
+            )?));
+        }
+        let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
+        let correction_bias = if ckpt.contains(&bias_name) {
+            Some(ckpt.vector_f32(&bias_name, self.experts)?)
+        } else {
+            None
+        };
+        let shared = if self.shared > 0 {
+            Some(Mlp::load(
+                ckpt,
+                &format!("{p}.mlp.shared_experts"),
+                d,
+                self.intermediate * self.shared,
+                false,
+            )?)
+        } else {
+            None
+        };
+        Ok(Ffn::Moe(MoeBlock {
+            layer: l,
+            gate: Linear::load(ckpt, &format!("{p}.mlp.gate"), self.experts, d, false)?,
+            router: self.router,
+            top_k: self.top_k,
+            num_experts: self.experts,
+            intermediate: self.intermediate,
+            store: store.clone(),
+            correction_bias,
+            shared,
+        }))
+    }
+}
+
+/// Build an MLA decoder: embeddings, `num_hidden_layers` blocks of MLA attention (with the
+/// sparse part `sparse(l)` gives) and DeepSeek FFNs, final norm, LM head.
+pub fn load_mla_stack(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    opts: &StoreOptions,
+    names: &StackNames,
+    interleave: bool,
+    mut sparse: impl FnMut(usize) -> Result<Sparse>,
+) -> Result<Transformer> {
+    let d = cfg.usize("hidden_size")?;
+    let layers = cfg.usize("num_hidden_layers")?;
+    let heads = cfg.usize("num_attention_heads")?;
+    let vocab = cfg.usize("vocab_size")?;
+    let q_lora = cfg.opt_usize("q_lora_rank")?;
+    let kv_lora = cfg.usize("kv_lora_rank")?;
+    let nope = cfg.usize("qk_nope_head_dim")?;
+    let rope_dim = cfg.usize("qk_rope_head_dim")?;
+    let v_dim = cfg.usize("v_head_dim")?;
+    let eps = cfg.f64_or("rms_norm_eps", 1e-6)?;
+    if heads == 0 || rope_dim % 2 != 0 || kv_lora == 0 {
+        return Err(Error::config(
+            cfg.path(),
+            "qk_rope_head_dim",
+            "MLA needs heads > 0, an even qk_rope_head_dim and kv_lora_rank > 0",
+        ));
+    }
+    let mut rope_params = cfg.rope(10000.0)?;
+    rope_params.interleaved = interleave;
+    rope_params.partial_rotary_factor = 1.0;
+    // yarn: the softmax scale also takes mscale(factor, mscale_all_dim)².
+    let mut scale = ((nope + rope_dim) as f64).powf(-0.5);
+    if let RopeKind::Yarn {
+        factor,
+        mscale_all_dim: Some(m),
+        ..
+    } = rope_params.kind
+    {
+        if m != 0.0 && factor > 1.0 {
+            let ms = 0.1 * m * factor.ln() + 1.0;
+            scale *= ms * ms;
+        }
+    }
+    let form = opts.mla_form;
+    let moe = DeepseekMoe::read(cfg, layers)?;
+    let expert_names = expert_names(&names.model, &moe.is_moe, moe.experts);
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &expert_names, d, moe.intermediate, opts)?;
+    let tie = cfg.bool_or("tie_word_embeddings", false)?;
+    let m = &names.model;
+    let embed = ckpt.weight(&format!("{m}.embed_tokens.weight"), &[vocab, d])?;
+    let head_name = format!("{}.weight", names.lm_head);
+    let lm_head = if tie && !ckpt.contains(&head_name) {
+        Linear::from_tensor(embed.clone())
+    } else {
+        Linear::load(ckpt, &names.lm_head, vocab, d, false)?
+    };
+    let mut blocks = Vec::with_capacity(layers);
+    for l in 0..layers {
+        let p = format!("{m}.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let query = match q_lora {
+            Some(r) => MlaQuery::LowRank {
+                a: Linear::load(ckpt, &format!("{a}.q_a_proj"), r, d, false)?,
+                // The latent norms use eps 1e-6 whatever rms_norm_eps says.
+                norm: RmsNorm::load(ckpt, &format!("{a}.q_a_layernorm.weight"), r, 1e-6)?,
+                b: Linear::load(
+                    ckpt,
+                    &format!("{a}.q_b_proj"),
+                    heads * (nope + rope_dim),
+                    r,
+                    false,
+                )?,
+            },
+            None => MlaQuery::Full(Linear::load(
+                ckpt,
+                &format!("{a}.q_proj"),
+                heads * (nope + rope_dim),
+                d,
+                false,
+            )?),
+        };
+        let sparse = sparse(l)?;
+        if !matches!(sparse, Sparse::None) && q_lora.is_none() {
+            return Err(Error::config(
+                cfg.path(),
+                "q_lora_rank",
+                "sparse attention's indexer reads the query latent, so q_lora_rank must be set",
+            ));
+        }
+        let mla = Mla {
+            query,
+            kv_a: Linear::load(
+                ckpt,
+                &format!("{a}.kv_a_proj_with_mqa"),
+                kv_lora + rope_dim,
+                d,
+                false,
+            )?,
+            kv_norm: RmsNorm::load(ckpt, &format!("{a}.kv_a_layernorm.weight"), kv_lora, 1e-6)?,
+            kv_b: Linear::load(
+                ckpt,
+                &format!("{a}.kv_b_proj"),
+                heads * (nope + v_dim),
+                kv_lora,
+                false,
+            )?,
+            o: Linear::load(ckpt, &format!("{a}.o_proj"), d, heads * v_dim, false)?,
+            heads,
+            nope_dim: nope,
+            rope_dim,
+            v_dim,
+            kv_lora,
+            rope: Rope::new(&rope_params, rope_dim),
+            scale: scale as f32,
+            form,
+            sparse,
+        };
+        blocks.push(Block {
+            attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, eps)?,
+            attn: SelfAttention::Mla(mla),
+            ffn_norm: RmsNorm::load(
+                ckpt,
+                &format!("{p}.post_attention_layernorm.weight"),
+                d,
+                eps,
+            )?,
+            ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
+        });
+    }
+    let norm = RmsNorm::load(ckpt, &format!("{m}.norm.weight"), d, eps)?;
+    let sc = StandardConfig {
+        vocab_size: vocab,
+        hidden_size: d,
+        layers,
+        heads,
+        kv_heads: heads,
+        head_dim: nope + rope_dim,
+        rms_norm_eps: eps,
+        rope: rope_params,
+        attention_bias: false,
+        tie_word_embeddings: tie,
+        max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
+        kv_f16: false,
+    };
+    let info = standard_info(ckpt, cfg, &sc, &blocks, Some(store.as_ref()))?;
+    Ok(Transformer {
+        embed,
+        blocks,
+        norm,
+        lm_head,
+        info,
+        store: Some(store),
+    })
+}

@@ -1,0 +1,58 @@
+//! GLM-4.5 / 4.6 / 4.7 (`model_type: glm4_moe`): grouped-query attention with q/k/v biases,
+//! optional per-head q/k RMSNorm (`use_qk_norm`) and half-split RoPE on the first
+//! `partial_rotary_factor` (default 0.5) of each head; DeepSeek's MoE (sigmoid router with a
+//! correction bias, groups, scaling, shared experts) after `first_k_dense_replace` dense
+//! layers. The MTP block (layer `num_hidden_layers`) is not loaded.
+
+use std::sync::Arc;
+
+use super::deepseek_v3::{expert_names, DeepseekMoe};
+use super::layers::{QkNorm, RmsNorm};
+use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
+use crate::format::config::ModelConfig;
+use crate::format::safetensors::Checkpoint;
+use crate::store::{self, ExpertStore, StoreOptions};
+use crate::Result;
+
+/// Build a GLM-4 MoE model.
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+    let mut sc = StandardConfig::read(cfg, 1e-5, 10000.0)?;
+    let given = cfg.get("partial_rotary_factor").is_some()
+        || cfg
+            .get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .is_some();
+    if !given {
+        sc.rope.partial_rotary_factor = 0.5;
+    }
+    let moe = DeepseekMoe::read(cfg, sc.layers)?;
+    let names = expert_names("model", &moe.is_moe, moe.experts);
+    let store: Arc<dyn ExpertStore> =
+        store::open(ckpt, &names, sc.hidden_size, moe.intermediate, opts)?;
+    let qk_norm = cfg.bool_or("use_qk_norm", false)?;
+    let (d, hd) = (sc.hidden_size, sc.head_dim);
+    load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
+        let p = format!("model.layers.{l}");
+        let norm = |w: &str| {
+            RmsNorm::load(
+                ckpt,
+                &format!("{p}.self_attn.{w}.weight"),
+                hd,
+                sc.rms_norm_eps,
+            )
+        };
+        Ok(LayerParts {
+            qk_norm: if qk_norm {
+                QkNorm::PerHead {
+                    q: norm("q_norm")?,
+                    k: norm("k_norm")?,
+                }
+            } else {
+                QkNorm::None
+            },
+            clip_qkv: None,
+            window: None,
+            ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
+        })
+    })
+}
