@@ -21,7 +21,14 @@ use colibri::runtime::scheduler::{
 
 #[test]
 fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
-    for arch in ["olmoe", "qwen3_moe", "llama"] {
+    for arch in [
+        "olmoe",
+        "qwen3_moe",
+        "llama",
+        "glm4_moe",
+        "deepseek_v3",
+        "glm_moe_dsa",
+    ] {
         let m = model::load(&fixture(arch)).unwrap();
         let ids = prompt(arch);
         let vocab = m.info().vocab_size as u32;

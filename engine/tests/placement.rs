@@ -29,7 +29,15 @@ fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
 
 #[test]
 fn every_budget_and_thread_count_gives_identical_bits() {
-    for arch in ["mixtral", "olmoe", "qwen3_moe"] {
+    for arch in [
+        "mixtral",
+        "olmoe",
+        "qwen3_moe",
+        "glm4_moe",
+        "deepseek_v3",
+        "kimi_k25",
+        "glm_moe_dsa",
+    ] {
         let dir = fixture(arch);
         let ids = prompt(arch);
         let reference = outputs(model::load(&dir).unwrap().as_ref(), &ids);
@@ -179,7 +187,15 @@ fn sharded_copy(arch: &str, to: &Path) {
 
 #[test]
 fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
-    for arch in ["mixtral", "olmoe", "qwen3_moe"] {
+    for arch in [
+        "mixtral",
+        "olmoe",
+        "qwen3_moe",
+        "glm4_moe",
+        "deepseek_v3",
+        "kimi_k25",
+        "glm_moe_dsa",
+    ] {
         variants_never_change_bits(arch);
     }
 }

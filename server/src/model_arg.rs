@@ -53,6 +53,10 @@ pub struct ModelArgs {
     /// directory's drive counts 1).
     #[arg(long, value_delimiter = ',')]
     pub mirror_weights: Vec<f64>,
+    /// How latent-attention models (DeepSeek, Kimi, GLM-5) compute attention: absorbed (in
+    /// the latent space; default) or expanded (per-head keys and values, as transformers).
+    #[arg(long, default_value = "absorbed")]
+    pub mla_form: String,
 }
 
 impl ModelArgs {
@@ -117,6 +121,10 @@ impl ModelArgs {
                 .cache_policy
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--cache-policy: {e}"))?,
+            mla_form: self
+                .mla_form
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--mla-form: {e}"))?,
         })
     }
 

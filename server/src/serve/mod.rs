@@ -268,6 +268,7 @@ fn load_model(state: &AppState) {
             direct_io: false,
             io: "auto".into(),
             mirror_weights: Vec::new(),
+            mla_form: "absorbed".into(),
         };
         let loaded = Arc::new(args.load(true)?);
         let max_ctx = loaded.model.info().max_position_embeddings.max(2);
