@@ -692,3 +692,49 @@ pub fn embed(table: &Tensor, tokens: &[u32]) -> Result<Vec<f32>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod router_tests {
+    use super::*;
+
+    fn logit(p: f32) -> f32 {
+        (p / (1.0 - p)).ln()
+    }
+
+    #[test]
+    fn grouped_sigmoid_routing_limits_groups_and_weights_unbiased_scores() {
+        // 8 experts in 4 groups of 2; sigmoid scores chosen directly.
+        let scores = [0.9, 0.1, 0.5, 0.5, 0.8, 0.7, 0.2, 0.3];
+        let logits: Vec<f32> = scores.iter().map(|&p| logit(p)).collect();
+        // The bias lifts expert 7 for selection only.
+        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.55];
+        // Group sums of the biased top-2: g0 1.0, g1 1.0, g2 1.5, g3 1.05 → keep g2 and g3.
+        let router = Router::SigmoidGrouped {
+            n_group: 4,
+            topk_group: 2,
+            renormalize: true,
+            scaling: 2.0,
+        };
+        let got = router.route(&logits, 2, Some(&bias));
+        // Within g2 ∪ g3 the biased scores are 0.8, 0.7, 0.2, 0.85: experts 7 then 4, although
+        // expert 0 (0.9, group 0) is the best unbiased score overall.
+        let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
+        assert_eq!(ids, vec![7, 4]);
+        // Weights: the unbiased 0.3 and 0.8, renormalised, times 2.
+        let w: Vec<f32> = got.iter().map(|c| c.1).collect();
+        assert!((w[0] - 2.0 * 0.3 / 1.1).abs() < 1e-6, "{w:?}");
+        assert!((w[1] - 2.0 * 0.8 / 1.1).abs() < 1e-6, "{w:?}");
+
+        // One group (Kimi K2): a plain top-k over the biased scores.
+        let flat = Router::SigmoidGrouped {
+            n_group: 1,
+            topk_group: 1,
+            renormalize: false,
+            scaling: 1.0,
+        };
+        let got = flat.route(&logits, 2, Some(&bias));
+        let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
+        assert_eq!(ids, vec![0, 7]);
+        assert!((got[1].1 - 0.3).abs() < 1e-6);
+    }
+}
