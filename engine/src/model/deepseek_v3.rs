@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{Mla, MlaQuery, Sparse};
-use super::transformer::{standard_info, Block, Ffn, SelfAttention, StandardConfig, Transformer};
+use super::transformer::{
+    standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
+};
 use crate::format::config::{ModelConfig, RopeKind};
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
@@ -273,11 +275,26 @@ pub fn load_mla_stack(
         }
     }
     let form = opts.mla_form;
-    let moe = DeepseekMoe::read(cfg, layers)?;
+    let mut moe = DeepseekMoe::read(cfg, layers)?;
+    let m = &names.model;
+    let mtp_name = format!("{m}.layers.{layers}.eh_proj.weight");
+    if opts.mtp {
+        if !ckpt.contains(&mtp_name) {
+            return Err(Error::config(
+                cfg.path(),
+                "num_nextn_predict_layers",
+                format!(
+                    "drafting with MTP needs the checkpoint's MTP head, but it has no `{mtp_name}` \
+                     (run without --draft mtp)"
+                ),
+            ));
+        }
+        // The MTP block is a MoE layer; its experts join the store as layer `layers`.
+        moe.is_moe.push(true);
+    }
     let expert_names = expert_names(&names.model, &moe.is_moe, moe.experts);
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &expert_names, d, moe.intermediate, opts)?;
     let tie = cfg.bool_or("tie_word_embeddings", false)?;
-    let m = &names.model;
     let embed = ckpt.weight(&format!("{m}.embed_tokens.weight"), &[vocab, d])?;
     let head_name = format!("{}.weight", names.lm_head);
     let lm_head = if tie && !ckpt.contains(&head_name) {
@@ -285,8 +302,7 @@ pub fn load_mla_stack(
     } else {
         Linear::load(ckpt, &names.lm_head, vocab, d, false)?
     };
-    let mut blocks = Vec::with_capacity(layers);
-    for l in 0..layers {
+    let mut block = |l: usize| -> Result<Block> {
         let p = format!("{m}.layers.{l}");
         let a = format!("{p}.self_attn");
         let query = match q_lora {
@@ -346,7 +362,7 @@ pub fn load_mla_stack(
             form,
             sparse,
         };
-        blocks.push(Block {
+        Ok(Block {
             attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, eps)?,
             attn: SelfAttention::Mla(mla),
             ffn_norm: RmsNorm::load(
@@ -356,8 +372,30 @@ pub fn load_mla_stack(
                 eps,
             )?,
             ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
-        });
+        })
+    };
+    let mut blocks = Vec::with_capacity(layers);
+    for l in 0..layers {
+        blocks.push(block(l)?);
     }
+    let mtp = if opts.mtp {
+        let p = format!("{m}.layers.{layers}");
+        let head_name = format!("{p}.shared_head.head");
+        Some(MtpHead {
+            enorm: RmsNorm::load(ckpt, &format!("{p}.enorm.weight"), d, eps)?,
+            hnorm: RmsNorm::load(ckpt, &format!("{p}.hnorm.weight"), d, eps)?,
+            eh_proj: Linear::load(ckpt, &format!("{p}.eh_proj"), d, 2 * d, false)?,
+            block: block(layers)?,
+            norm: RmsNorm::load(ckpt, &format!("{p}.shared_head.norm.weight"), d, eps)?,
+            head: if ckpt.contains(&format!("{head_name}.weight")) {
+                Linear::load(ckpt, &head_name, vocab, d, false)?
+            } else {
+                Linear::from_tensor(lm_head.weight.clone())
+            },
+        })
+    } else {
+        None
+    };
     let norm = RmsNorm::load(ckpt, &format!("{m}.norm.weight"), d, eps)?;
     let sc = StandardConfig {
         vocab_size: vocab,
@@ -381,5 +419,6 @@ pub fn load_mla_stack(
         lm_head,
         info,
         store: Some(store),
+        mtp,
     })
 }

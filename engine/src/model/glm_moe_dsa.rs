@@ -80,10 +80,15 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
         ));
     }
     load_mla_stack(ckpt, cfg, opts, &StackNames::default(), true, |l| {
-        if !full[l] {
+        let p = format!("model.layers.{l}.self_attn.indexer");
+        if l >= layers {
+            // The MTP block: its own indexer if the checkpoint has one, else dense.
+            if !ckpt.contains(&format!("{p}.wq_b.weight")) {
+                return Ok(Sparse::None);
+            }
+        } else if !full[l] {
             return Ok(Sparse::Shared);
         }
-        let p = format!("model.layers.{l}.self_attn.indexer");
         Ok(Sparse::Own {
             indexer: Indexer {
                 wq_b: Linear::load(ckpt, &format!("{p}.wq_b"), heads * head_dim, q_lora, false)?,

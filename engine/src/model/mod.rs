@@ -90,6 +90,11 @@ pub trait CausalLm: Send + Sync {
             .map(|it| self.forward(it.tokens, it.cache, it.logits))
             .collect()
     }
+    /// The model's multi-token-prediction drafter, when its checkpoint has one and loading
+    /// asked for it ([`crate::store::StoreOptions::mtp`]).
+    fn drafter(&self) -> Option<&dyn Drafter> {
+        None
+    }
     /// Counters of the expert store, if it keeps any.
     fn store_stats(&self) -> Option<crate::store::StoreSnapshot> {
         None
@@ -98,6 +103,19 @@ pub trait CausalLm: Send + Sync {
     fn flush(&self) -> Result<()> {
         Ok(())
     }
+}
+
+/// Draft tokens from a model's own multi-token-prediction head (speculative decoding; see
+/// `runtime::speculative`). Drafts are proposals: the main model verifies every one.
+pub trait Drafter: Send + Sync {
+    /// An empty cache for the draft head's own attention layer.
+    fn new_draft_cache(&self, max_len: usize) -> KvCache;
+    /// The main forward pass with every logits row, plus the final-normed hidden rows.
+    fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<(Vec<f32>, Vec<f32>)>;
+    /// Run the head over (hidden row `i`, token `next[i]`) pairs — the main model's state
+    /// at a position and the token that followed it — appending them to `cache`; returns the
+    /// logits of the token after the last pair's.
+    fn draft(&self, hidden: &[f32], next: &[u32], cache: &mut KvCache) -> Result<Vec<f32>>;
 }
 
 /// The `model_type`s this build runs.

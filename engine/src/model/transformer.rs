@@ -59,6 +59,15 @@ pub struct Block {
     pub ffn: Ffn,
 }
 
+/// One sequence's share of a block's rows: `rows` rows at positions `start..`, its cache
+/// of this layer and its sparse-attention pick.
+struct SeqPart<'a> {
+    rows: usize,
+    start: usize,
+    kv: &'a mut super::cache::LayerKv,
+    selection: &'a mut Option<Selection>,
+}
+
 /// A pre-norm decoder-only transformer.
 pub struct Transformer {
     pub embed: Tensor,
@@ -68,6 +77,25 @@ pub struct Transformer {
     pub info: ModelInfo,
     /// The routed-expert store, if the model has one.
     pub store: Option<std::sync::Arc<dyn crate::store::ExpertStore>>,
+    /// The multi-token-prediction head, when the checkpoint has one and drafting asked for it.
+    pub mtp: Option<MtpHead>,
+}
+
+/// A DeepSeek-style multi-token-prediction (MTP) head: from the main model's final-normed
+/// hidden state at position `i` and the embedding of token `i + 1`, one more decoder layer
+/// predicts token `i + 2`:
+/// `logits = head(norm(Block(eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]))))`.
+/// Checkpoints carry it as layer `num_hidden_layers` (`enorm`, `hnorm`, `eh_proj`,
+/// `shared_head.{norm,head}` and a full decoder layer); transformers does not run it, so no
+/// oracle checks it. Its drafts are only ever proposals the main model verifies.
+pub struct MtpHead {
+    pub enorm: RmsNorm,
+    pub hnorm: RmsNorm,
+    /// `[D, 2D]`.
+    pub eh_proj: Linear,
+    pub block: Block,
+    pub norm: RmsNorm,
+    pub head: Linear,
 }
 
 impl CausalLm for Transformer {
@@ -96,11 +124,72 @@ impl CausalLm for Transformer {
         self.store.as_ref().and_then(|s| s.stats())
     }
 
+    fn drafter(&self) -> Option<&dyn super::Drafter> {
+        self.mtp.as_ref().map(|_| self as &dyn super::Drafter)
+    }
+
     fn flush(&self) -> Result<()> {
         match &self.store {
             Some(s) => s.flush(),
             None => Ok(()),
         }
+    }
+}
+
+impl super::Drafter for Transformer {
+    fn new_draft_cache(&self, max_len: usize) -> KvCache {
+        KvCache::new(1, max_len)
+    }
+
+    fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<(Vec<f32>, Vec<f32>)> {
+        rayon::scope(|_| {
+            let mut item = [BatchItem {
+                tokens,
+                cache,
+                logits: Logits::All,
+            }];
+            let (mut logits, hidden) = self.run_batch(&mut item)?;
+            Ok((logits.remove(0), hidden))
+        })
+    }
+
+    fn draft(&self, hidden: &[f32], next: &[u32], cache: &mut KvCache) -> Result<Vec<f32>> {
+        let mtp = self
+            .mtp
+            .as_ref()
+            .ok_or_else(|| Error::Invalid("this model has no MTP head loaded".into()))?;
+        let d = self.info.hidden_size;
+        if hidden.len() != next.len() * d || next.is_empty() {
+            return Err(Error::Invalid(format!(
+                "MTP draft: {} hidden values for {} tokens of width {d}",
+                hidden.len(),
+                next.len()
+            )));
+        }
+        if cache.len + next.len() > cache.max_len {
+            return Err(Error::Invalid("MTP draft: the draft cache is full".into()));
+        }
+        rayon::scope(|_| {
+            let e = mtp.enorm.forward(&embed(&self.embed, next)?);
+            let hn = mtp.hnorm.forward(hidden);
+            let mut joined = Vec::with_capacity(2 * e.len());
+            for (er, hr) in e.chunks(d).zip(hn.chunks(d)) {
+                joined.extend_from_slice(er);
+                joined.extend_from_slice(hr);
+            }
+            let mut h = mtp.eh_proj.forward(&joined);
+            let mut selection = None;
+            let mut seqs = [SeqPart {
+                rows: next.len(),
+                start: cache.len,
+                kv: &mut cache.layers[0],
+                selection: &mut selection,
+            }];
+            self.block_forward(&mtp.block, &mut h, &mut seqs, |_| {})?;
+            cache.len += next.len();
+            let last = &h[(next.len() - 1) * d..];
+            Ok(mtp.head.forward(&mtp.norm.forward(last)))
+        })
     }
 }
 
@@ -126,6 +215,12 @@ impl Transformer {
     /// union of all sequences is acquired once per layer), attention runs per sequence over
     /// its own cache.
     fn forward_batch_on_pool(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.run_batch(items)?.0)
+    }
+
+    /// [`Self::forward_batch_on_pool`], also returning the final-normed hidden rows the
+    /// logits were computed from (the input of a multi-token-prediction head).
+    fn run_batch(&self, items: &mut [BatchItem<'_>]) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
         for it in items.iter() {
             if it.tokens.is_empty() {
                 return Err(Error::Invalid("forward needs at least one token".into()));
@@ -148,58 +243,17 @@ impl Transformer {
         // Each sequence's sparse-attention pick, handed from a layer to the next.
         let mut selections: Vec<Option<Selection>> = vec![None; items.len()];
         for (l, block) in self.blocks.iter().enumerate() {
-            let t0 = Instant::now();
-            let x = block.attn_norm.forward(&h);
-            // Projections over all rows at once (each weight read once per step), attention
-            // per sequence over its own cache.
-            let mut heads_out = Vec::new();
-            let mut row = 0;
-            match &block.attn {
-                SelfAttention::Gqa(attn) => {
-                    let (q, k, v) = attn.project(&x);
-                    let (qw, kw) = (q.len() / all.len(), k.len() / all.len());
-                    for it in items.iter_mut() {
-                        let n = it.tokens.len();
-                        let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
-                        heads_out.extend(attn.attend_sequence(
-                            seg(&q, qw),
-                            seg(&k, kw),
-                            seg(&v, kw),
-                            it.cache.len,
-                            &mut it.cache.layers[l],
-                        ));
-                        row += n;
-                    }
-                }
-                SelfAttention::Mla(mla) => {
-                    let rows = mla.project(&x);
-                    for (it, sel) in items.iter_mut().zip(selections.iter_mut()) {
-                        let n = it.tokens.len();
-                        heads_out.extend(mla.attend_sequence(
-                            rows.segment(row, n, all.len()),
-                            it.cache.len,
-                            &mut it.cache.layers[l],
-                            sel,
-                        ));
-                        row += n;
-                    }
-                }
-            }
-            let a = block.attn.output().forward(&heads_out);
-            add_inplace(&mut h, &a);
-            telemetry::add(Part::Attention, t0);
-            self.prefetch_next(l, &h);
-            let x = block.ffn_norm.forward(&h);
-            let f = match &block.ffn {
-                Ffn::Dense(mlp) => {
-                    let t0 = Instant::now();
-                    let y = mlp.forward(&x);
-                    telemetry::add(Part::DenseMlp, t0);
-                    y
-                }
-                Ffn::Moe(moe) => moe.forward(&x)?,
-            };
-            add_inplace(&mut h, &f);
+            let mut seqs: Vec<SeqPart<'_>> = items
+                .iter_mut()
+                .zip(selections.iter_mut())
+                .map(|(it, sel)| SeqPart {
+                    rows: it.tokens.len(),
+                    start: it.cache.len,
+                    kv: &mut it.cache.layers[l],
+                    selection: sel,
+                })
+                .collect();
+            self.block_forward(block, &mut h, &mut seqs, |h| self.prefetch_next(l, h))?;
         }
         for it in items.iter_mut() {
             it.cache.len += it.tokens.len();
@@ -223,7 +277,7 @@ impl Transformer {
             row += n;
         }
         if rows.is_empty() {
-            return Ok(vec![Vec::new(); items.len()]);
+            return Ok((vec![Vec::new(); items.len()], Vec::new()));
         }
         let t0 = Instant::now();
         let x = self.norm.forward(&rows);
@@ -236,7 +290,71 @@ impl Transformer {
             result.push(out[at * vocab..(at + c) * vocab].to_vec());
             at += c;
         }
-        Ok(result)
+        Ok((result, x))
+    }
+
+    /// One decoder layer over the stacked rows `h` of several sequences (in place):
+    /// norms, projections and the FFN over all rows at once (each weight read once per
+    /// step), attention per sequence over its own cache. `after_attention` sees the hidden
+    /// state between the two halves (the prefetcher's hook).
+    fn block_forward(
+        &self,
+        block: &Block,
+        h: &mut [f32],
+        seqs: &mut [SeqPart<'_>],
+        after_attention: impl FnOnce(&[f32]),
+    ) -> Result<()> {
+        let total: usize = seqs.iter().map(|s| s.rows).sum();
+        let t0 = Instant::now();
+        let x = block.attn_norm.forward(h);
+        let mut heads_out = Vec::new();
+        let mut row = 0;
+        match &block.attn {
+            SelfAttention::Gqa(attn) => {
+                let (q, k, v) = attn.project(&x);
+                let (qw, kw) = (q.len() / total, k.len() / total);
+                for s in seqs.iter_mut() {
+                    let n = s.rows;
+                    let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
+                    heads_out.extend(attn.attend_sequence(
+                        seg(&q, qw),
+                        seg(&k, kw),
+                        seg(&v, kw),
+                        s.start,
+                        s.kv,
+                    ));
+                    row += n;
+                }
+            }
+            SelfAttention::Mla(mla) => {
+                let rows = mla.project(&x);
+                for s in seqs.iter_mut() {
+                    heads_out.extend(mla.attend_sequence(
+                        rows.segment(row, s.rows, total),
+                        s.start,
+                        s.kv,
+                        s.selection,
+                    ));
+                    row += s.rows;
+                }
+            }
+        }
+        let a = block.attn.output().forward(&heads_out);
+        add_inplace(h, &a);
+        telemetry::add(Part::Attention, t0);
+        after_attention(h);
+        let x = block.ffn_norm.forward(h);
+        let f = match &block.ffn {
+            Ffn::Dense(mlp) => {
+                let t0 = Instant::now();
+                let y = mlp.forward(&x);
+                telemetry::add(Part::DenseMlp, t0);
+                y
+            }
+            Ffn::Moe(moe) => moe.forward(&x)?,
+        };
+        add_inplace(h, &f);
+        Ok(())
     }
 
     /// One-layer-ahead prefetch: apply layer `l + 1`'s norm and router to the hidden state
@@ -421,6 +539,7 @@ pub fn load_standard(
         lm_head,
         info,
         store,
+        mtp: None,
     })
 }
 

@@ -9,3 +9,4 @@ pub mod loaded;
 pub mod quality;
 pub mod sampling;
 pub mod scheduler;
+pub mod speculative;

@@ -297,6 +297,9 @@ pub struct StoreOptions {
     /// How multi-head latent attention is computed (not placement, but chosen at load time
     /// like it, and like it never changes which tokens come out beyond rounding).
     pub mla_form: crate::model::mla::MlaForm,
+    /// Load the checkpoint's multi-token-prediction head (layer `num_hidden_layers` of the
+    /// DeepSeek-style families) for drafting; its routed experts join the store.
+    pub mtp: bool,
 }
 
 /// Expert cache eviction policy.
