@@ -1,10 +1,14 @@
 //! `coli run`: generate from a prompt, streaming the new text to stdout, then one stats line
-//! on stderr.
+//! on stderr. With `--kv-file`, the conversation (tokens and KV cache) is restored from and
+//! saved to a file, so that a later process continues it without recomputing it.
 
 use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use colibri::runtime::generate::{generate, GenerateParams};
+use colibri::runtime::generate::{generate_continue, Conversation, GenerateParams};
+use colibri::runtime::kv_file;
+use colibri::runtime::loaded::LoadedModel;
 use colibri::runtime::sampling::SamplingParams;
 
 use crate::model_arg::ModelArgs;
@@ -50,12 +54,47 @@ pub struct RunArgs {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Keep the conversation in this file (a warm conversation).
+    ///
+    /// If PATH does not exist, generation starts from the prompt as usual. If it exists, it
+    /// must hold a conversation saved by `coli run --kv-file` with the same model: its tokens
+    /// and KV cache are restored and the conversation continues from them. The prompt is then
+    /// tokenized without a beginning-of-sequence token, may be empty (`-p ""`), and is
+    /// appended to the saved tokens; only tokens not already in the saved cache are run
+    /// through the model. With --chat, the template is rendered for the new user turn alone
+    /// (after the --system message, if given) with the assistant prompt, a leading
+    /// bos_token is dropped, and the result is appended the same way.
+    ///
+    /// After generation the whole conversation is saved to PATH atomically (a temporary file
+    /// renamed into place): the saved and new tokens, the generated ones, and the
+    /// end-of-sequence token if one ended the generation. The last token is saved as pending
+    /// (not yet run), so a greedy run (--temperature 0) split over several processes
+    /// generates exactly the tokens of one uninterrupted run. Sampling restarts its random
+    /// generator from --seed in each process, so a sampled continuation is reproducible but
+    /// not the one an uninterrupted run would have drawn; stop strings are looked for in the
+    /// new text only. The new text is decoded after the saved conversation's last tokens.
+    ///
+    /// A file saved with another model (different config.json or tensor layout), from
+    /// another format version, truncated or failing its checksum is refused with an error;
+    /// delete it to start afresh.
+    #[arg(long, value_name = "PATH")]
+    pub kv_file: Option<PathBuf>,
 }
 
 /// Run `coli run`.
 pub fn run(args: RunArgs) -> Result<()> {
     let loaded = args.model.load(true)?;
     let tok = loaded.tokenizer()?;
+    let model = loaded.model.as_ref();
+    let (fingerprint, restored) = match &args.kv_file {
+        Some(path) => {
+            let (fingerprint, conv) = restore(path, &loaded)?;
+            (Some(fingerprint), conv)
+        }
+        None => (None, None),
+    };
+    let mut conv = restored.unwrap_or_else(|| Conversation::new(model));
+    let continued = !conv.tokens.is_empty();
     let prompt_ids = if args.chat {
         let template = loaded.chat_template.as_ref().with_context(|| {
             format!(
@@ -69,9 +108,15 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
         messages.push(serde_json::json!({"role": "user", "content": args.prompt}));
         let text = template.render(&messages, true, None, None)?;
+        let text = match template.bos_token() {
+            Some(bos) if continued && !bos.is_empty() => {
+                text.strip_prefix(bos).unwrap_or(&text).to_string()
+            }
+            _ => text,
+        };
         tok.encode(&text, false)?
     } else {
-        tok.encode(&args.prompt, true)?
+        tok.encode(&args.prompt, !continued)?
     };
     let g = &loaded.generation;
     let sampling = SamplingParams {
@@ -99,9 +144,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
-    let result = generate(
-        loaded.model.as_ref(),
+    let result = generate_continue(
+        model,
         Some(tok),
+        &mut conv,
         &prompt_ids,
         &params,
         |text| {
@@ -121,6 +167,21 @@ pub fn run(args: RunArgs) -> Result<()> {
         .flush()
         .context("saving the expert usage history")?;
     writeln!(out)?;
+    if let (Some(path), Some(fingerprint)) = (&args.kv_file, &fingerprint) {
+        let bytes = kv_file::save(path, fingerprint, &conv).with_context(|| {
+            format!(
+                "--kv-file: cannot save the conversation to {}",
+                path.display()
+            )
+        })?;
+        eprintln!(
+            "coli: saved the conversation to {}: {} tokens ({} cached), {}",
+            path.display(),
+            conv.tokens.len(),
+            conv.cache.len,
+            size_text(bytes)
+        );
+    }
     if let Some(s) = loaded.model.store_stats() {
         eprintln!(
             "experts: hit rate {:.1} % ({:.1} % of bytes), {:.2} GB read from disk, {:.2} s waiting for reads, prefetch recall {:.0} %",
@@ -141,6 +202,48 @@ pub fn run(args: RunArgs) -> Result<()> {
         colibri::tensor::threads::current(),
     );
     Ok(())
+}
+
+/// The model's fingerprint and, when `path` exists, the conversation saved in it (checked
+/// against the model). Reports on stderr what was restored.
+fn restore(path: &Path, loaded: &LoadedModel) -> Result<(String, Option<Conversation>)> {
+    let fingerprint = kv_file::model_fingerprint(&loaded.dir).with_context(|| {
+        format!(
+            "--kv-file: cannot fingerprint the model in {}",
+            loaded.dir.display()
+        )
+    })?;
+    if !path.exists() {
+        eprintln!(
+            "coli: {} does not exist: starting a new conversation, saved there at the end",
+            path.display()
+        );
+        return Ok((fingerprint, None));
+    }
+    let conv = kv_file::restore(path, &fingerprint, loaded.model.as_ref()).with_context(|| {
+        format!(
+            "--kv-file: cannot continue the conversation in {}",
+            path.display()
+        )
+    })?;
+    let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    eprintln!(
+        "coli: restored {} tokens ({} cached, {} pending) from {} ({})",
+        conv.tokens.len(),
+        conv.cache.len,
+        conv.pending().len(),
+        path.display(),
+        size_text(bytes)
+    );
+    Ok((fingerprint, Some(conv)))
+}
+
+fn size_text(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{bytes} bytes")
+    }
 }
 
 fn random_seed() -> u64 {

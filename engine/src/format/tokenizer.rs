@@ -397,6 +397,35 @@ mod tests {
     }
 
     #[test]
+    fn text_stream_with_context_continues_the_text() {
+        // A SentencePiece-style decoder drops the leading space of the first token it
+        // decodes: text continued after earlier ids must keep it.
+        let json = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+            "normalizer":null,"post_processor":null,
+            "pre_tokenizer":{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true},
+            "decoder":{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true},
+            "model":{"type":"WordLevel","vocab":{"▁hello":0,"▁world":1,"▁again":2,"<unk>":3},"unk_token":"<unk>"}}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json).unwrap();
+        let tok = Tokenizer::from_file(&path).unwrap();
+        let ids = [0, 1, 2, 1];
+        let whole = tok.decode(&ids, true).unwrap();
+        assert_eq!(whole, "hello world again world");
+        for k in 1..ids.len() {
+            let mut stream = TextStream::with_context(&tok, &ids[..k]).unwrap();
+            let mut text = tok.decode(&ids[..k], true).unwrap();
+            for &id in &ids[k..] {
+                text.push_str(&stream.push(&tok, id).unwrap());
+            }
+            text.push_str(&stream.finish(&tok).unwrap());
+            assert_eq!(text, whole, "split after {k} ids");
+        }
+        // Without the context the space is lost.
+        assert_eq!(TextStream::new().push(&tok, 1).unwrap(), "world");
+    }
+
+    #[test]
     fn text_stream_holdback_is_bounded() {
         let tok = trained();
         // A run of lone continuation bytes never completes a character; after more than

@@ -174,9 +174,7 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
     }
     let reserved = u32::from_le_bytes(header[12..16].try_into().unwrap());
     let body_len = u64::from_le_bytes(header[16..24].try_into().unwrap());
-    let expected = body_len
-        .checked_add(HEADER_BYTES + TRAILER_BYTES)
-        .unwrap_or(u64::MAX);
+    let expected = body_len.saturating_add(HEADER_BYTES + TRAILER_BYTES);
     if size < expected {
         return Err(Error::corrupt(
             path,
@@ -424,7 +422,7 @@ impl Body<'_> {
 
     /// `n` 4-byte values, converted by `f`.
     fn words<T>(&mut self, n: u64, f: impl Fn([u8; 4]) -> T) -> Result<Vec<T>> {
-        self.take(n.checked_mul(4).unwrap_or(u64::MAX))?;
+        self.take(n.saturating_mul(4))?;
         let n = n as usize;
         let mut out = Vec::with_capacity(n);
         let mut buf = vec![0u8; 4 * CHUNK_VALUES.min(n)];

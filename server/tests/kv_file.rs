@@ -1,0 +1,226 @@
+//! Warm conversations through the `coli` binary: a greedy generation split over two
+//! processes by `coli run --kv-file` produces exactly the tokens, text and KV cache of one
+//! uninterrupted run, and damaged or foreign KV files are refused with a clear error.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use colibri::runtime::generate::Conversation;
+use colibri::runtime::kv_file;
+
+fn fixture(arch: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/fixtures")
+        .join(arch)
+}
+
+fn reference(arch: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap())
+        .unwrap()
+}
+
+fn coli(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_coli"))
+        .args(args)
+        .env(
+            "COLI_CACHE_DIR",
+            std::env::temp_dir().join("coli-test-cache-unused"),
+        )
+        .env(
+            "COLI_STATE_DIR",
+            std::env::temp_dir().join("coli-test-state"),
+        )
+        .output()
+        .expect("coli runs")
+}
+
+/// Greedy `coli run` on `arch`'s fixture; returns (text without the final newline, stderr).
+fn run(arch: &str, prompt: &str, max_tokens: usize, kv: Option<&Path>) -> (String, String) {
+    let dir = fixture(arch);
+    let max = max_tokens.to_string();
+    let mut args = vec![
+        "run",
+        "--model",
+        dir.to_str().unwrap(),
+        "-p",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        &max,
+        "--ignore-eos",
+    ];
+    if let Some(kv) = kv {
+        args.extend(["--kv-file", kv.to_str().unwrap()]);
+    }
+    let out = coli(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{arch}: coli failed: {stderr}");
+    let text = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    let text = text
+        .strip_suffix('\n')
+        .expect("ends with a newline")
+        .to_string();
+    (text, stderr)
+}
+
+fn load(arch: &str, path: &Path) -> Conversation {
+    let fp = kv_file::model_fingerprint(&fixture(arch)).unwrap();
+    kv_file::load(path, &fp).unwrap()
+}
+
+fn bits(c: &Conversation) -> Vec<u32> {
+    c.cache
+        .layers
+        .iter()
+        .flat_map(|l| l.k.iter().chain(&l.v).chain(&l.aux))
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+#[test]
+fn a_greedy_run_split_over_two_processes_continues_exactly() {
+    // qwen3_moe's fixture generates plain ASCII, so its text must join up exactly too; the
+    // others' generations hold bytes that are not whole UTF-8 characters, whose text at a
+    // split can legitimately differ, so for them the tokens and caches are compared. The
+    // families cover grouped-query attention (k, v) and MLA (latent k, rope v) with and
+    // without the DSA indexer's keys (aux).
+    for (arch, compare_text) in [
+        ("qwen3_moe", true),
+        ("olmoe", false),
+        ("llama", false),
+        ("deepseek_v3", false),
+        ("glm_moe_dsa", false),
+    ] {
+        let r = reference(arch);
+        let prompt = r["prompt_text"].as_str().unwrap();
+        let prompt_len = r["prompt_ids"].as_array().unwrap().len();
+        let greedy: Vec<u32> = r["greedy_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let (n, m) = (6, 9);
+        let tmp = tempfile::tempdir().unwrap();
+
+        // A: one uninterrupted run, plain and with a (new) KV file to read its tokens from.
+        let (text_a, _) = run(arch, prompt, n + m, None);
+        let a_kv = tmp.path().join("a.kv");
+        let (text_a2, _) = run(arch, prompt, n + m, Some(&a_kv));
+        assert_eq!(
+            text_a2, text_a,
+            "{arch}: --kv-file on a new file changes nothing"
+        );
+        let a = load(arch, &a_kv);
+        assert_eq!(a.tokens.len(), prompt_len + n + m, "{arch}");
+        assert_eq!(
+            a.tokens[prompt_len..],
+            greedy[..n + m],
+            "{arch}: the reference greedy tokens"
+        );
+
+        // B1: the first N tokens, saved; B2: a new process continues for M more.
+        let f = tmp.path().join("conv.kv");
+        let (text_b1, err_b1) = run(arch, prompt, n, Some(&f));
+        assert!(
+            err_b1.contains("does not exist: starting a new conversation"),
+            "{arch}: {err_b1}"
+        );
+        assert!(f.is_file(), "{arch}: the KV file is written");
+        let b1 = load(arch, &f);
+        assert_eq!(b1.tokens.len(), prompt_len + n, "{arch}");
+        assert_eq!(
+            b1.cache.len,
+            prompt_len + n - 1,
+            "{arch}: last token pending"
+        );
+        let size = std::fs::metadata(&f).unwrap().len();
+        let (text_b2, err_b2) = run(arch, "", m, Some(&f));
+        assert!(
+            err_b2.contains(&format!(
+                "restored {} tokens ({} cached, 1 pending)",
+                prompt_len + n,
+                prompt_len + n - 1
+            )) && err_b2.contains(&format!("({size} bytes)")),
+            "{arch}: restore report: {err_b2}"
+        );
+        assert!(
+            err_b2.contains("prompt: 1 tokens"),
+            "{arch}: only the pending token is run: {err_b2}"
+        );
+
+        if arch == "glm_moe_dsa" {
+            assert!(
+                a.cache.layers.iter().any(|l| !l.aux.is_empty()),
+                "{arch}: the indexer keys are saved"
+            );
+        }
+
+        let b2 = load(arch, &f);
+        assert_eq!(b2.tokens, a.tokens, "{arch}: B1 + B2 tokens == A tokens");
+        assert_eq!(b2.cache.len, a.cache.len, "{arch}");
+        assert!(bits(&b2) == bits(&a), "{arch}: bit-identical caches");
+        if compare_text {
+            assert!(!text_b1.is_empty() && !text_b2.is_empty(), "{arch}");
+            assert_eq!(
+                format!("{text_b1}{text_b2}"),
+                text_a,
+                "{arch}: B1 + B2 text == A text"
+            );
+        }
+    }
+}
+
+#[test]
+fn damaged_or_foreign_kv_files_are_refused() {
+    let arch = "qwen3_moe";
+    let prompt = reference(arch)["prompt_text"].as_str().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good.kv");
+    run(arch, &prompt, 3, Some(&good));
+    let bytes = std::fs::read(&good).unwrap();
+
+    let refused = |name: &str, content: &[u8], model: &str, want: &str| {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, content).unwrap();
+        let dir = fixture(model);
+        let out = coli(&[
+            "run",
+            "--model",
+            dir.to_str().unwrap(),
+            "-p",
+            "",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "2",
+            "--kv-file",
+            path.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name} was accepted: {stderr}");
+        assert!(
+            stderr.contains(want) && stderr.contains(name) && stderr.contains("delete it"),
+            "{name}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            content,
+            "{name}: a refused file is left as it was"
+        );
+    };
+
+    let mut corrupt = bytes.clone();
+    let mid = corrupt.len() / 2;
+    corrupt[mid] ^= 0x01;
+    refused("corrupt.kv", &corrupt, arch, "checksum mismatch");
+    refused(
+        "truncated.kv",
+        &bytes[..bytes.len() - 100],
+        arch,
+        "truncated",
+    );
+    refused("foreign.kv", &bytes, "olmoe", "different model");
+    refused("text.kv", b"hello, world", arch, "not a colibri KV file");
+}
