@@ -162,3 +162,8 @@ fn kimi_k25_matches_transformers() {
 fn glm_moe_dsa_matches_transformers() {
     check("glm_moe_dsa");
 }
+
+#[test]
+fn deepseek_v4_matches_transformers() {
+    check("deepseek_v4");
+}

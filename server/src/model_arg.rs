@@ -57,6 +57,12 @@ pub struct ModelArgs {
     /// the latent space; default) or expanded (per-head keys and values, as transformers).
     #[arg(long, default_value = "absorbed")]
     pub mla_form: String,
+    /// Draft tokens with the checkpoint's multi-token-prediction head (`mtp`; DeepSeek-V3,
+    /// GLM-4.5+/5 checkpoints carry one) and verify them in one batched step: the output is
+    /// identical, only the speed changes; drafting turns itself off when it does not pay.
+    /// `none` (default) does not load the head.
+    #[arg(long, default_value = "none")]
+    pub draft: String,
 }
 
 impl ModelArgs {
@@ -125,6 +131,11 @@ impl ModelArgs {
                 .mla_form
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--mla-form: {e}"))?,
+            mtp: match self.draft.as_str() {
+                "none" => false,
+                "mtp" => true,
+                other => anyhow::bail!("--draft: unknown `{other}` (expected `none` or `mtp`)"),
+            },
         })
     }
 

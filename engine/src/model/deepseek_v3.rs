@@ -227,6 +227,7 @@ impl DeepseekMoe {
             store: store.clone(),
             correction_bias,
             shared,
+            swiglu_limit: None,
         }))
     }
 }

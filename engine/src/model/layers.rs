@@ -437,11 +437,13 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// `down(silu(gate(x)) · up(x))`.
+/// `down(silu(gate(x)) · up(x))`, optionally clamped (see [`swiglu`]).
 pub struct Mlp {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// DeepSeek-V4's `swiglu_limit`.
+    pub limit: Option<f32>,
 }
 
 impl Mlp {
@@ -457,6 +459,7 @@ impl Mlp {
             gate: Linear::load(ckpt, &format!("{prefix}.gate_proj"), inter, hidden, bias)?,
             up: Linear::load(ckpt, &format!("{prefix}.up_proj"), inter, hidden, bias)?,
             down: Linear::load(ckpt, &format!("{prefix}.down_proj"), hidden, inter, bias)?,
+            limit: None,
         })
     }
 
@@ -464,19 +467,46 @@ impl Mlp {
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let g = self.gate.forward(x);
         let u = self.up.forward(x);
-        let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+        let h: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| swiglu(g, u, self.limit))
+            .collect();
         self.down.forward(&h)
+    }
+}
+
+/// `silu(g) · u`; with a limit ℓ (DeepSeek-V4), `g` is first clamped to `≤ ℓ` and `u` to
+/// `[−ℓ, ℓ]`.
+#[inline]
+pub fn swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
+    match limit {
+        None => silu(g) * u,
+        Some(l) => silu(g.min(l)) * u.clamp(-l, l),
     }
 }
 
 /// SwiGLU over an expert's three matrices, `[m, D]` → `[m, D]`.
 pub fn expert_swiglu(expert: &crate::store::Expert, x: &[f32]) -> Vec<f32> {
+    expert_swiglu_limited(expert, x, None)
+}
+
+/// [`expert_swiglu`] with an optional clamp (see [`swiglu`]).
+pub fn expert_swiglu_limited(
+    expert: &crate::store::Expert,
+    x: &[f32],
+    limit: Option<f32>,
+) -> Vec<f32> {
     let (g, u) = crate::tensor::matmul::matmul_pair(
         x,
         &expert.gate.view().expect("checked at load"),
         &expert.up.view().expect("checked at load"),
     );
-    let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+    let h: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| swiglu(g, u, limit))
+        .collect();
     let down = expert.down.view().expect("checked at load");
     let mut y = vec![0.0; (h.len() / down.cols) * down.rows];
     matmul(&h, &down, &mut y);
@@ -500,6 +530,9 @@ pub enum Router {
         renormalize: bool,
         scaling: f32,
     },
+    /// DeepSeek-V4: `s = sqrt(softplus(logits))`; the selection uses `s + correction_bias`;
+    /// the weights are the chosen `s`, renormalised (`Σ + 1e-20`), times `scaling`.
+    SqrtSoftplus { scaling: f32 },
 }
 
 impl Router {
@@ -558,8 +591,33 @@ impl Router {
                 }
                 chosen
             }
+            Router::SqrtSoftplus { scaling } => {
+                let scores: Vec<f32> = logits.iter().map(|&x| sqrt_softplus(x)).collect();
+                let choice: Vec<f32> = match bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                let ids: Vec<usize> = top_k(&choice, k).into_iter().map(|c| c.0).collect();
+                weights_of(&scores, &ids, scaling)
+            }
         }
     }
+}
+
+/// `sqrt(softplus(x))`, softplus as torch computes it (linear above 20).
+#[inline]
+pub fn sqrt_softplus(x: f32) -> f32 {
+    let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
+    sp.sqrt()
+}
+
+/// The chosen experts with their scores, renormalised (`Σ + 1e-20`) and scaled: how
+/// DeepSeek-V4 weights both its learned and its hash-routed choices.
+pub fn weights_of(scores: &[f32], ids: &[usize], scaling: f32) -> Vec<(usize, f32)> {
+    let sum: f32 = ids.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+    ids.iter()
+        .map(|&e| (e, scores[e] / sum * scaling))
+        .collect()
 }
 
 /// The logistic function.
@@ -592,6 +650,8 @@ pub struct MoeBlock {
     pub correction_bias: Option<Vec<f32>>,
     /// Always-on experts added to the routed sum (DeepSeek's `shared_experts`).
     pub shared: Option<Mlp>,
+    /// Clamp of the experts' SwiGLU (DeepSeek-V4's `swiglu_limit`).
+    pub swiglu_limit: Option<f32>,
 }
 
 impl MoeBlock {
@@ -614,13 +674,19 @@ impl MoeBlock {
 
     /// Apply to `[T, D]`.
     pub fn forward(&self, x: &[f32]) -> Result<Vec<f32>> {
+        let routes = self.route(x);
+        self.forward_routes(x, &routes)
+    }
+
+    /// Apply to `[T, D]` with the (expert, weight) choices of every row given (hash-routed
+    /// layers choose from the token ids, not from `x`).
+    pub fn forward_routes(&self, x: &[f32], routes: &[Vec<(usize, f32)>]) -> Result<Vec<f32>> {
         let d = self.gate.weight.shape[1];
         let t_len = x.len() / d;
-        let routes = self.route(x);
-        let union = union_of(&routes);
+        let union = union_of(routes);
         let mut lease = self.store.acquire(self.layer, &union)?;
         // slots[(t * k + s) * d ..] holds expert (t, s)'s output.
-        let k = self.top_k;
+        let k = routes.first().map_or(self.top_k, |r| r.len());
         let mut slots = vec![0.0f32; t_len * k * d];
         while let Some(item) = lease.next_expert() {
             let (e, expert) = item?;
@@ -637,7 +703,7 @@ impl MoeBlock {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
             let t0 = std::time::Instant::now();
-            let ys = expert_swiglu(&expert, &xs);
+            let ys = expert_swiglu_limited(&expert, &xs, self.swiglu_limit);
             super::telemetry::add(super::telemetry::Part::Experts, t0);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]

@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod deepseek_v3;
+pub mod deepseek_v4;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
 pub mod layers;
@@ -128,6 +129,7 @@ pub const SUPPORTED: &[&str] = &[
     "kimi_k25",
     "glm4_moe",
     "glm_moe_dsa",
+    "deepseek_v4",
 ];
 
 /// Load the model in `dir` with every weight resident.
@@ -180,6 +182,7 @@ fn load_family(
         "kimi_k25" => Box::new(deepseek_v3::load_kimi_k25(ckpt, cfg, opts)?),
         "glm4_moe" => Box::new(glm4_moe::load(ckpt, cfg, opts)?),
         "glm_moe_dsa" => Box::new(glm_moe_dsa::load(ckpt, cfg, opts)?),
+        "deepseek_v4" => Box::new(deepseek_v4::load(ckpt, cfg, opts)?),
         other => {
             return Err(Error::config(
                 cfg.path(),

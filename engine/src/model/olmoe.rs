@@ -77,6 +77,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 store: store.clone(),
                 correction_bias: None,
                 shared: None,
+                swiglu_limit: None,
             }),
         })
     })

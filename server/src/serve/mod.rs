@@ -269,6 +269,7 @@ fn load_model(state: &AppState) {
             io: "auto".into(),
             mirror_weights: Vec::new(),
             mla_form: "absorbed".into(),
+            draft: "none".into(),
         };
         let loaded = Arc::new(args.load(true)?);
         let max_ctx = loaded.model.info().max_position_embeddings.max(2);
