@@ -37,6 +37,7 @@ fn every_budget_and_thread_count_gives_identical_bits() {
         "deepseek_v3",
         "kimi_k25",
         "glm_moe_dsa",
+        "deepseek_v4",
     ] {
         let dir = fixture(arch);
         let ids = prompt(arch);
