@@ -68,6 +68,27 @@ pub struct BenchReport {
     pub prefill_store: Option<StoreSnapshot>,
     pub decode_store: Option<StoreSnapshot>,
     pub loadavg: String,
+    /// KV-cache bytes one token adds (f32 values), and what per-head K/V attention of the
+    /// same shape would store.
+    pub kv_bytes_per_token: usize,
+    pub kv_bytes_per_token_full_attention: usize,
+    /// With `--draft mtp`: the same decode with drafts from the model's MTP head.
+    pub draft: Option<DraftReport>,
+}
+
+/// Decode with multi-token-prediction drafts, measured after the plain decode.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DraftReport {
+    pub decode_tok_per_s: f64,
+    pub acceptance: f64,
+    pub drafted: usize,
+    pub accepted: usize,
+    pub decode_gb_read_per_token: f64,
+    pub decode_miss_gb_per_token: f64,
+    /// Drafting changed no token (it must not).
+    pub tokens_identical: bool,
+    /// What `--draft mtp` would keep doing on this machine: drafting pays when it is faster.
+    pub pays: bool,
 }
 
 /// Run `coli bench`.
@@ -101,6 +122,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut history = prompt.clone();
     let mut next = sampler.sample(&logits, &history);
     let ttft = t0.elapsed().as_secs_f64();
+    let first = next;
 
     let times0 = Times::now();
     let t1 = Instant::now();
@@ -112,6 +134,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let decode = t1.elapsed().as_secs_f64();
     let decode_time = Times::now().since(&times0);
     let s2 = model.store_stats();
+    let plain_tokens: Vec<u32> = std::iter::once(first)
+        .chain(history[prompt.len() + 1..].iter().copied())
+        .chain(std::iter::once(next))
+        .collect();
+    let draft = match model.drafter() {
+        None => None,
+        Some(_) => Some(bench_drafts(
+            model,
+            &prompt,
+            &plain_tokens,
+            args.gen_tokens,
+        )?),
+    };
     model.flush().context("saving the expert usage history")?;
 
     let n = args.gen_tokens.max(1) as f64;
@@ -175,6 +210,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .unwrap_or_default()
             .trim()
             .to_string(),
+        kv_bytes_per_token: info.kv_bytes_per_token,
+        kv_bytes_per_token_full_attention: info.kv_bytes_per_token_full,
+        draft: draft.map(|mut d| {
+            d.pays = d.decode_tok_per_s > decode_tok_per_s;
+            d
+        }),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -242,7 +283,80 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         100.0 * r.memory_bandwidth_fraction,
         r.active_gb_per_token
     );
+    println!(
+        "kv cache: {} bytes per token ({} with per-head K/V: {:.1}× smaller)",
+        r.kv_bytes_per_token,
+        r.kv_bytes_per_token_full_attention,
+        r.kv_bytes_per_token_full_attention as f64 / r.kv_bytes_per_token.max(1) as f64
+    );
+    if let Some(d) = &r.draft {
+        println!(
+            "mtp:      {:.2} tok/s with drafts vs {:.2} without ({} drafted, {:.0} % accepted, {:.3} GB read per token); tokens identical: {}; drafting {}",
+            d.decode_tok_per_s,
+            r.decode_tok_per_s,
+            d.drafted,
+            100.0 * d.acceptance,
+            d.decode_gb_read_per_token,
+            d.tokens_identical,
+            if d.pays { "pays here" } else { "does not pay here (--draft mtp turns itself off)" }
+        );
+    }
     println!("loadavg:  {}", r.loadavg);
+}
+
+/// Decode the same prompt again, drafting at every step, and compare.
+fn bench_drafts(
+    model: &dyn colibri::model::CausalLm,
+    prompt: &[u32],
+    plain_tokens: &[u32],
+    gen_tokens: usize,
+) -> Result<DraftReport> {
+    use colibri::runtime::generate::GenerateParams;
+    use colibri::runtime::speculative::{generate_with_drafts, DraftPolicy};
+    let params = GenerateParams {
+        max_tokens: gen_tokens + 1,
+        eos_token_ids: vec![],
+        stop_strings: vec![],
+        sampling: SamplingParams {
+            seed: 7,
+            ..SamplingParams::default()
+        },
+    };
+    let s0 = model.store_stats();
+    let mut prefill_stats = None;
+    let (g, stats) = generate_with_drafts(
+        model,
+        None,
+        prompt,
+        &params,
+        DraftPolicy::Always,
+        |_| {},
+        |_| {
+            if prefill_stats.is_none() {
+                prefill_stats = Some(model.store_stats());
+            }
+        },
+    )?;
+    let s1 = model.store_stats();
+    let n = gen_tokens.max(1) as f64;
+    let store = match (s1, prefill_stats.flatten().or(s0)) {
+        (Some(b), Some(a)) => Some(b.since(&a)),
+        _ => None,
+    };
+    Ok(DraftReport {
+        decode_tok_per_s: g.decode_tok_per_s(),
+        acceptance: stats.acceptance(),
+        drafted: stats.drafted,
+        accepted: stats.accepted,
+        decode_gb_read_per_token: store
+            .as_ref()
+            .map_or(0.0, |s| s.bytes_read as f64 / 1e9 / n),
+        decode_miss_gb_per_token: store
+            .as_ref()
+            .map_or(0.0, |s| s.miss_bytes as f64 / 1e9 / n),
+        tokens_identical: g.tokens == plain_tokens,
+        pays: false,
+    })
 }
 
 /// Weight bytes one decode token touches: the dense weights plus the active experts.

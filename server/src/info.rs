@@ -72,6 +72,19 @@ pub fn run(args: InfoArgs) -> Result<()> {
         bytes(i.routed_expert_bytes),
         i.dtypes.join(", ")
     );
+    if i.kv_bytes_per_token == i.kv_bytes_per_token_full {
+        println!(
+            "kv cache:     {} per token (f32)",
+            bytes(i.kv_bytes_per_token)
+        );
+    } else {
+        println!(
+            "kv cache:     {} per token (f32); per-head K/V attention would take {} ({:.1}× more)",
+            bytes(i.kv_bytes_per_token),
+            bytes(i.kv_bytes_per_token_full),
+            i.kv_bytes_per_token_full as f64 / i.kv_bytes_per_token.max(1) as f64
+        );
+    }
     println!(
         "tokenizer:    {}",
         match &loaded.tokenizer {
