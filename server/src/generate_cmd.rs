@@ -144,21 +144,41 @@ pub fn run(args: RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
-    let result = generate_continue(
-        model,
-        Some(tok),
-        &mut conv,
-        &prompt_ids,
-        &params,
-        |text| {
-            if write_error.is_none() {
-                if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
-                    write_error = Some(e);
-                }
+    let mut on_text = |text: &str| {
+        if write_error.is_none() {
+            if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                write_error = Some(e);
             }
-        },
-        |_| {},
-    )?;
+        }
+    };
+    let mut draft_stats = None;
+    let result = if model.drafter().is_some() {
+        anyhow::ensure!(
+            args.kv_file.is_none(),
+            "--draft mtp and --kv-file cannot be combined yet: drop one of them"
+        );
+        let (g, stats) = colibri::runtime::speculative::generate_with_drafts(
+            model,
+            Some(tok),
+            &prompt_ids,
+            &params,
+            colibri::runtime::speculative::DraftPolicy::Auto,
+            &mut on_text,
+            |_| {},
+        )?;
+        draft_stats = Some(stats);
+        g
+    } else {
+        generate_continue(
+            model,
+            Some(tok),
+            &mut conv,
+            &prompt_ids,
+            &params,
+            &mut on_text,
+            |_| {},
+        )?
+    };
     if let Some(e) = write_error {
         return Err(e).context("writing stdout");
     }
@@ -180,6 +200,17 @@ pub fn run(args: RunArgs) -> Result<()> {
             conv.tokens.len(),
             conv.cache.len,
             size_text(bytes)
+        );
+    }
+    if let Some(d) = &draft_stats {
+        eprintln!(
+            "mtp drafts: {} verified, {:.0} % accepted; {} steps with drafts, {} without (measured {} vs {} tok/s)",
+            d.drafted,
+            100.0 * d.acceptance(),
+            d.draft_steps,
+            d.plain_steps,
+            d.draft_tok_per_s.map_or("-".into(), |r| format!("{r:.2}")),
+            d.plain_tok_per_s.map_or("-".into(), |r| format!("{r:.2}")),
         );
     }
     if let Some(s) = loaded.model.store_stats() {
