@@ -99,6 +99,7 @@ pub fn demo_args(out: PathBuf) -> SynthArgs {
         shard_bytes: 4_000_000_000,
         out,
         threads: 0,
+        ds: Default::default(),
     }
 }
 

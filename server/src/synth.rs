@@ -19,6 +19,31 @@ pub enum SynthArch {
     Qwen3Moe,
     Mixtral,
     Llama,
+    /// DeepSeek-V3 (and Kimi's text model): MLA, sigmoid router with expert groups, shared
+    /// experts, dense-first layers.
+    #[value(name = "deepseek-v3")]
+    DeepseekV3,
+    /// GLM-4.5/4.6/4.7: GQA with biased q/k/v, partial RoPE, otherwise deepseek-v3's MoE.
+    #[value(name = "glm4-moe")]
+    Glm4Moe,
+    /// GLM-5.x: deepseek-v3's MLA and MoE plus the DSA lightning indexer.
+    #[value(name = "glm-moe-dsa")]
+    GlmMoeDsa,
+}
+
+impl SynthArch {
+    /// deepseek-v3, glm4-moe and glm-moe-dsa: the architectures `DsArgs` applies to.
+    fn deepseek_style(self) -> bool {
+        matches!(
+            self,
+            SynthArch::DeepseekV3 | SynthArch::Glm4Moe | SynthArch::GlmMoeDsa
+        )
+    }
+
+    /// Multi-head latent attention (one key/value head per query head).
+    fn mla(self) -> bool {
+        matches!(self, SynthArch::DeepseekV3 | SynthArch::GlmMoeDsa)
+    }
 }
 
 /// Weight dtype of a synthetic checkpoint.
@@ -43,7 +68,7 @@ pub struct SynthArgs {
     /// Attention heads (default: hidden / 128, at least 1).
     #[arg(long)]
     pub heads: Option<usize>,
-    /// Key/value heads (default: = heads).
+    /// Key/value heads (default: = heads; MLA architectures always have = heads).
     #[arg(long)]
     pub kv_heads: Option<usize>,
     /// Routed experts per MoE layer (ignored for llama).
@@ -55,7 +80,8 @@ pub struct SynthArgs {
     /// Width of each expert.
     #[arg(long, default_value_t = 256)]
     pub moe_intermediate: usize,
-    /// Width of dense MLPs (llama; default 4 × hidden).
+    /// Width of dense MLPs (llama, and the dense-first layers of deepseek-v3, glm4-moe and
+    /// glm-moe-dsa; default 4 × hidden).
     #[arg(long)]
     pub intermediate: Option<usize>,
     /// Vocabulary size (the tokenizer is trained and padded to exactly this).
@@ -76,6 +102,89 @@ pub struct SynthArgs {
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Options of the DeepSeek-style architectures.
+    #[command(flatten)]
+    pub ds: DsArgs,
+}
+
+/// Shape options of the DeepSeek-style architectures (deepseek-v3, glm4-moe, glm-moe-dsa);
+/// the other architectures ignore them. The defaults suit the default 512-wide model.
+#[derive(clap::Args, Debug, Clone)]
+#[command(next_help_heading = "deepseek-v3 / glm4-moe / glm-moe-dsa")]
+pub struct DsArgs {
+    /// MLA query latent rank (0: a plain q_proj, deepseek-v3 only).
+    #[arg(long, default_value_t = 256)]
+    pub q_lora_rank: usize,
+    /// MLA key/value latent rank.
+    #[arg(long, default_value_t = 128)]
+    pub kv_lora_rank: usize,
+    /// MLA per-head query/key dims without RoPE.
+    #[arg(long, default_value_t = 64)]
+    pub qk_nope_dim: usize,
+    /// MLA per-head query/key dims with RoPE (even; the rope key is shared by all heads).
+    #[arg(long, default_value_t = 32)]
+    pub qk_rope_dim: usize,
+    /// MLA per-head value dims.
+    #[arg(long, default_value_t = 64)]
+    pub v_head_dim: usize,
+    /// Head dim of glm4-moe's GQA attention (default: hidden / heads).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// glm4-moe: per-head q/k RMSNorm (use_qk_norm).
+    #[arg(long)]
+    pub qk_norm: bool,
+    /// Shared experts per MoE layer (one MLP of width moe_intermediate × this; 0 for none).
+    #[arg(long, default_value_t = 1)]
+    pub shared_experts: usize,
+    /// Leading layers with a dense MLP instead of MoE (first_k_dense_replace).
+    #[arg(long, default_value_t = 1)]
+    pub first_dense: usize,
+    /// Expert groups of the router (n_group; must divide --experts).
+    #[arg(long, default_value_t = 1)]
+    pub n_group: usize,
+    /// Groups a token may route into (topk_group).
+    #[arg(long, default_value_t = 1)]
+    pub topk_group: usize,
+    /// Multiplier of the routing weights (routed_scaling_factor).
+    #[arg(long, default_value_t = 2.5)]
+    pub routed_scaling: f64,
+    /// glm-moe-dsa: keys each query attends to once the context is longer (index_topk).
+    #[arg(long, default_value_t = 2048)]
+    pub index_topk: usize,
+    /// glm-moe-dsa: indexer heads (index_n_heads).
+    #[arg(long, default_value_t = 8)]
+    pub index_heads: usize,
+    /// glm-moe-dsa: indexer head dim (index_head_dim; at least --qk-rope-dim).
+    #[arg(long, default_value_t = 64)]
+    pub index_head_dim: usize,
+    /// glm-moe-dsa: layers 0, 1, 1 + this, 1 + 2·this, … run their own indexer and the
+    /// others reuse the previous layer's top-k (index_topk_freq; 1: every layer has one).
+    #[arg(long, default_value_t = 1)]
+    pub index_topk_freq: usize,
+    /// Also write one DeepSeek-style multi-token-prediction block at layer index = --layers
+    /// (num_nextn_predict_layers 1).
+    #[arg(long)]
+    pub mtp: bool,
+}
+
+impl Default for DsArgs {
+    /// The command-line defaults.
+    fn default() -> Self {
+        use clap::{Args, FromArgMatches};
+        let cmd = Self::augment_args(clap::Command::new("synth"));
+        Self::from_arg_matches(&cmd.get_matches_from(["synth"])).expect("defaults parse")
+    }
+}
+
+/// glm_moe_dsa's `index_skip_topk_offset` (the transformers default).
+const INDEX_SKIP_OFFSET: usize = 2;
+
+/// Whether glm-moe-dsa layer `i` runs its own indexer ("full") rather than reusing the previous
+/// layer's top-k ("shared"): `max(i − offset + 1, 0) % freq == 0`.
+fn indexer_full(i: usize, freq: usize) -> bool {
+    (i + 1)
+        .saturating_sub(INDEX_SKIP_OFFSET)
+        .is_multiple_of(freq)
 }
 
 /// Run `coli synth`.
@@ -90,11 +199,83 @@ pub fn run(args: SynthArgs) -> Result<()> {
     Ok(())
 }
 
+/// How a tensor is filled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Init {
+    /// All ones (norm weights).
+    Ones,
+    /// Uniform in ±scale.
+    Uniform(f32),
+    /// Uniform in [0, scale) (router correction biases).
+    Positive(f32),
+}
+
 /// One tensor and how to fill it.
 struct Planned {
     spec: TensorSpec,
-    /// Uniform in ±scale, or all ones when `None`.
-    scale: Option<f32>,
+    init: Init,
+}
+
+/// Half-width of the uniform init of biases (attention, indexer LayerNorm).
+const BIAS_SCALE: f32 = 0.1;
+/// Upper end of the uniform init of router correction biases.
+const CORRECTION_BIAS_SCALE: f32 = 0.1;
+
+/// The tensors of a checkpoint being planned: matrices and biases in order, then the norms.
+struct Plan {
+    dtype: DType,
+    mats: Vec<Planned>,
+    norms: Vec<Planned>,
+}
+
+impl Plan {
+    fn push(&mut self, name: String, dtype: DType, shape: Vec<usize>, init: Init) {
+        self.mats.push(Planned {
+            spec: TensorSpec { name, dtype, shape },
+            init,
+        });
+    }
+
+    /// A `[rows, cols]` matrix with `init_scale`'s init.
+    fn mat(&mut self, name: String, rows: usize, cols: usize) {
+        let scale = init_scale(&name, cols);
+        self.push(name, self.dtype, vec![rows, cols], Init::Uniform(scale));
+    }
+
+    /// A bias of the weight dtype, small uniform.
+    fn bias(&mut self, name: String, n: usize) {
+        self.push(name, self.dtype, vec![n], Init::Uniform(BIAS_SCALE));
+    }
+
+    /// A norm weight (all ones).
+    fn norm(&mut self, name: String, n: usize) {
+        self.norms.push(Planned {
+            spec: TensorSpec {
+                name,
+                dtype: self.dtype,
+                shape: vec![n],
+            },
+            init: Init::Ones,
+        });
+    }
+
+    fn finish(mut self) -> Vec<Planned> {
+        self.mats.append(&mut self.norms);
+        self.mats
+    }
+}
+
+/// Head dim of the non-MLA attention.
+fn head_dim(a: &SynthArgs, heads: usize) -> usize {
+    match a.arch {
+        SynthArch::Glm4Moe => a.ds.head_dim.unwrap_or(a.hidden / heads),
+        _ => a.hidden / heads,
+    }
+}
+
+/// Width of dense MLPs.
+fn dense_intermediate(a: &SynthArgs) -> usize {
+    a.intermediate.unwrap_or(4 * a.hidden)
 }
 
 fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
@@ -102,85 +283,184 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
         SynthDType::Bf16 => DType::BF16,
         SynthDType::F32 => DType::F32,
     };
-    let (d, hd) = (a.hidden, a.hidden / heads);
-    let mut out = Vec::new();
-    let mut mat = |name: String, rows: usize, cols: usize| {
-        out.push(Planned {
-            scale: Some(init_scale(&name, cols)),
-            spec: TensorSpec {
-                name,
-                dtype,
-                shape: vec![rows, cols],
-            },
-        })
+    let (d, hd) = (a.hidden, head_dim(a, heads));
+    let mut pl = Plan {
+        dtype,
+        mats: Vec::new(),
+        norms: Vec::new(),
     };
-    mat("model.embed_tokens.weight".into(), a.vocab, d);
-    let mut norms: Vec<(String, usize)> = Vec::new();
-    for l in 0..a.layers {
+    pl.mat("model.embed_tokens.weight".into(), a.vocab, d);
+    if a.arch.deepseek_style() {
+        for l in 0..a.layers {
+            let dense = l < a.ds.first_dense;
+            let indexer = indexer_full(l, a.ds.index_topk_freq);
+            ds_layer(
+                &mut pl,
+                a,
+                &format!("model.layers.{l}"),
+                heads,
+                kv_heads,
+                dense,
+                indexer,
+            );
+        }
+        if a.ds.mtp {
+            // DeepSeek-style MTP: the embedding and the main model's last hidden state are
+            // normed, concatenated and projected, then run through one MoE decoder layer and a
+            // head of its own. It runs on its own, so on glm-moe-dsa it has an indexer.
+            let p = format!("model.layers.{}", a.layers);
+            pl.norm(format!("{p}.enorm.weight"), d);
+            pl.norm(format!("{p}.hnorm.weight"), d);
+            pl.mat(format!("{p}.eh_proj.weight"), d, 2 * d);
+            pl.norm(format!("{p}.shared_head.norm.weight"), d);
+            pl.mat(format!("{p}.shared_head.head.weight"), a.vocab, d);
+            ds_layer(&mut pl, a, &p, heads, kv_heads, false, true);
+        }
+    }
+    let plain_layers = if a.arch.deepseek_style() { 0 } else { a.layers };
+    for l in 0..plain_layers {
         let p = format!("model.layers.{l}");
-        mat(format!("{p}.self_attn.q_proj.weight"), heads * hd, d);
-        mat(format!("{p}.self_attn.k_proj.weight"), kv_heads * hd, d);
-        mat(format!("{p}.self_attn.v_proj.weight"), kv_heads * hd, d);
-        mat(format!("{p}.self_attn.o_proj.weight"), d, heads * hd);
-        norms.push((format!("{p}.input_layernorm.weight"), d));
-        norms.push((format!("{p}.post_attention_layernorm.weight"), d));
+        pl.mat(format!("{p}.self_attn.q_proj.weight"), heads * hd, d);
+        pl.mat(format!("{p}.self_attn.k_proj.weight"), kv_heads * hd, d);
+        pl.mat(format!("{p}.self_attn.v_proj.weight"), kv_heads * hd, d);
+        pl.mat(format!("{p}.self_attn.o_proj.weight"), d, heads * hd);
+        pl.norm(format!("{p}.input_layernorm.weight"), d);
+        pl.norm(format!("{p}.post_attention_layernorm.weight"), d);
         match a.arch {
             SynthArch::Olmoe => {
-                norms.push((format!("{p}.self_attn.q_norm.weight"), heads * hd));
-                norms.push((format!("{p}.self_attn.k_norm.weight"), kv_heads * hd));
+                pl.norm(format!("{p}.self_attn.q_norm.weight"), heads * hd);
+                pl.norm(format!("{p}.self_attn.k_norm.weight"), kv_heads * hd);
             }
             SynthArch::Qwen3Moe => {
-                norms.push((format!("{p}.self_attn.q_norm.weight"), hd));
-                norms.push((format!("{p}.self_attn.k_norm.weight"), hd));
+                pl.norm(format!("{p}.self_attn.q_norm.weight"), hd);
+                pl.norm(format!("{p}.self_attn.k_norm.weight"), hd);
             }
             _ => {}
         }
         let inter = a.moe_intermediate;
         match a.arch {
             SynthArch::Olmoe | SynthArch::Qwen3Moe => {
-                mat(format!("{p}.mlp.gate.weight"), a.experts, d);
+                pl.mat(format!("{p}.mlp.gate.weight"), a.experts, d);
                 for e in 0..a.experts {
                     let q = format!("{p}.mlp.experts.{e}");
-                    mat(format!("{q}.gate_proj.weight"), inter, d);
-                    mat(format!("{q}.up_proj.weight"), inter, d);
-                    mat(format!("{q}.down_proj.weight"), d, inter);
+                    pl.mat(format!("{q}.gate_proj.weight"), inter, d);
+                    pl.mat(format!("{q}.up_proj.weight"), inter, d);
+                    pl.mat(format!("{q}.down_proj.weight"), d, inter);
                 }
             }
             SynthArch::Mixtral => {
-                mat(format!("{p}.block_sparse_moe.gate.weight"), a.experts, d);
+                pl.mat(format!("{p}.block_sparse_moe.gate.weight"), a.experts, d);
                 for e in 0..a.experts {
                     let q = format!("{p}.block_sparse_moe.experts.{e}");
-                    mat(format!("{q}.w1.weight"), inter, d);
-                    mat(format!("{q}.w3.weight"), inter, d);
-                    mat(format!("{q}.w2.weight"), d, inter);
+                    pl.mat(format!("{q}.w1.weight"), inter, d);
+                    pl.mat(format!("{q}.w3.weight"), inter, d);
+                    pl.mat(format!("{q}.w2.weight"), d, inter);
                 }
             }
             SynthArch::Llama => {
-                let i = a.intermediate.unwrap_or(4 * d);
-                mat(format!("{p}.mlp.gate_proj.weight"), i, d);
-                mat(format!("{p}.mlp.up_proj.weight"), i, d);
-                mat(format!("{p}.mlp.down_proj.weight"), d, i);
+                let i = dense_intermediate(a);
+                pl.mat(format!("{p}.mlp.gate_proj.weight"), i, d);
+                pl.mat(format!("{p}.mlp.up_proj.weight"), i, d);
+                pl.mat(format!("{p}.mlp.down_proj.weight"), d, i);
             }
+            SynthArch::DeepseekV3 | SynthArch::Glm4Moe | SynthArch::GlmMoeDsa => unreachable!(),
         }
     }
-    norms.push(("model.norm.weight".into(), d));
-    mat("lm_head.weight".into(), a.vocab, d);
-    for (name, n) in norms {
-        out.push(Planned {
-            spec: TensorSpec {
-                name,
-                dtype,
-                shape: vec![n],
-            },
-            scale: None,
-        });
+    pl.norm("model.norm.weight".into(), d);
+    pl.mat("lm_head.weight".into(), a.vocab, d);
+    pl.finish()
+}
+
+/// One decoder layer of deepseek-v3 / glm4-moe / glm-moe-dsa under prefix `p` (hub names):
+/// MLA or GQA attention, the DSA indexer when `indexer` (glm-moe-dsa only), then a dense MLP
+/// or the MoE block (router with its correction bias, routed and shared experts).
+fn ds_layer(
+    pl: &mut Plan,
+    a: &SynthArgs,
+    p: &str,
+    heads: usize,
+    kv_heads: usize,
+    dense: bool,
+    indexer: bool,
+) {
+    let (d, x) = (a.hidden, &a.ds);
+    pl.norm(format!("{p}.input_layernorm.weight"), d);
+    pl.norm(format!("{p}.post_attention_layernorm.weight"), d);
+    let s = format!("{p}.self_attn");
+    if a.arch.mla() {
+        let qk = x.qk_nope_dim + x.qk_rope_dim;
+        if x.q_lora_rank > 0 {
+            pl.mat(format!("{s}.q_a_proj.weight"), x.q_lora_rank, d);
+            pl.norm(format!("{s}.q_a_layernorm.weight"), x.q_lora_rank);
+            pl.mat(format!("{s}.q_b_proj.weight"), heads * qk, x.q_lora_rank);
+        } else {
+            pl.mat(format!("{s}.q_proj.weight"), heads * qk, d);
+        }
+        let kv_a = x.kv_lora_rank + x.qk_rope_dim;
+        pl.mat(format!("{s}.kv_a_proj_with_mqa.weight"), kv_a, d);
+        pl.norm(format!("{s}.kv_a_layernorm.weight"), x.kv_lora_rank);
+        let kv_b = heads * (x.qk_nope_dim + x.v_head_dim);
+        pl.mat(format!("{s}.kv_b_proj.weight"), kv_b, x.kv_lora_rank);
+        pl.mat(format!("{s}.o_proj.weight"), d, heads * x.v_head_dim);
+        if indexer && a.arch == SynthArch::GlmMoeDsa {
+            let (n, c) = (x.index_heads, x.index_head_dim);
+            pl.mat(format!("{s}.indexer.wq_b.weight"), n * c, x.q_lora_rank);
+            pl.mat(format!("{s}.indexer.wk.weight"), c, d);
+            pl.norm(format!("{s}.indexer.k_norm.weight"), c);
+            pl.bias(format!("{s}.indexer.k_norm.bias"), c);
+            pl.mat(format!("{s}.indexer.weights_proj.weight"), n, d);
+        }
+    } else {
+        let hd = head_dim(a, heads);
+        for (proj, rows) in [
+            ("q", heads * hd),
+            ("k", kv_heads * hd),
+            ("v", kv_heads * hd),
+        ] {
+            pl.mat(format!("{s}.{proj}_proj.weight"), rows, d);
+            pl.bias(format!("{s}.{proj}_proj.bias"), rows);
+        }
+        pl.mat(format!("{s}.o_proj.weight"), d, heads * hd);
+        if x.qk_norm {
+            pl.norm(format!("{s}.q_norm.weight"), hd);
+            pl.norm(format!("{s}.k_norm.weight"), hd);
+        }
     }
-    out
+    let m = format!("{p}.mlp");
+    if dense {
+        let i = dense_intermediate(a);
+        pl.mat(format!("{m}.gate_proj.weight"), i, d);
+        pl.mat(format!("{m}.up_proj.weight"), i, d);
+        pl.mat(format!("{m}.down_proj.weight"), d, i);
+        return;
+    }
+    let inter = a.moe_intermediate;
+    pl.mat(format!("{m}.gate.weight"), a.experts, d);
+    pl.push(
+        format!("{m}.gate.e_score_correction_bias"),
+        DType::F32,
+        vec![a.experts],
+        Init::Positive(CORRECTION_BIAS_SCALE),
+    );
+    for e in 0..a.experts {
+        let q = format!("{m}.experts.{e}");
+        pl.mat(format!("{q}.gate_proj.weight"), inter, d);
+        pl.mat(format!("{q}.up_proj.weight"), inter, d);
+        pl.mat(format!("{q}.down_proj.weight"), d, inter);
+    }
+    if x.shared_experts > 0 {
+        let w = inter * x.shared_experts;
+        pl.mat(format!("{m}.shared_experts.gate_proj.weight"), w, d);
+        pl.mat(format!("{m}.shared_experts.up_proj.weight"), w, d);
+        pl.mat(format!("{m}.shared_experts.down_proj.weight"), d, w);
+    }
 }
 
 /// Half-width of the uniform init of a matrix. Like a trained model's, the residual stream
 /// stays dominated by the token (embeddings of unit scale, residual-branch outputs scaled down),
-/// so routing differs from token to token instead of collapsing onto a few experts.
+/// so routing differs from token to token instead of collapsing onto a few experts. Every other
+/// matrix keeps the RMS of its (normed) input: the MLA latents and their up-projections, the
+/// indexer, routers, the MTP `eh_proj` and heads.
 fn init_scale(name: &str, fan_in: usize) -> f32 {
     let unit = (3.0 / fan_in as f32).sqrt();
     if name.ends_with("embed_tokens.weight") {
@@ -221,6 +501,22 @@ fn config_json(
         "colibri_synthetic": {"seed": a.seed, "note": "random weights written by coli synth"},
     });
     let mut v = common;
+    let x = &a.ds;
+    // Keys every DeepSeek-style MoE shares (transformers' names, as in its saved configs).
+    let ds_moe = json!({
+        "intermediate_size": dense_intermediate(a), "moe_intermediate_size": a.moe_intermediate,
+        "n_routed_experts": a.experts, "n_shared_experts": x.shared_experts,
+        "num_experts_per_tok": a.top_k, "n_group": x.n_group, "topk_group": x.topk_group,
+        "norm_topk_prob": true, "routed_scaling_factor": x.routed_scaling,
+        "first_k_dense_replace": x.first_dense, "num_nextn_predict_layers": usize::from(x.mtp),
+        "output_router_logits": false, "pad_token_id": bos,
+    });
+    let mla = json!({
+        "q_lora_rank": if x.q_lora_rank > 0 { json!(x.q_lora_rank) } else { json!(null) },
+        "kv_lora_rank": x.kv_lora_rank, "qk_nope_head_dim": x.qk_nope_dim,
+        "qk_rope_head_dim": x.qk_rope_dim, "qk_head_dim": x.qk_nope_dim + x.qk_rope_dim,
+        "v_head_dim": x.v_head_dim, "head_dim": x.qk_rope_dim,
+    });
     let extra = match a.arch {
         SynthArch::Olmoe => json!({
             "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
@@ -244,14 +540,76 @@ fn config_json(
         }),
         SynthArch::Llama => json!({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "intermediate_size": a.intermediate.unwrap_or(4 * a.hidden), "rms_norm_eps": 1e-6,
+            "intermediate_size": dense_intermediate(a), "rms_norm_eps": 1e-6,
             "mlp_bias": false, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }),
+        // The hub's YaRN (factor 40 over 4096 positions, mscale 1), which also scales the
+        // softmax by mscale².
+        SynthArch::DeepseekV3 => merged(&[
+            &ds_moe,
+            &mla,
+            &json!({
+                "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "rms_norm_eps": 1e-6, "rope_interleave": true, "pretraining_tp": 1,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                    "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale": 1.0, "mscale_all_dim": 1.0},
+            }),
+        ]),
+        SynthArch::Glm4Moe => merged(&[
+            &ds_moe,
+            &json!({
+                "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                "head_dim": head_dim(a, heads), "attention_bias": true, "use_qk_norm": x.qk_norm,
+                "rms_norm_eps": 1e-5,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                    "partial_rotary_factor": 0.5},
+            }),
+        ]),
+        SynthArch::GlmMoeDsa => {
+            let indexer_types: Vec<&str> = (0..a.layers)
+                .map(|l| {
+                    if indexer_full(l, x.index_topk_freq) {
+                        "full"
+                    } else {
+                        "shared"
+                    }
+                })
+                .collect();
+            let mlp_layer_types: Vec<&str> = (0..a.layers)
+                .map(|l| if l < x.first_dense { "dense" } else { "sparse" })
+                .collect();
+            merged(&[
+                &ds_moe,
+                &mla,
+                &json!({
+                    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                    "rms_norm_eps": 1e-5, "mlp_bias": false,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                    "index_topk": x.index_topk, "index_n_heads": x.index_heads,
+                    "index_head_dim": x.index_head_dim, "index_topk_freq": x.index_topk_freq,
+                    "index_skip_topk_offset": INDEX_SKIP_OFFSET, "indexer_types": indexer_types,
+                    "layer_types": vec!["indexed_attention"; a.layers],
+                    "mlp_layer_types": mlp_layer_types,
+                }),
+            ])
+        }
     };
     for (k, val) in extra.as_object().unwrap() {
         v[k] = val.clone();
     }
     v
+}
+
+/// The union of JSON objects (later ones win).
+fn merged(parts: &[&serde_json::Value]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for p in parts {
+        for (k, v) in p.as_object().unwrap() {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    serde_json::Value::Object(out)
 }
 
 /// Seeded xorshift stream for one chunk of one tensor.
@@ -270,13 +628,19 @@ const CHUNK: usize = 1 << 20;
 
 fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
     let mut vals = vec![1.0f32; n];
-    if let Some(scale) = p.scale {
+    let (scale, shift) = match p.init {
+        Init::Ones => (0.0, 0.0),
+        Init::Uniform(s) => (s, 0.0),
+        Init::Positive(s) => (s * 0.5, 1.0),
+    };
+    if p.init != Init::Ones {
         let mut s = chunk_seed(seed, &p.spec.name, chunk);
         for v in &mut vals {
             s ^= s << 13;
             s ^= s >> 7;
             s ^= s << 17;
-            *v = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale;
+            // Uniform in [-1, 1), shifted to [0, 2) for Positive.
+            *v = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0 + shift) * scale;
         }
     }
     match p.spec.dtype {
@@ -300,10 +664,20 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         bail!("--hidden, --layers and --vocab must be positive");
     }
     let heads = args.heads.unwrap_or((args.hidden / 128).max(1));
-    let kv_heads = args.kv_heads.unwrap_or(heads);
+    let kv_heads = if args.arch.mla() {
+        if args.kv_heads.is_some_and(|k| k != heads) {
+            bail!("--kv-heads: MLA has one key/value head per query head (leave it out)");
+        }
+        heads
+    } else {
+        args.kv_heads.unwrap_or(heads)
+    };
+    // MLA and an explicit --head-dim need no head dim of hidden / heads.
+    let free_head_dim =
+        args.arch.mla() || (args.arch.deepseek_style() && args.ds.head_dim.is_some());
     if heads == 0
         || kv_heads == 0
-        || !args.hidden.is_multiple_of(heads)
+        || (!free_head_dim && !args.hidden.is_multiple_of(heads))
         || !heads.is_multiple_of(kv_heads)
     {
         bail!(
@@ -319,6 +693,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
             args.top_k,
             args.experts
         );
+    }
+    if args.arch.deepseek_style() {
+        check_ds(args, heads)?;
     }
     let parent = args
         .out
@@ -336,6 +713,82 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     result?;
     std::fs::rename(&tmp, &args.out)
         .with_context(|| format!("renaming {} to {}", tmp.display(), args.out.display()))?;
+    Ok(())
+}
+
+/// The shape rules of the DeepSeek-style architectures.
+fn check_ds(args: &SynthArgs, heads: usize) -> Result<()> {
+    let x = &args.ds;
+    if args.moe_intermediate == 0 || dense_intermediate(args) == 0 {
+        bail!("--moe-intermediate and --intermediate must be positive");
+    }
+    if x.n_group == 0 || !args.experts.is_multiple_of(x.n_group) {
+        bail!(
+            "--n-group {} must divide --experts {}",
+            x.n_group,
+            args.experts
+        );
+    }
+    // The router scores a group by its best two experts and keeps --topk-group groups.
+    let per_group = args.experts / x.n_group;
+    if x.topk_group == 0 || x.topk_group > x.n_group {
+        bail!(
+            "--topk-group {} must be between 1 and --n-group {}",
+            x.topk_group,
+            x.n_group
+        );
+    }
+    if x.n_group > 1 && per_group < 2 {
+        bail!(
+            "--n-group {}: each group needs at least 2 experts",
+            x.n_group
+        );
+    }
+    if args.top_k > x.topk_group * per_group {
+        bail!(
+            "--top-k {} is more than the {} experts in --topk-group {} groups",
+            args.top_k,
+            x.topk_group * per_group,
+            x.topk_group
+        );
+    }
+    if x.first_dense > args.layers {
+        bail!(
+            "--first-dense {} is more than --layers {}",
+            x.first_dense,
+            args.layers
+        );
+    }
+    if args.arch.mla() {
+        if x.kv_lora_rank == 0 || x.qk_nope_dim == 0 || x.v_head_dim == 0 {
+            bail!("--kv-lora-rank, --qk-nope-dim and --v-head-dim must be positive");
+        }
+        if x.qk_rope_dim == 0 || !x.qk_rope_dim.is_multiple_of(2) {
+            bail!("--qk-rope-dim {} must be positive and even", x.qk_rope_dim);
+        }
+    }
+    if args.arch == SynthArch::GlmMoeDsa {
+        if x.q_lora_rank == 0 {
+            bail!("--q-lora-rank: glm-moe-dsa needs a query latent (its indexer reads it)");
+        }
+        if x.index_heads == 0 || x.index_topk == 0 || x.index_topk_freq == 0 {
+            bail!("--index-heads, --index-topk and --index-topk-freq must be positive");
+        }
+        if x.index_head_dim < x.qk_rope_dim {
+            bail!(
+                "--index-head-dim {} must be at least --qk-rope-dim {}",
+                x.index_head_dim,
+                x.qk_rope_dim
+            );
+        }
+    }
+    if args.arch == SynthArch::Glm4Moe {
+        // Partial RoPE rotates the first half of each head in pairs.
+        let hd = head_dim(args, heads);
+        if hd == 0 || !hd.is_multiple_of(4) {
+            bail!("head dim {hd} must be a positive multiple of 4 (RoPE on half of it)");
+        }
+    }
     Ok(())
 }
 
@@ -441,4 +894,427 @@ fn write_all(
     }
     bar.finish_and_clear();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+    use std::collections::BTreeMap;
+
+    /// Name → (dtype, shape) over every safetensors file in `dir`.
+    fn header(dir: &Path) -> BTreeMap<String, (String, Vec<usize>)> {
+        let mut out = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "safetensors") {
+                continue;
+            }
+            let bytes = std::fs::read(&path).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let h: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            for (name, t) in h.as_object().unwrap() {
+                if name == "__metadata__" {
+                    continue;
+                }
+                let shape = t["shape"].as_array().unwrap();
+                let shape = shape.iter().map(|v| v.as_u64().unwrap() as usize).collect();
+                out.insert(
+                    name.clone(),
+                    (t["dtype"].as_str().unwrap().to_string(), shape),
+                );
+            }
+        }
+        out
+    }
+
+    /// The f32 values of tensor `name` in `dir/model.safetensors`.
+    fn f32_values(dir: &Path, name: &str) -> Vec<f32> {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let h: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        assert_eq!(h[name]["dtype"], "F32");
+        let off = &h[name]["data_offsets"];
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize,
+            off[1].as_u64().unwrap() as usize,
+        );
+        bytes[8 + n + a..8 + n + b]
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    fn config(dir: &Path) -> Value {
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap()
+    }
+
+    fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../engine/tests/fixtures")
+            .join(name)
+    }
+
+    /// The shape of the engine's transformers fixture of `arch` (3 layers, hidden 64, 4 heads,
+    /// MLA q_lora 32 / kv_lora 16 / nope 16 / rope 8 / v 16, 8 experts of 32 with 1 shared,
+    /// dense width 96, layer 0 dense, vocab 384), in f32.
+    fn tiny(arch: SynthArch, out: PathBuf) -> SynthArgs {
+        let ds = DsArgs {
+            q_lora_rank: 32,
+            kv_lora_rank: 16,
+            qk_nope_dim: 16,
+            qk_rope_dim: 8,
+            v_head_dim: 16,
+            first_dense: 1,
+            shared_experts: 1,
+            ..DsArgs::default()
+        };
+        SynthArgs {
+            arch,
+            layers: 3,
+            hidden: 64,
+            heads: Some(4),
+            kv_heads: None,
+            experts: 8,
+            top_k: 2,
+            moe_intermediate: 32,
+            intermediate: Some(96),
+            vocab: 384,
+            dtype: SynthDType::F32,
+            seed: 5,
+            shard_bytes: 4_000_000_000,
+            out,
+            threads: 0,
+            ds,
+        }
+    }
+
+    fn fixture_args(arch: SynthArch, out: PathBuf) -> SynthArgs {
+        let mut a = tiny(arch, out);
+        match arch {
+            SynthArch::DeepseekV3 => {
+                a.ds.n_group = 4;
+                a.ds.topk_group = 2;
+            }
+            SynthArch::Glm4Moe => {
+                a.kv_heads = Some(2);
+                a.ds.head_dim = Some(16);
+                a.ds.qk_norm = true;
+                a.ds.n_group = 2;
+                a.ds.routed_scaling = 1.5;
+            }
+            SynthArch::GlmMoeDsa => {
+                a.ds.index_heads = 8;
+                a.ds.index_head_dim = 16;
+                a.ds.index_topk = 6;
+                a.ds.index_topk_freq = 2;
+            }
+            _ => unreachable!(),
+        }
+        a
+    }
+
+    /// Every tensor of the transformers-written fixture, by name, shape and dtype, and nothing
+    /// else; every config key transformers wrote, with the same value for the shape keys.
+    #[test]
+    fn synth_matches_the_transformers_fixtures() {
+        let tmp = tempfile::tempdir().unwrap();
+        for (arch, name) in [
+            (SynthArch::DeepseekV3, "deepseek_v3"),
+            (SynthArch::Glm4Moe, "glm4_moe"),
+            (SynthArch::GlmMoeDsa, "glm_moe_dsa"),
+        ] {
+            let out = tmp.path().join(name);
+            synthesize(&fixture_args(arch, out.clone()), false).unwrap();
+            let want = header(&fixture(name));
+            let got = header(&out);
+            for (k, v) in &want {
+                assert_eq!(got.get(k), Some(v), "{name}: {k}");
+            }
+            for k in got.keys() {
+                assert!(want.contains_key(k), "{name}: unexpected {k}");
+            }
+            let (want, got) = (config(&fixture(name)), config(&out));
+            for (k, v) in want.as_object().unwrap() {
+                assert!(
+                    got.get(k).is_some() || k == "transformers_version",
+                    "{name}: config lacks {k}"
+                );
+                // Values that differ on purpose: the fixture's dtype/ids/init/rope positions,
+                // and its num_nextn_predict_layers default (this checkpoint has no MTP block).
+                let free = [
+                    "transformers_version",
+                    "initializer_range",
+                    "max_position_embeddings",
+                    "rope_parameters",
+                    "eos_token_id",
+                    "num_nextn_predict_layers",
+                ];
+                if !free.contains(&k.as_str()) {
+                    assert_eq!(&got[k], v, "{name}: config {k}");
+                }
+            }
+            assert_eq!(got["num_nextn_predict_layers"], 0, "{name}");
+        }
+    }
+
+    /// The tensors under `model.layers.{l}.` with the prefix stripped.
+    fn layer(h: &BTreeMap<String, (String, Vec<usize>)>, l: usize) -> BTreeMap<String, Vec<usize>> {
+        let p = format!("model.layers.{l}.");
+        h.iter()
+            .filter_map(|(k, (_, s))| Some((k.strip_prefix(&p)?.to_string(), s.clone())))
+            .collect()
+    }
+
+    fn cat<'a>(parts: &[&[(&'a str, Vec<usize>)]]) -> Vec<(&'a str, Vec<usize>)> {
+        parts.iter().flat_map(|p| p.iter().cloned()).collect()
+    }
+
+    /// Spec shapes (arch doc 2.7 / 2.11, 0.4) of an MoE layer of `tiny` with 2 shared experts.
+    fn expected_moe(extra: &[(&str, Vec<usize>)]) -> BTreeMap<String, Vec<usize>> {
+        let mut m: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (k, s) in extra {
+            m.insert(k.to_string(), s.clone());
+        }
+        m.insert("input_layernorm.weight".into(), vec![64]);
+        m.insert("post_attention_layernorm.weight".into(), vec![64]);
+        m.insert("mlp.gate.weight".into(), vec![8, 64]);
+        m.insert("mlp.gate.e_score_correction_bias".into(), vec![8]);
+        for e in 0..8 {
+            m.insert(format!("mlp.experts.{e}.gate_proj.weight"), vec![32, 64]);
+            m.insert(format!("mlp.experts.{e}.up_proj.weight"), vec![32, 64]);
+            m.insert(format!("mlp.experts.{e}.down_proj.weight"), vec![64, 32]);
+        }
+        m.insert("mlp.shared_experts.gate_proj.weight".into(), vec![64, 64]);
+        m.insert("mlp.shared_experts.up_proj.weight".into(), vec![64, 64]);
+        m.insert("mlp.shared_experts.down_proj.weight".into(), vec![64, 64]);
+        m
+    }
+
+    #[test]
+    fn synth_mtp_block_only_with_the_flag() {
+        let mtp = [
+            ("enorm.weight", vec![64]),
+            ("hnorm.weight", vec![64]),
+            ("eh_proj.weight", vec![64, 128]),
+            ("shared_head.norm.weight", vec![64]),
+            ("shared_head.head.weight", vec![384, 64]),
+        ];
+        let mla = [
+            ("self_attn.q_a_proj.weight", vec![32, 64]),
+            ("self_attn.q_a_layernorm.weight", vec![32]),
+            ("self_attn.q_b_proj.weight", vec![96, 32]),
+            ("self_attn.kv_a_proj_with_mqa.weight", vec![24, 64]),
+            ("self_attn.kv_a_layernorm.weight", vec![16]),
+            ("self_attn.kv_b_proj.weight", vec![128, 16]),
+            ("self_attn.o_proj.weight", vec![64, 64]),
+        ];
+        let indexer = [
+            ("self_attn.indexer.wq_b.weight", vec![8 * 16, 32]),
+            ("self_attn.indexer.wk.weight", vec![16, 64]),
+            ("self_attn.indexer.k_norm.weight", vec![16]),
+            ("self_attn.indexer.k_norm.bias", vec![16]),
+            ("self_attn.indexer.weights_proj.weight", vec![8, 64]),
+        ];
+        let gqa = [
+            ("self_attn.q_proj.weight", vec![64, 64]),
+            ("self_attn.q_proj.bias", vec![64]),
+            ("self_attn.k_proj.weight", vec![32, 64]),
+            ("self_attn.k_proj.bias", vec![32]),
+            ("self_attn.v_proj.weight", vec![32, 64]),
+            ("self_attn.v_proj.bias", vec![32]),
+            ("self_attn.o_proj.weight", vec![64, 64]),
+            ("self_attn.q_norm.weight", vec![16]),
+            ("self_attn.k_norm.weight", vec![16]),
+        ];
+        let tmp = tempfile::tempdir().unwrap();
+        for (arch, attn) in [
+            (SynthArch::DeepseekV3, cat(&[&mtp, &mla])),
+            (SynthArch::Glm4Moe, cat(&[&mtp, &gqa])),
+            (SynthArch::GlmMoeDsa, cat(&[&mtp, &mla, &indexer])),
+        ] {
+            let out = tmp.path().join(format!("{arch:?}"));
+            let mut a = fixture_args(arch, out.clone());
+            a.ds.shared_experts = 2;
+            a.ds.mtp = true;
+            synthesize(&a, false).unwrap();
+            let h = header(&out);
+            assert_eq!(layer(&h, 3), expected_moe(&attn), "{arch:?}");
+            assert!(layer(&h, 4).is_empty());
+            let c = config(&out);
+            assert_eq!(c["num_nextn_predict_layers"], 1);
+            assert_eq!(c["num_hidden_layers"], 3);
+            assert_eq!(c["n_shared_experts"], 2);
+            // The last regular layer is unchanged by the flag (bar the shared width).
+            let main = layer(&h, 2);
+            assert_eq!(main["mlp.shared_experts.up_proj.weight"], vec![64, 64]);
+            assert!(!main.contains_key("enorm.weight"));
+        }
+    }
+
+    #[test]
+    fn synth_indexer_on_full_layers_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        for (freq, full) in [
+            (1, vec!["full", "full", "full", "full", "full"]),
+            (2, vec!["full", "full", "shared", "full", "shared"]),
+            (3, vec!["full", "full", "shared", "shared", "full"]),
+        ] {
+            let out = tmp.path().join(format!("f{freq}"));
+            let mut a = tiny(SynthArch::GlmMoeDsa, out.clone());
+            a.layers = 5;
+            a.ds.first_dense = 2;
+            a.ds.index_topk_freq = freq;
+            synthesize(&a, false).unwrap();
+            let h = header(&out);
+            let c = config(&out);
+            assert_eq!(c["indexer_types"], json!(full));
+            assert_eq!(c["index_topk_freq"], freq);
+            assert_eq!(c["index_skip_topk_offset"], 2);
+            assert_eq!(
+                c["mlp_layer_types"],
+                json!(["dense", "dense", "sparse", "sparse", "sparse"])
+            );
+            for (l, kind) in full.iter().enumerate() {
+                let t = layer(&h, l);
+                let n = t.keys().filter(|k| k.contains(".indexer.")).count();
+                assert_eq!(
+                    n,
+                    if *kind == "full" { 5 } else { 0 },
+                    "freq {freq} layer {l}"
+                );
+                assert_eq!(t.contains_key("mlp.gate_proj.weight"), l < 2);
+                assert_eq!(t.contains_key("mlp.gate.weight"), l >= 2);
+            }
+        }
+    }
+
+    #[test]
+    fn synth_correction_bias_is_small_positive_f32_and_seeded() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut files = Vec::new();
+        for (name, seed) in [("a", 1), ("b", 1), ("c", 2)] {
+            let out = tmp.path().join(name);
+            let mut a = tiny(SynthArch::DeepseekV3, out.clone());
+            a.dtype = SynthDType::Bf16;
+            a.seed = seed;
+            synthesize(&a, false).unwrap();
+            let h = header(&out);
+            assert_eq!(h["model.layers.1.mlp.gate.weight"].0, "BF16");
+            let bias = f32_values(&out, "model.layers.1.mlp.gate.e_score_correction_bias");
+            assert_eq!(bias.len(), 8);
+            assert!(bias.iter().all(|b| (0.0..0.1).contains(b)), "{bias:?}");
+            assert!(bias.iter().any(|b| *b != bias[0]));
+            files.push(std::fs::read(out.join("model.safetensors")).unwrap());
+        }
+        assert_eq!(files[0], files[1]);
+        assert_ne!(files[0], files[2]);
+    }
+
+    #[test]
+    fn synth_cli_takes_the_glm_5_2_layer_shape() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: SynthArgs,
+        }
+        let cmd = "x --arch glm-moe-dsa --layers 4 --hidden 6144 --heads 64 --experts 32 \
+                   --top-k 8 --moe-intermediate 2048 --q-lora-rank 2048 --kv-lora-rank 512 \
+                   --qk-nope-dim 192 --qk-rope-dim 64 --v-head-dim 256 --first-dense 1 \
+                   --index-topk 2048 --index-heads 32 --index-head-dim 128 --mtp --out /tmp/x";
+        let a = <Cli as clap::Parser>::parse_from(cmd.split_whitespace()).a;
+        assert_eq!(a.arch, SynthArch::GlmMoeDsa);
+        assert!(a.ds.mtp && a.ds.first_dense == 1 && a.ds.index_heads == 32);
+        // Plan only (the checkpoint is several GB): GLM-5.2's per-layer shapes (arch doc 2.11).
+        let shapes: BTreeMap<String, Vec<usize>> = plan(&a, 64, 64)
+            .into_iter()
+            .map(|p| (p.spec.name, p.spec.shape))
+            .collect();
+        for (name, shape) in [
+            ("model.layers.1.self_attn.q_a_proj.weight", vec![2048, 6144]),
+            (
+                "model.layers.1.self_attn.q_b_proj.weight",
+                vec![64 * 256, 2048],
+            ),
+            (
+                "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                vec![576, 6144],
+            ),
+            (
+                "model.layers.1.self_attn.kv_b_proj.weight",
+                vec![64 * 448, 512],
+            ),
+            (
+                "model.layers.1.self_attn.o_proj.weight",
+                vec![6144, 64 * 256],
+            ),
+            (
+                "model.layers.1.self_attn.indexer.wq_b.weight",
+                vec![4096, 2048],
+            ),
+            (
+                "model.layers.1.self_attn.indexer.wk.weight",
+                vec![128, 6144],
+            ),
+            (
+                "model.layers.1.self_attn.indexer.weights_proj.weight",
+                vec![32, 6144],
+            ),
+            ("model.layers.0.mlp.gate_proj.weight", vec![4 * 6144, 6144]),
+            (
+                "model.layers.3.mlp.experts.31.down_proj.weight",
+                vec![6144, 2048],
+            ),
+            (
+                "model.layers.3.mlp.shared_experts.up_proj.weight",
+                vec![2048, 6144],
+            ),
+            ("model.layers.4.eh_proj.weight", vec![6144, 12288]),
+            ("model.layers.4.mlp.gate.weight", vec![32, 6144]),
+            (
+                "model.layers.4.self_attn.indexer.wk.weight",
+                vec![128, 6144],
+            ),
+        ] {
+            assert_eq!(shapes.get(name), Some(&shape), "{name}");
+        }
+        assert!(!shapes.contains_key("model.layers.5.input_layernorm.weight"));
+    }
+
+    #[test]
+    fn synth_rejects_bad_ds_shapes() {
+        let tmp = tempfile::tempdir().unwrap();
+        type Case = (SynthArch, fn(&mut SynthArgs), &'static str);
+        let cases: [Case; 5] = [
+            (SynthArch::DeepseekV3, |a| a.ds.n_group = 3, "--n-group"),
+            (
+                SynthArch::DeepseekV3,
+                |a| a.kv_heads = Some(2),
+                "--kv-heads",
+            ),
+            (
+                SynthArch::DeepseekV3,
+                |a| a.ds.first_dense = 4,
+                "--first-dense",
+            ),
+            (
+                SynthArch::GlmMoeDsa,
+                |a| a.ds.index_head_dim = 4,
+                "--index-head-dim",
+            ),
+            (
+                SynthArch::GlmMoeDsa,
+                |a| a.ds.q_lora_rank = 0,
+                "--q-lora-rank",
+            ),
+        ];
+        for (i, (arch, edit, msg)) in cases.into_iter().enumerate() {
+            let out = tmp.path().join(format!("{i}"));
+            let mut a = tiny(arch, out.clone());
+            edit(&mut a);
+            let e = synthesize(&a, false).unwrap_err().to_string();
+            assert!(e.contains(msg), "{e}");
+            assert!(!out.exists());
+        }
+    }
 }
