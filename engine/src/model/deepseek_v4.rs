@@ -301,7 +301,7 @@ struct V4Indexer {
 enum Compression {
     Sliding,
     Hca(Compressor),
-    Csa(Compressor, V4Indexer),
+    Csa(Compressor, Box<V4Indexer>),
 }
 
 struct V4Attention {
@@ -431,10 +431,10 @@ impl V4Attention {
             let first = (pos + 1).saturating_sub(self.window);
             let mut keys: Vec<&[f32]> =
                 (first..=pos).map(|j| &kv.k[j * hd..(j + 1) * hd]).collect();
-            if rate > 0 {
+            if let Some(visible) = (pos + 1).checked_div(rate) {
                 let entries: Vec<usize> = match &picks {
                     Some(p) => p[t].clone(),
-                    None => (0..(pos + 1) / rate).collect(),
+                    None => (0..visible).collect(),
                 };
                 for w in entries {
                     let at = ((w + 1) * rate - 1) * layout.width;
@@ -577,7 +577,7 @@ fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
         .ok_or_else(|| {
             Error::config(
                 cfg.path(),
-                &format!("rope_parameters.{kind}"),
+                format!("rope_parameters.{kind}"),
                 "missing (DeepSeek-V4 configs give a `main` and a `compress` rope)",
             )
         })?;
@@ -646,7 +646,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             .get(k)
             .and_then(|v| v.as_u64())
             .map(|v| v as usize)
-            .ok_or_else(|| Error::config(cfg.path(), &format!("compress_rates.{k}"), "missing"))
+            .ok_or_else(|| Error::config(cfg.path(), format!("compress_rates.{k}"), "missing"))
     };
     let main_rope = rope_of(cfg, "main", hd)?;
     let compress_rope = rope_of(cfg, "compress", hd)?;
@@ -700,7 +700,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 let (nh, dim) = (cfg.usize("index_n_heads")?, cfg.usize("index_head_dim")?);
                 Compression::Csa(
                     Compressor::load(ckpt, &format!("{a}.compressor"), d, hd, rate, true, eps)?,
-                    V4Indexer {
+                    Box::new(V4Indexer {
                         compressor: Compressor::load(
                             ckpt,
                             &format!("{a}.indexer.compressor"),
@@ -727,7 +727,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                         heads: nh,
                         dim,
                         top_k: cfg.usize("index_topk")?,
-                    },
+                    }),
                 )
             }
             other => {

@@ -90,7 +90,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             return Ok(Sparse::Shared);
         }
         Ok(Sparse::Own {
-            indexer: Indexer {
+            indexer: Box::new(Indexer {
                 wq_b: Linear::load(ckpt, &format!("{p}.wq_b"), heads * head_dim, q_lora, false)?,
                 wk: Linear::load(ckpt, &format!("{p}.wk"), head_dim, d, false)?,
                 k_norm: LayerNorm {
@@ -102,7 +102,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 heads,
                 head_dim,
                 rope_dim,
-            },
+            }),
             top_k,
         })
     })

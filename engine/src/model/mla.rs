@@ -103,7 +103,7 @@ pub enum Sparse {
     /// Dense MLA.
     None,
     /// This layer runs its own indexer and keeps `top_k` keys per query.
-    Own { indexer: Indexer, top_k: usize },
+    Own { indexer: Box<Indexer>, top_k: usize },
     /// This layer reuses the selection of the layer before it.
     Shared,
 }

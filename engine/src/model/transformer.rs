@@ -13,12 +13,14 @@ use crate::tensor::Tensor;
 use crate::{Error, Result};
 
 /// A decoder layer's feed-forward part.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum Ffn {
     Dense(Mlp),
     Moe(MoeBlock),
 }
 
 /// A decoder layer's attention part.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum SelfAttention {
     /// Grouped-query attention over per-head keys and values.
     Gqa(Attention),
