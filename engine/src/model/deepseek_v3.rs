@@ -412,7 +412,21 @@ pub fn load_mla_stack(
         max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
         kv_f16: false,
     };
-    let info = standard_info(ckpt, cfg, &sc, &blocks, Some(store.as_ref()))?;
+    let mut info = standard_info(ckpt, cfg, &sc, &blocks, Some(store.as_ref()))?;
+    if !opts.mtp {
+        // An MTP block left unloaded is neither resident nor part of the model that runs.
+        let prefix = format!("{m}.layers.{layers}.");
+        let (mut bytes, mut params) = (0, 0);
+        for (name, t) in ckpt.tensors() {
+            if name.starts_with(&prefix) {
+                bytes += t.len;
+                params += t.shape.iter().product::<usize>();
+            }
+        }
+        info.dense_bytes -= bytes;
+        info.total_params -= params;
+        info.active_params -= params;
+    }
     Ok(Transformer {
         embed,
         blocks,
