@@ -94,7 +94,7 @@ fn bad_convert_requests_are_clear_errors() {
     let e = ConvertType::parse("q3_xyz").unwrap_err().to_string();
     assert!(e.contains("q3_xyz") && e.contains("q4_k_m"), "{e}");
     let out = tmp.path().join("x.gguf");
-    let e = convert(&fixture("deepseek_v3"), &out, ConvertType::Q8_0, |_, _| {})
+    let e = convert(&fixture("gpt_oss"), &out, ConvertType::Q8_0, |_, _| {})
         .map(|_| ())
         .unwrap_err()
         .to_string();

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use colibri::format::gguf_convert::{convert, ConvertType};
+use colibri::format::gguf_convert::{convert_with, ConvertOptions, ConvertType};
 
 /// Arguments of `coli convert`.
 #[derive(clap::Args, Debug)]
@@ -17,6 +17,11 @@ pub struct ConvertArgs {
     /// q8_0, q6_k, q5_k_m, q4_k_m, bf16, f16 or f32.
     #[arg(short = 't', long = "type", default_value = "q8_0")]
     pub ty: String,
+    /// MLA models (DeepSeek-V3, Kimi): write `kv_b_proj` as one `attn_kv_b` tensor, llama.cpp's
+    /// layout before its latent KV cache, instead of the split `attn_k_b` / `attn_v_b` its
+    /// converter writes now.
+    #[arg(long)]
+    pub legacy_kv_b: bool,
     /// Compute threads for quantization (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -40,7 +45,10 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         .progress_chars("=> "),
     );
     let t0 = std::time::Instant::now();
-    let report = convert(&a.model, &a.out, mix, |done, total| {
+    let opts = ConvertOptions {
+        legacy_kv_b: a.legacy_kv_b,
+    };
+    let report = convert_with(&a.model, &a.out, mix, opts, |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })

@@ -12,6 +12,15 @@
 //! in the layers llama.cpp gives more bits (the first and last eighth and every third in
 //! between), the rest Q4_K / Q5_K. Rows whose length is not a multiple of 256 fall back as
 //! llama.cpp does (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0). Norms, biases and routers stay f32.
+//!
+//! DeepSeek-V3 / R1 and the Kimi K2.5 text model become `deepseek2`, GLM-4.5 `glm4moe`, with
+//! the keys and tensor names llama.cpp's converter writes (`attn_q_a`, `attn_kv_a_mqa`,
+//! `attn_k_b` / `attn_v_b` or, with [`ConvertOptions::legacy_kv_b`], `attn_kv_b`;
+//! `exp_probs_b.bias`, `ffn_*_shexp`, `post_attention_norm` for GLM; `expert_group_count`,
+//! `expert_gating_func`, `leading_dense_block_count`, `rope.scaling.yarn_log_multiplier`, ...).
+//! Neither is permuted. GLM's MTP layers follow the main ones (`nextn_predict_layers`);
+//! DeepSeek's are dropped, as llama.cpp drops them. FP8 checkpoints (DeepSeek-V3's own) are
+//! dequantized with their block scales.
 
 use std::path::Path;
 
@@ -90,8 +99,8 @@ struct Plan {
     /// HF tensors whose rows are concatenated (one for plain tensors, one per expert for
     /// fused experts).
     sources: Vec<String>,
-    /// Heads whose rows are permuted for llama.cpp's RoPE (Q/K of llama and mixtral).
-    permute_heads: Option<usize>,
+    /// How rows come from each source.
+    rows: Rows,
     /// Bytes computed here rather than read (`rope_freqs.weight`).
     computed: Option<Vec<u8>>,
 }
@@ -202,10 +211,20 @@ fn family(cfg: &ModelConfig) -> Result<Family> {
             return Err(Error::config(
                 cfg.path(),
                 "model_type",
-                format!("converting `{other}` to GGUF is not supported (supported: llama, mixtral, olmoe, qwen3_moe)"),
+                format!("converting `{other}` to GGUF is not supported (supported: llama, mixtral, olmoe, qwen3_moe, deepseek_v3, kimi_k25, glm4_moe)"),
             ))
         }
     })
+}
+
+/// Options of [`convert_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConvertOptions {
+    /// MLA models: write `kv_b_proj` as one `attn_kv_b` tensor with the per-head key and value
+    /// lengths (llama.cpp's layout before its latent KV cache; llama.cpp still loads it, then
+    /// without that cache) instead of the split `attn_k_b` / `attn_v_b` and the `*_mla` keys
+    /// its converter writes now.
+    pub legacy_kv_b: bool,
 }
 
 /// Convert the Hugging Face model in `dir` to a GGUF file at `out`. `progress(done, total)`
@@ -214,9 +233,26 @@ pub fn convert(
     dir: &Path,
     out: &Path,
     mix: ConvertType,
+    progress: impl FnMut(u64, u64),
+) -> Result<ConvertReport> {
+    convert_with(dir, out, mix, ConvertOptions::default(), progress)
+}
+
+/// [`convert`] with options.
+pub fn convert_with(
+    dir: &Path,
+    out: &Path,
+    mix: ConvertType,
+    opts: ConvertOptions,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<ConvertReport> {
     let cfg = ModelConfig::from_model_dir(dir)?;
+    if matches!(
+        cfg.model_type()?.as_str(),
+        "deepseek_v3" | "kimi_k25" | "glm4_moe"
+    ) {
+        return convert_deepseek_family(dir, out, mix, opts, &cfg, &mut progress);
+    }
     let fam = family(&cfg)?;
     let ckpt = Checkpoint::open(dir)?;
     let mut warnings = Vec::new();
@@ -348,7 +384,7 @@ pub fn convert(
                 shape,
                 ty,
                 sources: vec![src],
-                permute_heads: permute,
+                rows: permute.map_or(Rows::Plain, Rows::Permute),
                 computed: None,
             })
         };
@@ -383,7 +419,7 @@ pub fn convert(
             shape: vec![head_dim / 2],
             ty: QuantType::F32,
             sources: vec![],
-            permute_heads: None,
+            rows: Rows::Plain,
             computed: Some(factors.iter().flat_map(|f| f.to_le_bytes()).collect()),
         });
     }
@@ -470,7 +506,7 @@ pub fn convert(
                     shape,
                     ty,
                     sources,
-                    permute_heads: None,
+                    rows: Rows::Plain,
                     computed: None,
                 });
             }
@@ -508,7 +544,18 @@ pub fn convert(
         ));
     }
 
-    // Write.
+    write_plans(&ckpt, out, &md, plans, warnings, &mut progress)
+}
+
+/// Write `plans` with metadata `md` to `out`, reading every source from `ckpt`.
+fn write_plans(
+    ckpt: &Checkpoint,
+    out: &Path,
+    md: &[(String, GgufValue)],
+    plans: Vec<Plan>,
+    warnings: Vec<String>,
+    progress: &mut impl FnMut(u64, u64),
+) -> Result<ConvertReport> {
     let specs: Vec<GgufTensorSpec> = plans
         .iter()
         .map(|p| GgufTensorSpec::from_shape(p.name.clone(), &p.shape, ggml(p.ty)))
@@ -518,7 +565,7 @@ pub fn convert(
         .flat_map(|p| p.sources.iter())
         .map(|s| ckpt.desc(s).map(|d| d.len as u64).unwrap_or(0))
         .sum();
-    let mut writer = GgufWriter::create(out, &md, specs)?;
+    let mut writer = GgufWriter::create(out, md, specs)?;
     let (mut done, mut bytes_out) = (0u64, 0u64);
     let mut types: Vec<(String, usize)> = Vec::new();
     for p in &plans {
@@ -527,8 +574,10 @@ pub fn convert(
             writer.write(bytes)?;
         }
         for src in &p.sources {
-            let t = ckpt.tensor_any_shape(src)?;
-            let bytes = convert_tensor(&t, p.ty, p.permute_heads)?;
+            let mut t = ckpt.tensor_any_shape(src)?;
+            // FP8 checkpoints (DeepSeek-V3's own) carry per-block scales.
+            t.block_scales = ckpt.block_scales(src)?;
+            let bytes = convert_tensor(&t, p.ty, p.rows)?;
             bytes_out += bytes.len() as u64;
             writer.write(&bytes)?;
             done += t.nbytes() as u64;
@@ -549,36 +598,577 @@ pub fn convert(
     })
 }
 
-/// Rows of `t` (permuted per head if asked) quantized to `ty`, in parallel chunks.
-fn convert_tensor(t: &Tensor, ty: QuantType, permute_heads: Option<usize>) -> Result<Vec<u8>> {
+/// DeepSeek-V3 / R1 and the Kimi K2.5 text model → `deepseek2`, GLM-4.5 → `glm4moe`, as
+/// llama.cpp's converter writes them: MLA tensors unpermuted (the RoPE dimensions are already
+/// interleaved pairs), `kv_b_proj` split into `attn_k_b` (transposed per head) and `attn_v_b`
+/// unless `opts.legacy_kv_b`; GLM's Q/K unpermuted too (llama.cpp rotates halves there); the
+/// router's correction bias as `exp_probs_b.bias`; GLM's MTP layers appended as
+/// `blk.{num_hidden_layers + i}` with their `nextn.*` tensors (DeepSeek's are skipped, as
+/// llama.cpp's converter skips them).
+fn convert_deepseek_family(
+    dir: &Path,
+    out: &Path,
+    mix: ConvertType,
+    opts: ConvertOptions,
+    top: &ModelConfig,
+    progress: &mut impl FnMut(u64, u64),
+) -> Result<ConvertReport> {
+    use crate::format::config::RopeKind;
+    let mt = top.model_type()?;
+    let (cfg, m, lm_head) = if mt == "kimi_k25" {
+        let mut text = top.get("text_config").cloned().ok_or_else(|| {
+            Error::config(
+                top.path(),
+                "text_config",
+                "missing (a kimi_k25 config holds its DeepSeek-V3 text model there)",
+            )
+        })?;
+        text["tie_word_embeddings"] = Value::Bool(top.bool_or("tie_word_embeddings", true)?);
+        for key in ["eos_token_id", "bos_token_id"] {
+            if text.get(key).is_none_or(|v| v.is_null()) {
+                if let Some(v) = top.get(key) {
+                    text[key] = v.clone();
+                }
+            }
+        }
+        (
+            ModelConfig::from_value(top.path().to_path_buf(), text),
+            "language_model.model",
+            "language_model.lm_head",
+        )
+    } else {
+        (top.clone(), "model", "lm_head")
+    };
+    let mla = mt != "glm4_moe";
+    let a = if mla { "deepseek2" } else { "glm4moe" };
+    let ckpt = Checkpoint::open(dir)?;
+    let mut warnings = Vec::new();
+    let layers = cfg.usize("num_hidden_layers")?;
+    let hidden = cfg.usize("hidden_size")?;
+    let heads = cfg.usize("num_attention_heads")?;
+    let vocab = cfg.usize("vocab_size")?;
+    let eps = cfg.f64_or("rms_norm_eps", if mla { 1e-6 } else { 1e-5 })?;
+    let rope = cfg.rope(10000.0)?;
+
+    // The MoE, as the loaders read it (model/deepseek_v3.rs `DeepseekMoe`).
+    let experts = cfg.usize("n_routed_experts")?;
+    let top_k = cfg.usize("num_experts_per_tok")?;
+    let n_group = cfg.usize_or("n_group", 1)?.max(1);
+    let topk_group = cfg.usize_or("topk_group", n_group)?;
+    let shared = cfg.usize_or("n_shared_experts", 0)?;
+    let moe_inter = cfg.usize("moe_intermediate_size")?;
+    let dense_lead = cfg.usize_or("first_k_dense_replace", 0)?;
+    if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
+        if f != "sigmoid" {
+            return Err(Error::config(
+                cfg.path(),
+                "scoring_func",
+                format!("`{f}` is not supported (this family routes with `sigmoid`)"),
+            ));
+        }
+    }
+    if let Some(list) = cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
+        let leading = list
+            .iter()
+            .enumerate()
+            .all(|(l, t)| t.as_str() == Some(if l < dense_lead { "dense" } else { "sparse" }));
+        if !leading || list.len() != layers {
+            return Err(Error::config(
+                cfg.path(),
+                "mlp_layer_types",
+                "GGUF can only say how many leading layers are dense (leading_dense_block_count); this layout is not that",
+            ));
+        }
+    }
+
+    let u32v = |v: usize| GgufValue::U32(v as u32);
+    let f32v = |v: f64| GgufValue::F32(v as f32);
+    let key = |k: &str| format!("{a}.{k}");
+    let mut md: Vec<(String, GgufValue)> = vec![
+        ("general.architecture".into(), GgufValue::String(a.into())),
+        (
+            "general.name".into(),
+            GgufValue::String(
+                dir.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "model".into()),
+            ),
+        ),
+        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
+        ("general.quantization_version".into(), GgufValue::U32(2)),
+        (
+            key("context_length"),
+            u32v(cfg.usize_or("max_position_embeddings", 4096)?),
+        ),
+        (key("embedding_length"), u32v(hidden)),
+        (key("attention.head_count"), u32v(heads)),
+        (key("attention.layer_norm_rms_epsilon"), f32v(eps)),
+        (key("rope.freq_base"), f32v(rope.theta)),
+        (key("vocab_size"), u32v(vocab)),
+        (key("expert_count"), u32v(experts)),
+        (key("expert_used_count"), u32v(top_k)),
+        (key("expert_shared_count"), u32v(shared)),
+        (key("expert_group_count"), u32v(n_group)),
+        (key("expert_group_used_count"), u32v(topk_group)),
+        // llama_expert_gating_func_type: 2 = sigmoid.
+        (key("expert_gating_func"), GgufValue::U32(2)),
+        (key("leading_dense_block_count"), u32v(dense_lead)),
+        (key("expert_feed_forward_length"), u32v(moe_inter)),
+        (
+            key("expert_weights_norm"),
+            GgufValue::Bool(cfg.bool_or("norm_topk_prob", true)?),
+        ),
+    ];
+    if let Some(s) = cfg.opt_f64("routed_scaling_factor")? {
+        md.push((key("expert_weights_scale"), f32v(s)));
+    }
+    if let Some(ff) = cfg.opt_usize("intermediate_size")? {
+        md.push((key("feed_forward_length"), u32v(ff)));
+    }
+
+    // Attention.
+    let q_lora = cfg.opt_usize("q_lora_rank")?;
+    let (kv_lora, nope, v_dim) = if mla {
+        (
+            cfg.usize("kv_lora_rank")?,
+            cfg.usize("qk_nope_head_dim")?,
+            cfg.usize("v_head_dim")?,
+        )
+    } else {
+        (0, 0, 0)
+    };
+    let head_dim = cfg.usize_or("head_dim", hidden / heads.max(1))?;
+    if mla {
+        let rope_dim = cfg.usize("qk_rope_head_dim")?;
+        if !cfg.bool_or("rope_interleave", true)? {
+            return Err(Error::Unsupported(
+                "GGUF export of an MLA model with rope_interleave = false (llama.cpp's deepseek2 rotates adjacent pairs of the unpermuted weights)".into(),
+            ));
+        }
+        if let Some(q) = q_lora {
+            md.push((key("attention.q_lora_rank"), u32v(q)));
+        }
+        md.push((key("attention.kv_lora_rank"), u32v(kv_lora)));
+        if opts.legacy_kv_b {
+            md.push((key("attention.head_count_kv"), u32v(heads)));
+            md.push((key("attention.key_length"), u32v(nope + rope_dim)));
+            md.push((key("attention.value_length"), u32v(v_dim)));
+        } else {
+            // MLA as MQA over the latent: one "head" of kv_lora + rope keys, kv_lora values.
+            md.push((key("attention.head_count_kv"), u32v(1)));
+            md.push((key("attention.key_length"), u32v(kv_lora + rope_dim)));
+            md.push((key("attention.value_length"), u32v(kv_lora)));
+            md.push((key("attention.key_length_mla"), u32v(nope + rope_dim)));
+            md.push((key("attention.value_length_mla"), u32v(v_dim)));
+        }
+        md.push((key("rope.dimension_count"), u32v(rope_dim)));
+        if eps != 1e-6 {
+            warnings.push(format!(
+                "llama.cpp normalises the MLA latents with rms_norm_eps = {eps}, transformers (and colibri) with 1e-6: llama.cpp's results on this file differ slightly"
+            ));
+        }
+        match rope.kind {
+            RopeKind::Default => {}
+            RopeKind::Yarn {
+                factor,
+                original_max_position_embeddings: omp,
+                beta_fast,
+                beta_slow,
+                mscale_all_dim,
+                truncate,
+                ..
+            } => {
+                // llama.cpp's deepseek2 cancels yarn's magnitude on the rotation and puts
+                // mscale(mscale_all_dim)² on the softmax scale: only configurations whose
+                // rotation magnitude is 1 (mscale = mscale_all_dim) survive the trip.
+                let mut rp = rope.clone();
+                rp.interleaved = true;
+                rp.partial_rotary_factor = 1.0;
+                let magnitude = crate::model::layers::Rope::new(&rp, rope_dim).scaling;
+                if (magnitude - 1.0).abs() > 1e-6 || !truncate {
+                    return Err(Error::Unsupported(format!(
+                        "GGUF export of this yarn configuration: llama.cpp's deepseek2 rotates at magnitude 1 with truncated correction dims, this config.json gives magnitude {magnitude} (mscale ≠ mscale_all_dim, or attention_factor) or truncate = {truncate}"
+                    )));
+                }
+                md.push((key("rope.scaling.type"), GgufValue::String("yarn".into())));
+                md.push((key("rope.scaling.factor"), f32v(factor)));
+                md.push((
+                    key("rope.scaling.original_context_length"),
+                    u32v(omp as usize),
+                ));
+                md.push((key("rope.scaling.yarn_beta_fast"), f32v(beta_fast)));
+                md.push((key("rope.scaling.yarn_beta_slow"), f32v(beta_slow)));
+                if let Some(m) = mscale_all_dim {
+                    // llama.cpp's converter writes 0.1 · mscale_all_dim (and its loader
+                    // divides by 0.1 again).
+                    md.push((key("rope.scaling.yarn_log_multiplier"), f32v(0.1 * m)));
+                }
+            }
+            ref other => {
+                return Err(Error::Unsupported(format!(
+                    "GGUF export of RoPE scaling {other:?} for {mt}"
+                )))
+            }
+        }
+    } else {
+        // GLM's partial rotary factor defaults to 0.5 (model/glm4_moe.rs).
+        let given = cfg.get("partial_rotary_factor").is_some()
+            || cfg
+                .get("rope_parameters")
+                .and_then(|p| p.get("partial_rotary_factor"))
+                .is_some();
+        let partial = if given {
+            rope.partial_rotary_factor
+        } else {
+            0.5
+        };
+        let rot = (head_dim as f64 * partial) as usize;
+        if rope.kind != RopeKind::Default {
+            return Err(Error::Unsupported(format!(
+                "GGUF export of RoPE scaling {:?} for glm4_moe",
+                rope.kind
+            )));
+        }
+        md.push((
+            key("attention.head_count_kv"),
+            u32v(cfg.usize_or("num_key_value_heads", heads)?),
+        ));
+        md.push((key("attention.key_length"), u32v(head_dim)));
+        md.push((key("attention.value_length"), u32v(head_dim)));
+        md.push((key("rope.dimension_count"), u32v(rot)));
+    }
+
+    // MTP layers: GLM's are written after the main layers (llama.cpp loads and skips them);
+    // DeepSeek's are dropped, as llama.cpp's converter drops them.
+    let nextn_cfg = cfg.usize_or("num_nextn_predict_layers", 0)?;
+    let has_mtp = |i: usize| ckpt.contains(&format!("{m}.layers.{}.eh_proj.weight", layers + i));
+    let nextn = if mla {
+        0
+    } else {
+        (0..nextn_cfg).take_while(|&i| has_mtp(i)).count()
+    };
+    if !mla && nextn < nextn_cfg {
+        warnings.push(format!(
+            "config.json has num_nextn_predict_layers = {nextn_cfg} but the checkpoint holds {nextn} MTP layers: written with {nextn}"
+        ));
+    }
+    if !mla {
+        md.push((key("nextn_predict_layers"), u32v(nextn)));
+    }
+    md.push((key("block_count"), u32v(layers + nextn)));
+    tokenizer_metadata(dir, &cfg, &mut md, &mut warnings)?;
+
+    // Tensors.
+    let blocks = layers + nextn;
+    let plan = |name: String, src: String, layer: Option<usize>| -> Result<Plan> {
+        let d = ckpt.desc(&src)?;
+        let shape = d.shape.clone();
+        let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
+            QuantType::F32
+        } else {
+            choose_type(mix, &name, *shape.last().unwrap(), layer, blocks)
+        };
+        Ok(Plan {
+            name,
+            shape,
+            ty,
+            sources: vec![src],
+            rows: Rows::Plain,
+            computed: None,
+        })
+    };
+    let mut plans = vec![plan(
+        "token_embd.weight".into(),
+        format!("{m}.embed_tokens.weight"),
+        None,
+    )?];
+    if plans[0].shape.first() != Some(&vocab) {
+        return Err(Error::tensor(
+            dir,
+            format!("{m}.embed_tokens.weight"),
+            "rows differ from vocab_size",
+        ));
+    }
+    for l in 0..blocks {
+        let p = format!("{m}.layers.{l}");
+        let b = format!("blk.{l}");
+        let s = Some(l);
+        let mut pairs: Vec<(&str, &str)> = vec![("attn_norm.weight", "input_layernorm.weight")];
+        if mla {
+            if q_lora.is_some() {
+                pairs.extend([
+                    ("attn_q_a.weight", "self_attn.q_a_proj.weight"),
+                    ("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"),
+                    ("attn_q_b.weight", "self_attn.q_b_proj.weight"),
+                ]);
+            } else {
+                pairs.push(("attn_q.weight", "self_attn.q_proj.weight"));
+            }
+            pairs.extend([
+                (
+                    "attn_kv_a_mqa.weight",
+                    "self_attn.kv_a_proj_with_mqa.weight",
+                ),
+                ("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"),
+            ]);
+            if opts.legacy_kv_b {
+                pairs.push(("attn_kv_b.weight", "self_attn.kv_b_proj.weight"));
+            }
+            pairs.extend([
+                ("attn_output.weight", "self_attn.o_proj.weight"),
+                ("ffn_norm.weight", "post_attention_layernorm.weight"),
+            ]);
+        } else {
+            pairs.extend([
+                ("attn_q.weight", "self_attn.q_proj.weight"),
+                ("attn_k.weight", "self_attn.k_proj.weight"),
+                ("attn_v.weight", "self_attn.v_proj.weight"),
+                ("attn_output.weight", "self_attn.o_proj.weight"),
+                (
+                    "post_attention_norm.weight",
+                    "post_attention_layernorm.weight",
+                ),
+            ]);
+            for (g, h) in [
+                ("attn_q.bias", "self_attn.q_proj.bias"),
+                ("attn_k.bias", "self_attn.k_proj.bias"),
+                ("attn_v.bias", "self_attn.v_proj.bias"),
+                ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+                ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+            ] {
+                if ckpt.contains(&format!("{p}.{h}")) {
+                    pairs.push((g, h));
+                }
+            }
+        }
+        for (g, h) in pairs {
+            plans.push(plan(format!("{b}.{g}"), format!("{p}.{h}"), s)?);
+        }
+        if mla && !opts.legacy_kv_b {
+            let src = format!("{p}.self_attn.kv_b_proj.weight");
+            let d = ckpt.desc(&src)?;
+            if d.shape != [heads * (nope + v_dim), kv_lora] {
+                return Err(Error::tensor(
+                    dir,
+                    &src,
+                    format!(
+                        "has shape {:?}, expected [{}, {kv_lora}] from config.json",
+                        d.shape,
+                        heads * (nope + v_dim)
+                    ),
+                ));
+            }
+            for (name, shape, cols, rows) in [
+                (
+                    format!("{b}.attn_k_b.weight"),
+                    vec![heads, kv_lora, nope],
+                    nope,
+                    Rows::KvbKeys {
+                        heads,
+                        nope,
+                        v: v_dim,
+                    },
+                ),
+                (
+                    format!("{b}.attn_v_b.weight"),
+                    vec![heads, v_dim, kv_lora],
+                    kv_lora,
+                    Rows::KvbValues {
+                        heads,
+                        nope,
+                        v: v_dim,
+                    },
+                ),
+            ] {
+                let ty = choose_type(mix, &name, cols, s, blocks);
+                plans.push(Plan {
+                    name,
+                    shape,
+                    ty,
+                    sources: vec![src.clone()],
+                    rows,
+                    computed: None,
+                });
+            }
+        }
+        if l >= dense_lead {
+            plans.push(plan(
+                format!("{b}.ffn_gate_inp.weight"),
+                format!("{p}.mlp.gate.weight"),
+                s,
+            )?);
+            let bias = format!("{p}.mlp.gate.e_score_correction_bias");
+            if ckpt.contains(&bias) {
+                plans.push(plan(format!("{b}.exp_probs_b.bias"), bias, s)?);
+            }
+            for which in ["gate", "up", "down"] {
+                let name = format!("{b}.ffn_{which}_exps.weight");
+                let sources: Vec<String> = (0..experts)
+                    .map(|e| format!("{p}.mlp.experts.{e}.{which}_proj.weight"))
+                    .collect();
+                let first = ckpt.desc(&sources[0])?.shape.clone();
+                for src in &sources {
+                    if ckpt.desc(src)?.shape != first {
+                        return Err(Error::tensor(
+                            dir,
+                            src,
+                            "experts of a layer differ in shape",
+                        ));
+                    }
+                }
+                let mut shape = vec![experts];
+                shape.extend(&first);
+                let ty = choose_type(mix, &name, *first.last().unwrap(), s, blocks);
+                plans.push(Plan {
+                    name,
+                    shape,
+                    ty,
+                    sources,
+                    rows: Rows::Plain,
+                    computed: None,
+                });
+            }
+            if shared > 0 {
+                for which in ["gate", "up", "down"] {
+                    plans.push(plan(
+                        format!("{b}.ffn_{which}_shexp.weight"),
+                        format!("{p}.mlp.shared_experts.{which}_proj.weight"),
+                        s,
+                    )?);
+                }
+            }
+        } else {
+            for which in ["gate", "up", "down"] {
+                plans.push(plan(
+                    format!("{b}.ffn_{which}.weight"),
+                    format!("{p}.mlp.{which}_proj.weight"),
+                    s,
+                )?);
+            }
+        }
+        if l >= layers {
+            for (g, h, required) in [
+                ("nextn.eh_proj.weight", "eh_proj.weight", true),
+                ("nextn.enorm.weight", "enorm.weight", true),
+                ("nextn.hnorm.weight", "hnorm.weight", true),
+                (
+                    "nextn.shared_head_norm.weight",
+                    "shared_head.norm.weight",
+                    true,
+                ),
+                (
+                    "nextn.shared_head_head.weight",
+                    "shared_head.head.weight",
+                    false,
+                ),
+                ("nextn.embed_tokens.weight", "embed_tokens.weight", false),
+            ] {
+                let src = format!("{p}.{h}");
+                if required || ckpt.contains(&src) {
+                    plans.push(plan(format!("{b}.{g}"), src, s)?);
+                }
+            }
+        }
+    }
+    plans.push(plan(
+        "output_norm.weight".into(),
+        format!("{m}.norm.weight"),
+        None,
+    )?);
+    let head = format!("{lm_head}.weight");
+    let tied = cfg.bool_or("tie_word_embeddings", false)? && !ckpt.contains(&head);
+    if !tied {
+        plans.push(plan("output.weight".into(), head, None)?);
+    }
+    write_plans(&ckpt, out, &md, plans, warnings, progress)
+}
+
+/// How a plan's rows come from its source tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    /// As stored.
+    Plain,
+    /// Permuted per head (this many heads) for llama.cpp's RoPE (Q/K of llama and mixtral).
+    Permute(usize),
+    /// MLA's `kv_b_proj` (`[H·(nope + v), r]`) as llama.cpp's `attn_k_b` (`[H, r, nope]`):
+    /// each head's key rows, transposed.
+    KvbKeys { heads: usize, nope: usize, v: usize },
+    /// MLA's `kv_b_proj` as llama.cpp's `attn_v_b` (`[H, v, r]`): each head's value rows.
+    KvbValues { heads: usize, nope: usize, v: usize },
+}
+
+/// Rows of `t` (rearranged as `rows` says) quantized to `ty`, in parallel chunks.
+fn convert_tensor(t: &Tensor, ty: QuantType, rows: Rows) -> Result<Vec<u8>> {
     let view = t.view()?;
-    let (rows, cols) = (view.rows, view.cols);
+    let (n, cols) = (view.rows, view.cols);
+    if let Rows::KvbKeys { heads, nope, v } | Rows::KvbValues { heads, nope, v } = rows {
+        if n != heads * (nope + v) {
+            return Err(Error::Invalid(format!(
+                "tensor `{}` has {n} rows, expected heads · (qk_nope_head_dim + v_head_dim) = {}",
+                t.name,
+                heads * (nope + v)
+            )));
+        }
+    }
+    if let Rows::KvbKeys { heads, nope, v } = rows {
+        // Head h's block is `cols` (= kv_lora_rank) rows of `nope` values: column c of the
+        // head's key rows.
+        let row_bytes = ty.row_bytes(nope)?;
+        let blocks: Vec<Result<Vec<u8>>> = (0..heads)
+            .into_par_iter()
+            .map(|h| {
+                let mut keys = vec![0.0f32; nope * cols];
+                for i in 0..nope {
+                    view.row_to_f32(h * (nope + v) + i, &mut keys[i * cols..(i + 1) * cols]);
+                }
+                let mut out = Vec::with_capacity(cols * row_bytes);
+                let mut row = vec![0.0f32; nope];
+                for c in 0..cols {
+                    for (i, x) in row.iter_mut().enumerate() {
+                        *x = keys[i * cols + c];
+                    }
+                    quantize_row(ty, &row, &mut out)?;
+                }
+                Ok(out)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(heads * cols * row_bytes);
+        for b in blocks {
+            out.extend(b?);
+        }
+        return Ok(out);
+    }
+    let out_rows = match rows {
+        Rows::KvbValues { heads, v, .. } => heads * v,
+        _ => n,
+    };
     let source_row = |r: usize| -> usize {
-        match permute_heads {
-            Some(h) if rows.is_multiple_of(h) => {
-                let hd = rows / h;
+        match rows {
+            Rows::Permute(h) if n.is_multiple_of(h) => {
+                let hd = n / h;
                 let (head, i) = (r / hd, r % hd);
                 // llama.cpp's permute: new row 2i ← old row i, new row 2i+1 ← old row i + hd/2.
                 head * hd + if i % 2 == 0 { i / 2 } else { i / 2 + hd / 2 }
             }
+            Rows::KvbValues { nope, v, .. } => (r / v) * (nope + v) + nope + r % v,
             _ => r,
         }
     };
     let row_bytes = ty.row_bytes(cols)?;
     const CHUNK: usize = 64;
-    let chunks: Vec<Result<Vec<u8>>> = (0..rows.div_ceil(CHUNK))
+    let chunks: Vec<Result<Vec<u8>>> = (0..out_rows.div_ceil(CHUNK))
         .into_par_iter()
         .map(|c| {
             let mut out = Vec::with_capacity(CHUNK * row_bytes);
             let mut row = vec![0.0f32; cols];
-            for r in c * CHUNK..((c + 1) * CHUNK).min(rows) {
+            for r in c * CHUNK..((c + 1) * CHUNK).min(out_rows) {
                 view.row_to_f32(source_row(r), &mut row);
                 quantize_row(ty, &row, &mut out)?;
             }
             Ok(out)
         })
         .collect();
-    let mut out = Vec::with_capacity(rows * row_bytes);
+    let mut out = Vec::with_capacity(out_rows * row_bytes);
     for c in chunks {
         out.extend(c?);
     }

@@ -42,6 +42,9 @@ pub enum Access {
 enum Backing {
     Mapped(Arc<memmap2::Mmap>),
     Read(File),
+    /// Bytes built in memory: one tensor derived from others (see
+    /// [`Checkpoint::insert_owned`]).
+    Owned(Arc<Vec<u64>>),
 }
 
 struct ShardFile {
@@ -127,6 +130,57 @@ impl Checkpoint {
             files,
             tensors,
         })
+    }
+
+    /// Add a tensor whose bytes were built in memory rather than read from a file (a GGUF
+    /// file's MLA `kv_b_proj`, rebuilt from its split `attn_k_b` / `attn_v_b`). It becomes a
+    /// shard of its own, named by `path` (the file it was derived from) in errors and
+    /// listings; it replaces a tensor of the same name.
+    pub fn insert_owned(
+        &mut self,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: DType,
+        bytes: &[u8],
+        path: &Path,
+    ) -> Result<()> {
+        let want = match dtype {
+            DType::Quant(q) => {
+                let cols = *shape.last().unwrap_or(&1);
+                let rows = shape.iter().product::<usize>() / cols.max(1);
+                rows * q.row_bytes(cols)?
+            }
+            other => shape.iter().product::<usize>() * other.size(),
+        };
+        if bytes.len() != want {
+            return Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "built with {} bytes, but shape {shape:?} of {dtype} needs {want}",
+                    bytes.len()
+                ),
+            ));
+        }
+        let Storage::Owned { words, len } = Storage::owned(bytes) else {
+            unreachable!("Storage::owned builds an owned buffer")
+        };
+        self.files.push(ShardFile {
+            path: path.to_path_buf(),
+            backing: Backing::Owned(words),
+        });
+        self.tensors.insert(
+            name.to_string(),
+            TensorDesc {
+                name: name.to_string(),
+                shape,
+                dtype,
+                file: self.files.len() - 1,
+                offset: 0,
+                len,
+            },
+        );
+        Ok(())
     }
 
     /// The model directory.
@@ -216,6 +270,10 @@ impl Checkpoint {
         let d = self.desc(name)?;
         let shard = &self.files[d.file];
         let storage = match &shard.backing {
+            Backing::Owned(words) => Storage::Owned {
+                words: words.clone(),
+                len: d.len,
+            },
             Backing::Mapped(map) => Storage::Mapped {
                 map: map.clone(),
                 start: d.offset,
