@@ -12,6 +12,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::tensor::microscale::{e8m0_to_f32, split_fp4_tensor};
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
 
@@ -27,6 +28,65 @@ pub struct TensorDesc {
     pub offset: usize,
     /// Length in bytes.
     pub len: usize,
+}
+
+/// How a weight matrix is stored: one tensor, or a split FP4 matrix (two tensors, repacked
+/// into MXFP4 blocks when read; see [`crate::tensor::microscale`]).
+#[derive(Debug, Clone)]
+pub enum StoredWeight {
+    /// The tensor itself (f32/bf16/f16, a ggml block format, or FP8 whose block scales are
+    /// loaded separately by [`Checkpoint::block_scales`]).
+    Tensor(TensorDesc),
+    /// Packed E2M1 codes and their E8M0 scales, one per row per 32 values.
+    Fp4(Fp4Parts),
+}
+
+impl StoredWeight {
+    /// The tensors whose bytes make the matrix.
+    pub fn parts(&self) -> Vec<&TensorDesc> {
+        match self {
+            StoredWeight::Tensor(d) => vec![d],
+            StoredWeight::Fp4(p) => vec![&p.codes, &p.scales],
+        }
+    }
+}
+
+/// The two tensors of a split FP4 matrix `rows × cols`.
+#[derive(Debug, Clone)]
+pub struct Fp4Parts {
+    /// The matrix's name (the codes tensor).
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    /// `[rows, cols/2]` int8/uint8 (or `[rows, cols/32, 16]` uint8), low nibble first.
+    pub codes: TensorDesc,
+    /// `[rows, cols/32]` E8M0 (`F8_E8M0` or `U8`).
+    pub scales: TensorDesc,
+    /// The files holding them (for errors).
+    pub codes_path: PathBuf,
+    pub scales_path: PathBuf,
+}
+
+impl Fp4Parts {
+    /// The matrix as MXFP4 blocks from the bytes of [`codes`](Self::codes) and
+    /// [`scales`](Self::scales) (exact; see [`crate::tensor::microscale`]). A NaN scale or a
+    /// wrong length is an error naming the tensor.
+    pub fn repack(&self, codes: &Storage, scales: &Storage) -> Result<Tensor> {
+        split_fp4_tensor(
+            &self.name,
+            codes.bytes(),
+            scales.bytes(),
+            self.rows,
+            self.cols,
+        )
+        .map_err(|e| {
+            if e.starts_with("codes") {
+                Error::tensor(&self.codes_path, &self.codes.name, e)
+            } else {
+                Error::tensor(&self.scales_path, &self.scales.name, e)
+            }
+        })
+    }
 }
 
 /// How tensor bytes are reached.
@@ -235,7 +295,7 @@ impl Checkpoint {
                 &self.files[d.file].path,
                 name,
                 format!(
-                    "has dtype {}, expected f32, bf16, f16 or a ggml block format",
+                    "has dtype {}, expected f32, bf16, f16, FP8 (F8_E4M3), packed FP4 (int8/uint8 [rows, cols/2]) or a ggml block format",
                     d.dtype
                 ),
             ));
@@ -311,18 +371,103 @@ impl Checkpoint {
         Ok(t.aligned())
     }
 
-    /// A matrix for the kernels (f32/bf16/f16, a ggml block format, or FP8 with its block
-    /// scales attached), shape checked.
+    /// A matrix for the kernels (f32/bf16/f16, a ggml block format, FP8 with its block
+    /// scales attached, or a split FP4 matrix repacked into MXFP4 blocks), shape checked.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        self.check_weight(name, shape)?;
-        let mut t = self.tensor_any_shape(name)?;
-        t.block_scales = self.block_scales(name)?;
-        Ok(t)
+        match self.stored_weight(name, shape)? {
+            StoredWeight::Fp4(p) => p.repack(
+                &self.tensor_any_shape(&p.codes.name)?.storage,
+                &self.tensor_any_shape(&p.scales.name)?.storage,
+            ),
+            StoredWeight::Tensor(_) => {
+                let mut t = self.tensor_any_shape(name)?;
+                t.block_scales = self.block_scales(name)?;
+                Ok(t)
+            }
+        }
     }
 
-    /// The per-block scales of an FP8 weight (`{name}_scale_inv`, as DeepSeek-V3 style
-    /// checkpoints store them: one f32/bf16 per `B×B` block, `B` from `weight_block_size`, 128
-    /// by default); `None` for other dtypes. An FP8 weight without scales is an error.
+    /// How the matrix `name` of `shape` is stored (shape, dtype and companions checked,
+    /// nothing read). A tensor of int8/uint8 packed codes, `[rows, cols/2]` (or
+    /// `[rows, cols/32, 16]` uint8), is a split FP4 matrix whose E8M0 scales are
+    /// `<module>.scale` for `<module>.weight` (DeepSeek-V4) or `<x>_scales` for `<x>_blocks`
+    /// (gpt-oss MXFP4).
+    pub fn stored_weight(&self, name: &str, shape: &[usize]) -> Result<StoredWeight> {
+        let d = self.desc(name)?;
+        let (rows, cols) = match shape {
+            [rows, cols] => (*rows, *cols),
+            _ => (0, 0),
+        };
+        let packed = matches!(d.dtype, DType::I8 | DType::U8)
+            && cols > 0
+            && (d.shape == [rows, cols / 2]
+                || (d.dtype == DType::U8 && d.shape == [rows, cols / 32, 16]));
+        if d.shape == shape || !packed {
+            return self
+                .check_weight(name, shape)
+                .cloned()
+                .map(StoredWeight::Tensor);
+        }
+        let path = &self.files[d.file].path;
+        let scale_name = if let Some(base) = name.strip_suffix("_blocks") {
+            format!("{base}_scales")
+        } else if let Some(module) = name.strip_suffix(".weight") {
+            format!("{module}.scale")
+        } else {
+            return Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "has shape {:?} of {}, like packed FP4 codes for a {rows}×{cols} matrix, but its name ends neither in `.weight` nor `_blocks`, so its scales cannot be found",
+                    d.shape, d.dtype
+                ),
+            ));
+        };
+        if !cols.is_multiple_of(32) {
+            return Err(Error::tensor(
+                path,
+                name,
+                format!(
+                    "looks like packed FP4 codes of a {rows}×{cols} matrix, but FP4 rows must be whole 32-value blocks"
+                ),
+            ));
+        }
+        let s = self.tensors.get(&scale_name).ok_or_else(|| {
+            Error::tensor(
+                path,
+                name,
+                format!(
+                    "holds packed FP4 (E2M1, two per byte) for a {rows}×{cols} matrix but `{scale_name}` (its E8M0 scales, one per 32 values) is missing"
+                ),
+            )
+        })?;
+        let want = [rows, cols / 32];
+        if !matches!(s.dtype, DType::F8E8M0 | DType::U8) || s.shape != want {
+            return Err(Error::tensor(
+                &self.files[s.file].path,
+                &scale_name,
+                format!(
+                    "has shape {:?} of {}, but the FP4 scales of `{name}` must be {want:?} of F8_E8M0 or U8",
+                    s.shape, s.dtype
+                ),
+            ));
+        }
+        Ok(StoredWeight::Fp4(Fp4Parts {
+            name: name.to_string(),
+            rows,
+            cols,
+            codes: d.clone(),
+            scales: s.clone(),
+            codes_path: path.clone(),
+            scales_path: self.files[s.file].path.clone(),
+        }))
+    }
+
+    /// The per-block scales of an FP8 weight: `{name}_scale_inv` (DeepSeek-V3 style, one
+    /// f32/bf16 per `B×B` block, `B` from `weight_block_size`, 128 by default) or, for
+    /// `<module>.weight`, `<module>.scale` (DeepSeek-V4); either may be floats or E8M0 bytes
+    /// (`scale_fmt = "ue8m0"`: `F8_E8M0` or `U8`, `2^(byte − 127)`). `None` for other dtypes.
+    /// An FP8 weight without scales is an error.
     pub fn block_scales(
         &self,
         name: &str,
@@ -331,19 +476,29 @@ impl Checkpoint {
         if d.dtype != DType::F8E4M3 {
             return Ok(None);
         }
-        let scale_name = format!("{name}_scale_inv");
+        let inv_name = format!("{name}_scale_inv");
+        let module_scale = name.strip_suffix(".weight").map(|m| format!("{m}.scale"));
+        let scale_name = match &module_scale {
+            Some(m) if !self.contains(&inv_name) && self.contains(m) => m.clone(),
+            _ => inv_name.clone(),
+        };
         if !self.contains(&scale_name) {
+            let names = match &module_scale {
+                Some(m) => format!("`{inv_name}` or `{m}`"),
+                None => format!("`{inv_name}`"),
+            };
             return Err(Error::tensor(
                 &self.files[d.file].path,
                 name,
-                format!("is FP8 (F8_E4M3) but `{scale_name}` (its block scales) is missing"),
+                format!("is FP8 (F8_E4M3) but {names} (its block scales) is missing"),
             ));
         }
         let s = self.tensor_any_shape(&scale_name)?;
+        let scale_path = &self.files[self.desc(&scale_name)?.file].path;
         let (rows, cols) = (d.shape[0], *d.shape.last().unwrap_or(&1));
         if s.shape.len() != 2 || s.shape[0] == 0 || s.shape[1] == 0 {
             return Err(Error::tensor(
-                &self.files[d.file].path,
+                scale_path,
                 &scale_name,
                 format!(
                     "has shape {:?}, expected [row blocks, column blocks]",
@@ -361,7 +516,7 @@ impl Checkpoint {
             .unwrap_or(128);
         if rows.div_ceil(block) != s.shape[0] || cols.div_ceil(block) != s.shape[1] {
             return Err(Error::tensor(
-                &self.files[d.file].path,
+                scale_path,
                 &scale_name,
                 format!(
                     "has shape {:?}, which is no square block grid over a {rows}×{cols} matrix",
@@ -369,8 +524,33 @@ impl Checkpoint {
                 ),
             ));
         }
+        let values = match s.dtype {
+            DType::F8E8M0 | DType::U8 => {
+                let bytes = s.storage.bytes();
+                if let Some(i) = bytes.iter().position(|&b| b == 0xff) {
+                    return Err(Error::tensor(
+                        scale_path,
+                        &scale_name,
+                        format!(
+                            "E8M0 scale byte 0xFF (NaN) at block ({}, {})",
+                            i / s.shape[1],
+                            i % s.shape[1]
+                        ),
+                    ));
+                }
+                bytes.iter().map(|&b| e8m0_to_f32(b)).collect()
+            }
+            DType::F32 | DType::BF16 | DType::F16 => s.to_f32_vec()?,
+            other => {
+                return Err(Error::tensor(
+                    scale_path,
+                    &scale_name,
+                    format!("has dtype {other}; FP8 block scales must be f32, bf16, f16 or E8M0 (F8_E8M0 or U8)"),
+                ))
+            }
+        };
         Ok(Some(std::sync::Arc::new(crate::tensor::BlockScales {
-            values: s.to_f32_vec()?,
+            values,
             block_rows: block,
             block_cols: block,
             cols: s.shape[1],
@@ -491,7 +671,7 @@ fn read_shard(
             .ok_or_else(|| bad("header entry has no dtype".into()))?;
         let dtype = DType::from_safetensors(dtype_str).ok_or_else(|| {
             bad(format!(
-                "unsupported dtype {dtype_str} (supported: F32, BF16, F16, I64, I32, U8)"
+                "unsupported dtype {dtype_str} (supported: F32, BF16, F16, I64, I32, U8, I8, F8_E4M3, F8_E8M0)"
             ))
         })?;
         let shape: Vec<usize> = info

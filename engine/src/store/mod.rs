@@ -222,18 +222,20 @@ pub struct ResidentStore {
 
 impl ResidentStore {
     /// Load the experts named by `names[layer][expert]`, checking shapes `[I, D]` / `[D, I]`.
-    /// Layers without routed experts have an empty list.
+    /// Layers without routed experts have an empty list. Experts of a layer load in parallel
+    /// (mapping is instant; split FP4 experts are repacked into owned MXFP4 buffers).
     pub fn open(
         ckpt: &Checkpoint,
         names: &[Vec<ExpertNames>],
         hidden: usize,
         intermediate: usize,
     ) -> Result<ResidentStore> {
+        use rayon::prelude::*;
         let layers = names
             .iter()
             .map(|layer| {
                 layer
-                    .iter()
+                    .par_iter()
                     .map(|n| {
                         Ok(Arc::new(Expert {
                             gate: ckpt.weight(&n.gate, &[intermediate, hidden])?,

@@ -4,7 +4,10 @@
 //! immediately so they compute while the misses load; an expert already being read (by a
 //! prefetch hint or another request) is waited for, never read twice. Pinned experts are never
 //! evicted. Placement changes speed, never results: an expert read from disk is byte-for-byte
-//! the expert a memory map would show.
+//! the expert a memory map would show, or, for split FP4 matrices (packed E2M1 codes plus
+//! their E8M0 scales, read together as two ranges), the MXFP4 blocks the resident load
+//! repacks them into, built by the same function on a small pool of repack threads (so the
+//! reader threads keep reading).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,8 +22,9 @@ use super::reader::{open_reader, ByteRange, RangeReader, ReaderOptions};
 use super::{
     Arrival, CachePolicy, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot,
 };
-use crate::format::safetensors::Checkpoint;
-use crate::tensor::{DType, Tensor};
+use crate::format::safetensors::{Checkpoint, Fp4Parts, StoredWeight};
+use crate::tensor::quant::QuantType;
+use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
 
 type Key = (usize, usize);
@@ -31,9 +35,44 @@ struct MatrixLocation {
     name: String,
     shape: Vec<usize>,
     dtype: DType,
-    range: ByteRange,
+    /// The tensor's bytes, or a split FP4 matrix's codes then scales.
+    ranges: Vec<ByteRange>,
     /// FP8 block scales (small; kept resident).
     scales: Option<Arc<crate::tensor::BlockScales>>,
+    /// A split FP4 matrix, repacked into MXFP4 blocks when its ranges arrive.
+    fp4: Option<Arc<Fp4Parts>>,
+}
+
+impl MatrixLocation {
+    /// Bytes read for this matrix.
+    fn bytes(&self) -> usize {
+        self.ranges.iter().map(|r| r.len).sum()
+    }
+
+    /// The matrix from its buffers, taken from `bufs` in range order.
+    fn assemble(&self, bufs: &mut impl Iterator<Item = Storage>) -> Result<Tensor> {
+        let mut next = || {
+            bufs.next().ok_or_else(|| {
+                Error::Invalid(format!(
+                    "the expert reader returned too few buffers for `{}`",
+                    self.name
+                ))
+            })
+        };
+        match &self.fp4 {
+            Some(p) => {
+                let (codes, scales) = (next()?, next()?);
+                p.repack(&codes, &scales)
+            }
+            None => Ok(Tensor {
+                name: self.name.clone(),
+                shape: self.shape.clone(),
+                dtype: self.dtype,
+                storage: next()?,
+                block_scales: self.scales.clone(),
+            }),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -87,6 +126,8 @@ pub struct TieredStore {
     locations: Vec<Vec<[MatrixLocation; 3]>>,
     expert_bytes: Vec<Vec<u64>>,
     reader: Arc<dyn RangeReader>,
+    /// Threads that repack split FP4 experts as they arrive (only when there are any).
+    repack: Option<Arc<rayon::ThreadPool>>,
     inner: Arc<Inner>,
     total_bytes: usize,
     prefetch: bool,
@@ -146,17 +187,34 @@ impl TieredStore {
         opts: &StoreOptions,
     ) -> Result<TieredStore> {
         let locate = |name: &str, shape: [usize; 2]| -> Result<MatrixLocation> {
-            let d = ckpt.check_weight(name, &shape)?; // existence, shape and dtype, no read
-            Ok(MatrixLocation {
-                name: name.to_string(),
-                shape: d.shape.clone(),
-                dtype: d.dtype,
-                range: ByteRange {
+            // Existence, shape, dtype and companions; nothing read.
+            let stored = ckpt.stored_weight(name, &shape)?;
+            let ranges = stored
+                .parts()
+                .iter()
+                .map(|d| ByteRange {
                     file: d.file,
                     offset: d.offset as u64,
                     len: d.len,
+                })
+                .collect();
+            Ok(match stored {
+                StoredWeight::Tensor(d) => MatrixLocation {
+                    name: name.to_string(),
+                    shape: d.shape.clone(),
+                    dtype: d.dtype,
+                    ranges,
+                    scales: ckpt.block_scales(name)?,
+                    fp4: None,
                 },
-                scales: ckpt.block_scales(name)?,
+                StoredWeight::Fp4(p) => MatrixLocation {
+                    name: name.to_string(),
+                    shape: shape.to_vec(),
+                    dtype: DType::Quant(QuantType::MXFP4),
+                    ranges,
+                    scales: None,
+                    fp4: Some(Arc::new(p)),
+                },
             })
         };
         let mut total_bytes = 0usize;
@@ -171,7 +229,7 @@ impl TieredStore {
                             locate(&n.up, [intermediate, hidden])?,
                             locate(&n.down, [hidden, intermediate])?,
                         ];
-                        total_bytes += m.iter().map(|x| x.range.len).sum::<usize>();
+                        total_bytes += m.iter().map(|x| x.bytes()).sum::<usize>();
                         Ok(m)
                     })
                     .collect::<Result<Vec<_>>>()
@@ -190,7 +248,7 @@ impl TieredStore {
             .iter()
             .map(|l| {
                 l.iter()
-                    .map(|m| m.iter().map(|x| x.range.len as u64).sum())
+                    .map(|m| m.iter().map(|x| x.bytes() as u64).sum())
                     .collect()
             })
             .collect();
@@ -203,6 +261,24 @@ impl TieredStore {
             opts.io_threads
         };
         let (reader, warnings) = make_reader(ckpt.dir(), &paths, threads, opts)?;
+        let repack = if locations
+            .iter()
+            .flatten()
+            .flatten()
+            .any(|m| m.fp4.is_some())
+        {
+            Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(|i| format!("coli-repack-{i}"))
+                    .build()
+                    .map_err(|e| {
+                        Error::Invalid(format!("cannot start the FP4 repack threads: {e}"))
+                    })?,
+            ))
+        } else {
+            None
+        };
         for w in &warnings {
             tracing::warn!("{w}");
         }
@@ -229,6 +305,7 @@ impl TieredStore {
             locations,
             expert_bytes,
             reader,
+            repack,
             inner: Arc::new(Inner {
                 cache: Mutex::new(Cache::default()),
                 capacity: budget - resident,
@@ -330,24 +407,29 @@ impl TieredStore {
     fn submit_read(&self, key: Key) {
         let loc = self.locations[key.0][key.1].clone();
         let inner = self.inner.clone();
-        let ranges = loc.iter().map(|m| m.range.clone()).collect();
+        let ranges = loc.iter().flat_map(|m| m.ranges.clone()).collect();
+        // Repacking FP4 is CPU work: it runs on the repack threads, not the reader's.
+        let repack = self
+            .repack
+            .clone()
+            .filter(|_| loc.iter().any(|m| m.fp4.is_some()));
         self.reader.submit(
             ranges,
             Box::new(move |bufs| {
-                let result = bufs.map(|mut b| {
-                    let make = |m: &MatrixLocation, storage| Tensor {
-                        name: m.name.clone(),
-                        shape: m.shape.clone(),
-                        dtype: m.dtype,
-                        storage,
-                        block_scales: m.scales.clone(),
-                    };
-                    let down = make(&loc[2], b.pop().expect("three buffers"));
-                    let up = make(&loc[1], b.pop().expect("three buffers"));
-                    let gate = make(&loc[0], b.pop().expect("three buffers"));
-                    Arc::new(Expert { gate, up, down })
-                });
-                inner.complete(key, result);
+                let finish = move || {
+                    let result = bufs.and_then(|b| {
+                        let mut b = b.into_iter();
+                        let gate = loc[0].assemble(&mut b)?;
+                        let up = loc[1].assemble(&mut b)?;
+                        let down = loc[2].assemble(&mut b)?;
+                        Ok(Arc::new(Expert { gate, up, down }))
+                    });
+                    inner.complete(key, result);
+                };
+                match repack {
+                    Some(pool) => pool.spawn(finish),
+                    None => finish(),
+                }
             }),
         );
     }

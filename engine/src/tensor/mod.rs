@@ -7,6 +7,7 @@
 
 pub mod kernels;
 pub mod matmul;
+pub mod microscale;
 pub mod qmatmul;
 pub mod quant;
 pub mod threads;
@@ -26,8 +27,12 @@ pub enum DType {
     I64,
     I32,
     U8,
+    I8,
     /// OCP FP8 E4M3 (`torch.float8_e4m3fn`), used with per-block scales.
     F8E4M3,
+    /// OCP E8M0 (`torch.float8_e8m0fnu`): a bare exponent, `2^(byte − 127)`; block scales
+    /// ([`microscale::e8m0_to_f32`]).
+    F8E8M0,
     /// A ggml block format (GGUF files): rows are sequences of blocks.
     Quant(quant::QuantType),
 }
@@ -39,7 +44,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
-            DType::U8 | DType::F8E4M3 => 1,
+            DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E8M0 => 1,
             // Blocks are parsed from bytes; no alignment is needed.
             DType::Quant(_) => 1,
         }
@@ -54,7 +59,9 @@ impl DType {
             "I64" => DType::I64,
             "I32" => DType::I32,
             "U8" => DType::U8,
+            "I8" => DType::I8,
             "F8_E4M3" => DType::F8E4M3,
+            "F8_E8M0" => DType::F8E8M0,
             _ => return None,
         })
     }
@@ -68,7 +75,9 @@ impl DType {
             DType::I64 => "I64",
             DType::I32 => "I32",
             DType::U8 => "U8",
+            DType::I8 => "I8",
             DType::F8E4M3 => "F8_E4M3",
+            DType::F8E8M0 => "F8_E8M0",
             DType::Quant(q) => q.name(),
         }
     }
@@ -111,7 +120,9 @@ impl std::fmt::Display for DType {
             DType::I64 => "i64",
             DType::I32 => "i32",
             DType::U8 => "u8",
+            DType::I8 => "i8",
             DType::F8E4M3 => "f8_e4m3",
+            DType::F8E8M0 => "f8_e8m0",
             DType::Quant(q) => q.name(),
         })
     }
@@ -157,7 +168,7 @@ pub struct Tensor {
     pub shape: Vec<usize>,
     pub dtype: DType,
     pub storage: Storage,
-    /// Per-block dequantization scales (FP8 checkpoints' `weight_scale_inv`).
+    /// Per-block dequantization scales (FP8 checkpoints' `weight_scale_inv` or `scale`).
     pub block_scales: Option<Arc<BlockScales>>,
 }
 
@@ -250,7 +261,7 @@ impl Tensor {
             DType::F8E4M3 => {
                 let scales = self.block_scales.as_deref().ok_or_else(|| {
                     Error::Invalid(format!(
-                        "tensor `{}` is FP8 but has no block scales (`weight_scale_inv`)",
+                        "tensor `{}` is FP8 but has no block scales (`weight_scale_inv` or `scale`)",
                         self.name
                     ))
                 })?;
