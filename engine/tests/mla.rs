@@ -140,3 +140,76 @@ fn the_cache_holds_latents_not_per_head_keys() {
     m.forward(&ids, &mut cache, Logits::None).unwrap();
     assert_eq!(cache.nbytes(), ids.len() * m.info().kv_bytes_per_token);
 }
+
+#[test]
+fn a_bf16_latent_cache_halves_its_bytes_and_decodes_as_it_prefills() {
+    use colibri::model::cache::KvDType;
+    let dir = fixture("deepseek_v3");
+    let ids = prompt("deepseek_v3");
+    let opts = StoreOptions {
+        kv_dtype: KvDType::Bf16,
+        ..StoreOptions::default()
+    };
+    let m = model::load_with(&dir, &opts).unwrap();
+    // 3 layers × (16 latent + 8 rope) values × 2 bytes.
+    assert_eq!(m.info().kv_bytes_per_token, 3 * (16 + 8) * 2);
+    let mut cache = m.new_cache(ids.len());
+    let all = m.forward(&ids, &mut cache, Logits::All).unwrap();
+    assert_eq!(cache.nbytes(), ids.len() * 3 * (16 + 8) * 2);
+    let v = m.info().vocab_size;
+    let mut cache = m.new_cache(ids.len());
+    for (t, &id) in ids.iter().enumerate() {
+        let row = m.forward(&[id], &mut cache, Logits::Last).unwrap();
+        assert_eq!(bits(&row), bits(&all[t * v..(t + 1) * v]), "position {t}");
+    }
+    // Rounding the cache really happens, and stays small.
+    let f32_logits = prefill(model::load(&dir).unwrap().as_ref(), &ids);
+    let d = max_abs_diff(&all, &f32_logits);
+    eprintln!("bf16 latent cache vs f32: max |Δlogit| = {d:.3e}");
+    assert!(d > 0.0 && d < 0.05, "{d}");
+}
+
+#[test]
+fn a_bf16_cache_saved_to_a_kv_file_continues_exactly() {
+    use colibri::model::cache::KvDType;
+    use colibri::runtime::generate::{generate, generate_continue, Conversation, GenerateParams};
+    use colibri::runtime::kv_file;
+    use colibri::runtime::sampling::SamplingParams;
+    let dir = fixture("glm_moe_dsa");
+    let ids = prompt("glm_moe_dsa");
+    let m = model::load_with(
+        &dir,
+        &StoreOptions {
+            kv_dtype: KvDType::Bf16,
+            ..StoreOptions::default()
+        },
+    )
+    .unwrap();
+    let params = |n| GenerateParams {
+        max_tokens: n,
+        eos_token_ids: vec![],
+        stop_strings: vec![],
+        sampling: SamplingParams::greedy(),
+    };
+    let whole = generate(m.as_ref(), None, &ids, &params(12), |_| {}, |_| {}).unwrap();
+    let mut conv = Conversation::new(m.as_ref());
+    let first = generate_continue(
+        m.as_ref(),
+        None,
+        &mut conv,
+        &ids,
+        &params(5),
+        |_| {},
+        |_| {},
+    )
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("conv.kv");
+    kv_file::save(&path, "fp;kv=bf16", &conv).unwrap();
+    let mut back = kv_file::restore(&path, "fp;kv=bf16", m.as_ref()).unwrap();
+    assert_eq!(back, conv, "restored bf16 cache equals the saved one");
+    let rest =
+        generate_continue(m.as_ref(), None, &mut back, &[], &params(7), |_| {}, |_| {}).unwrap();
+    let joined: Vec<u32> = first.tokens.iter().chain(&rest.tokens).copied().collect();
+    assert_eq!(joined, whole.tokens);
+}

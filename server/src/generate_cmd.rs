@@ -88,7 +88,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let model = loaded.model.as_ref();
     let (fingerprint, restored) = match &args.kv_file {
         Some(path) => {
-            let (fingerprint, conv) = restore(path, &loaded)?;
+            let (fingerprint, conv) = restore(path, &loaded, &args.model.kv_dtype)?;
             (Some(fingerprint), conv)
         }
         None => (None, None),
@@ -237,13 +237,21 @@ pub fn run(args: RunArgs) -> Result<()> {
 
 /// The model's fingerprint and, when `path` exists, the conversation saved in it (checked
 /// against the model). Reports on stderr what was restored.
-fn restore(path: &Path, loaded: &LoadedModel) -> Result<(String, Option<Conversation>)> {
-    let fingerprint = kv_file::model_fingerprint(&loaded.dir).with_context(|| {
+fn restore(
+    path: &Path,
+    loaded: &LoadedModel,
+    kv_dtype: &str,
+) -> Result<(String, Option<Conversation>)> {
+    let mut fingerprint = kv_file::model_fingerprint(&loaded.dir).with_context(|| {
         format!(
             "--kv-file: cannot fingerprint the model in {}",
             loaded.dir.display()
         )
     })?;
+    // A cache kept at another precision is another conversation state.
+    if kv_dtype != "f32" {
+        fingerprint.push_str(&format!(";kv={kv_dtype}"));
+    }
     if !path.exists() {
         eprintln!(
             "coli: {} does not exist: starting a new conversation, saved there at the end",

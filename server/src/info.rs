@@ -74,12 +74,12 @@ pub fn run(args: InfoArgs) -> Result<()> {
     );
     if i.kv_bytes_per_token == i.kv_bytes_per_token_full {
         println!(
-            "kv cache:     {} per token (f32)",
+            "kv cache:     {} per token",
             bytes(i.kv_bytes_per_token)
         );
     } else {
         println!(
-            "kv cache:     {} per token (f32); per-head K/V attention would take {} ({:.1}× more)",
+            "kv cache:     {} per token; per-head K/V attention (f32) would take {} ({:.1}× more)",
             bytes(i.kv_bytes_per_token),
             bytes(i.kv_bytes_per_token_full),
             i.kv_bytes_per_token_full as f64 / i.kv_bytes_per_token.max(1) as f64

@@ -63,6 +63,11 @@ pub struct ModelArgs {
     /// `none` (default) does not load the head.
     #[arg(long, default_value = "none")]
     pub draft: String,
+    /// Precision of the latent-attention KV cache (DeepSeek, Kimi, GLM-5): f32 (default) or
+    /// bf16 (half the bytes per token; values rounded when stored, so outputs may differ
+    /// slightly from f32 — an explicit precision choice, never made for you).
+    #[arg(long, default_value = "f32")]
+    pub kv_dtype: String,
 }
 
 impl ModelArgs {
@@ -136,6 +141,11 @@ impl ModelArgs {
                 "mtp" => true,
                 other => anyhow::bail!("--draft: unknown `{other}` (expected `none` or `mtp`)"),
             },
+            unused_bytes: 0,
+            kv_dtype: self
+                .kv_dtype
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?,
         })
     }
 
@@ -146,7 +156,12 @@ impl ModelArgs {
             return self.load(needs_text);
         }
         let dir = self.prepare()?;
-        LoadedModel::open(&dir, needs_text)
+        // Everything mapped, with the model-shape options (--mla-form, --draft, --kv-dtype).
+        let opts = StoreOptions {
+            ram_budget: None,
+            ..self.store_options(None)?
+        };
+        LoadedModel::open_with(&dir, needs_text, &opts)
             .with_context(|| format!("cannot load the model in {}", dir.display()))
     }
 

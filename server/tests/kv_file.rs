@@ -73,7 +73,8 @@ fn bits(c: &Conversation) -> Vec<u32> {
     c.cache
         .layers
         .iter()
-        .flat_map(|l| l.k.iter().chain(&l.v).chain(&l.aux))
+        .flat_map(|l| [&l.k, &l.v, &l.aux])
+        .flat_map(|b| b.to_f32_vec())
         .map(|x| x.to_bits())
         .collect()
 }

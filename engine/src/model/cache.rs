@@ -8,23 +8,188 @@
 //!   `v` the rotated shared rope key `[len, qk_rope_head_dim]`, and `aux` the sparse-attention
 //!   indexer's keys `[len, index_head_dim]` on layers that have an indexer.
 
+use half::bf16;
+
+/// Precision of a cache buffer (`--kv-dtype`; latent attention's cache may be kept in bf16).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvDType {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for KvDType {
+    type Err = crate::Error;
+
+    /// `f32` or `bf16`.
+    fn from_str(s: &str) -> crate::Result<KvDType> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvDType::F32),
+            "bf16" => Ok(KvDType::Bf16),
+            other => Err(crate::Error::Invalid(format!(
+                "unknown KV cache dtype `{other}` (expected `f32` or `bf16`)"
+            ))),
+        }
+    }
+}
+
+/// A cache buffer: f32 values, or bf16 values (rounded to nearest even when stored; every
+/// reader sees the stored values, so prefill and decode agree bit for bit).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvBuf {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Default for KvBuf {
+    fn default() -> KvBuf {
+        KvBuf::F32(Vec::new())
+    }
+}
+
+impl KvBuf {
+    /// An empty buffer of `dtype`.
+    pub fn new(dtype: KvDType) -> KvBuf {
+        match dtype {
+            KvDType::F32 => KvBuf::F32(Vec::new()),
+            KvDType::Bf16 => KvBuf::Bf16(Vec::new()),
+        }
+    }
+
+    /// Its precision.
+    pub fn dtype(&self) -> KvDType {
+        match self {
+            KvBuf::F32(_) => KvDType::F32,
+            KvBuf::Bf16(_) => KvDType::Bf16,
+        }
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            KvBuf::F32(v) => v.len(),
+            KvBuf::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            KvBuf::F32(v) => 4 * v.len(),
+            KvBuf::Bf16(v) => 2 * v.len(),
+        }
+    }
+
+    /// Append `x`, rounded to the buffer's precision.
+    pub fn extend(&mut self, x: &[f32]) {
+        match self {
+            KvBuf::F32(v) => v.extend_from_slice(x),
+            KvBuf::Bf16(v) => v.extend(x.iter().map(|&f| bf16::from_f32(f))),
+        }
+    }
+
+    /// Keep the first `n` values.
+    pub fn truncate(&mut self, n: usize) {
+        match self {
+            KvBuf::F32(v) => v.truncate(n),
+            KvBuf::Bf16(v) => v.truncate(n),
+        }
+    }
+
+    /// Drop every value.
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Values `range` as a kernel operand.
+    pub fn data(&self, range: std::ops::Range<usize>) -> crate::tensor::WeightData<'_> {
+        match self {
+            KvBuf::F32(v) => crate::tensor::WeightData::F32(&v[range]),
+            KvBuf::Bf16(v) => crate::tensor::WeightData::BF16(&v[range]),
+        }
+    }
+
+    /// Values `range` as f32 into `out`.
+    pub fn read(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        match self {
+            KvBuf::F32(v) => out.copy_from_slice(&v[range]),
+            KvBuf::Bf16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[range]) {
+                    *o = x.to_f32();
+                }
+            }
+        }
+    }
+
+    /// Every value as f32 (exact for both precisions).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            KvBuf::F32(v) => v.clone(),
+            KvBuf::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// The f32 values of a buffer that attention kinds without a precision option keep.
+    /// Their caches are made f32 by `new_cache` and KV files are checked against it, so
+    /// another precision here is a broken invariant.
+    pub fn f32(&self) -> &Vec<f32> {
+        match self {
+            KvBuf::F32(v) => v,
+            KvBuf::Bf16(_) => panic!("this attention kind keeps an f32 cache"),
+        }
+    }
+
+    /// Mutable [`KvBuf::f32`].
+    pub fn f32_mut(&mut self) -> &mut Vec<f32> {
+        match self {
+            KvBuf::F32(v) => v,
+            KvBuf::Bf16(_) => panic!("this attention kind keeps an f32 cache"),
+        }
+    }
+}
+
+impl From<Vec<f32>> for KvBuf {
+    fn from(v: Vec<f32>) -> KvBuf {
+        KvBuf::F32(v)
+    }
+}
+
 /// The cached state of one attention layer.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerKv {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvBuf,
+    pub v: KvBuf,
     /// Extra per-token values some attention kinds keep (the DSA indexer's keys).
-    pub aux: Vec<f32>,
+    pub aux: KvBuf,
 }
 
 impl LayerKv {
-    fn buffers_mut(&mut self) -> [&mut Vec<f32>; 3] {
+    /// An empty layer cache whose `k` and `v` hold `dtype` values (`aux` stays f32).
+    pub fn with_dtype(dtype: KvDType) -> LayerKv {
+        LayerKv {
+            k: KvBuf::new(dtype),
+            v: KvBuf::new(dtype),
+            aux: KvBuf::default(),
+        }
+    }
+
+    fn buffers_mut(&mut self) -> [&mut KvBuf; 3] {
         [&mut self.k, &mut self.v, &mut self.aux]
     }
 
     /// Values held, over every buffer.
     pub fn values(&self) -> usize {
         self.k.len() + self.v.len() + self.aux.len()
+    }
+
+    /// Bytes held, over every buffer.
+    pub fn nbytes(&self) -> usize {
+        self.k.nbytes() + self.v.nbytes() + self.aux.nbytes()
     }
 }
 
@@ -75,6 +240,6 @@ impl KvCache {
 
     /// Bytes held.
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().map(|l| l.values() * 4).sum()
+        self.layers.iter().map(|l| l.nbytes()).sum()
     }
 }

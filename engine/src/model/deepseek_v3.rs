@@ -294,6 +294,21 @@ pub fn load_mla_stack(
         moe.is_moe.push(true);
     }
     let expert_names = expert_names(&names.model, &moe.is_moe, moe.experts);
+    // What is never loaded: tensors outside the text model (Kimi's vision tower) and an MTP
+    // block left out.
+    let mtp_prefix = format!("{m}.layers.{layers}.");
+    let (mut unused_bytes, mut unused_params) = (0, 0);
+    for (name, t) in ckpt.tensors() {
+        let outside = !name.starts_with(&format!("{m}.")) && !name.starts_with(&names.lm_head);
+        if outside || (!opts.mtp && name.starts_with(&mtp_prefix)) {
+            unused_bytes += t.len;
+            unused_params += t.shape.iter().product::<usize>();
+        }
+    }
+    let opts = &StoreOptions {
+        unused_bytes: opts.unused_bytes + unused_bytes,
+        ..opts.clone()
+    };
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &expert_names, d, moe.intermediate, opts)?;
     let tie = cfg.bool_or("tie_word_embeddings", false)?;
     let embed = ckpt.weight(&format!("{m}.embed_tokens.weight"), &[vocab, d])?;
@@ -362,6 +377,7 @@ pub fn load_mla_stack(
             scale: scale as f32,
             form,
             sparse,
+            kv_dtype: opts.kv_dtype,
         };
         Ok(Block {
             attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, eps)?,
@@ -413,20 +429,10 @@ pub fn load_mla_stack(
         kv_f16: false,
     };
     let mut info = standard_info(ckpt, cfg, &sc, &blocks, Some(store.as_ref()))?;
-    if !opts.mtp {
-        // An MTP block left unloaded is neither resident nor part of the model that runs.
-        let prefix = format!("{m}.layers.{layers}.");
-        let (mut bytes, mut params) = (0, 0);
-        for (name, t) in ckpt.tensors() {
-            if name.starts_with(&prefix) {
-                bytes += t.len;
-                params += t.shape.iter().product::<usize>();
-            }
-        }
-        info.dense_bytes -= bytes;
-        info.total_params -= params;
-        info.active_params -= params;
-    }
+    // What is never loaded is neither resident nor part of the model that runs.
+    info.dense_bytes -= unused_bytes;
+    info.total_params -= unused_params;
+    info.active_params -= unused_params;
     Ok(Transformer {
         embed,
         blocks,

@@ -371,7 +371,7 @@ impl V4Attention {
         let mut k = self.wkv.forward(x);
         self.kv_norm.forward_inplace(&mut k);
         rope_trailing(&self.rope, &mut k, hd, &positions, false);
-        kv.k.extend_from_slice(&k);
+        kv.k.extend(&k);
 
         // Compressed entries completed by these tokens, and (CSA) the indexer's picks.
         let layout = self.aux_layout();
@@ -379,7 +379,7 @@ impl V4Attention {
         match &self.compression {
             Compression::Sliding => {}
             Compression::Hca(c) | Compression::Csa(c, _) => {
-                kv.v.extend_from_slice(&c.raw(x));
+                kv.v.extend(&c.raw(x));
                 let idx_raw = match &self.compression {
                     Compression::Csa(_, ix) => Some(ix.compressor.raw(x)),
                     _ => None,
@@ -390,15 +390,16 @@ impl V4Attention {
                         let w = layout.idx_raw;
                         row[layout.entry..layout.entry + w].copy_from_slice(&r[t * w..(t + 1) * w]);
                     }
-                    kv.aux.extend_from_slice(&row);
+                    kv.aux.extend(&row);
                     if (pos + 1) % c.rate == 0 {
                         let w = pos / c.rate;
-                        let e = c.entry(&kv.v, w, &self.compress_rope);
+                        let e = c.entry(kv.v.f32(), w, &self.compress_rope);
                         let at = pos * layout.width;
-                        kv.aux[at..at + c.dim].copy_from_slice(&e);
+                        kv.aux.f32_mut()[at..at + c.dim].copy_from_slice(&e);
                         if let Compression::Csa(_, ix) = &self.compression {
                             let raws: Vec<f32> = kv
                                 .aux
+                                .f32()
                                 .chunks(layout.width)
                                 .flat_map(|r| {
                                     r[layout.entry..layout.entry + layout.idx_raw].to_vec()
@@ -406,7 +407,7 @@ impl V4Attention {
                                 .collect();
                             let ie = ix.compressor.entry(&raws, w, &self.compress_rope);
                             let off = at + layout.entry + layout.idx_raw;
-                            kv.aux[off..off + ix.dim].copy_from_slice(&ie);
+                            kv.aux.f32_mut()[off..off + ix.dim].copy_from_slice(&ie);
                         }
                     }
                 }
@@ -429,8 +430,9 @@ impl V4Attention {
             let pos = start + t;
             let qv = &q[idx * hd..(idx + 1) * hd];
             let first = (pos + 1).saturating_sub(self.window);
-            let mut keys: Vec<&[f32]> =
-                (first..=pos).map(|j| &kv.k[j * hd..(j + 1) * hd]).collect();
+            let mut keys: Vec<&[f32]> = (first..=pos)
+                .map(|j| &kv.k.f32()[j * hd..(j + 1) * hd])
+                .collect();
             if let Some(visible) = (pos + 1).checked_div(rate) {
                 let entries: Vec<usize> = match &picks {
                     Some(p) => p[t].clone(),
@@ -438,7 +440,7 @@ impl V4Attention {
                 };
                 for w in entries {
                     let at = ((w + 1) * rate - 1) * layout.width;
-                    keys.push(&kv.aux[at..at + hd]);
+                    keys.push(&kv.aux.f32()[at..at + hd]);
                 }
             }
             let mut scores: Vec<f32> = keys
@@ -512,7 +514,7 @@ impl V4Attention {
                     .map(|e| {
                         let at =
                             ((e + 1) * rate - 1) * layout.width + layout.entry + layout.idx_raw;
-                        let key = &kv.aux[at..at + dim];
+                        let key = &kv.aux.f32()[at..at + dim];
                         let mut total = 0.0f32;
                         for hh in 0..nh {
                             let d = dot(

@@ -348,8 +348,8 @@ impl Attention {
                 }
             }
         }
-        kv.k.extend_from_slice(&k);
-        kv.v.extend_from_slice(&v);
+        kv.k.extend(&k);
+        kv.v.extend(&v);
         attend(
             &q,
             kv,
@@ -381,6 +381,7 @@ pub fn attend(
     probs_f16: bool,
 ) -> Vec<f32> {
     let isa = Isa::detect();
+    let (keys, values) = (kv.k.f32(), kv.v.f32());
     let group = heads / kv_heads;
     let kv_dim = kv_heads * head_dim;
     let mut out = vec![0.0f32; q.len()];
@@ -392,7 +393,7 @@ pub fn attend(
         let kvh = hh / group;
         let mut scores: Vec<f32> = (first..=pos)
             .map(|j| {
-                let kj = &kv.k[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
+                let kj = &keys[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
                 dot(isa, qv, WeightData::F32(kj)) * scale
             })
             .collect();
@@ -404,7 +405,7 @@ pub fn attend(
             }
         }
         for (p, j) in scores.iter().zip(first..=pos) {
-            let vj = &kv.v[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
+            let vj = &values[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
             for (oo, vv) in o.iter_mut().zip(vj) {
                 *oo += p * vv;
             }

@@ -130,6 +130,8 @@ pub struct Mla {
     pub scale: f32,
     pub form: MlaForm,
     pub sparse: Sparse,
+    /// Precision of the cached latents and rope keys.
+    pub kv_dtype: super::cache::KvDType,
 }
 
 /// The row-wise projections of a step (all sequences stacked).
@@ -161,14 +163,18 @@ impl MlaRows {
 }
 
 impl Mla {
-    /// Bytes one token takes in the cache (as f32): the latent, the rope key and, with an
-    /// indexer, its key.
-    pub fn cache_values_per_token(&self) -> usize {
+    /// Bytes one token takes in the cache: the latent and the rope key (in the cache's
+    /// precision) and, with an indexer, its key (f32).
+    pub fn cache_bytes_per_token(&self) -> usize {
         let index = match &self.sparse {
             Sparse::Own { indexer, .. } => indexer.head_dim,
             _ => 0,
         };
-        self.kv_lora + self.rope_dim + index
+        let width = match self.kv_dtype {
+            super::cache::KvDType::F32 => 4,
+            super::cache::KvDType::Bf16 => 2,
+        };
+        (self.kv_lora + self.rope_dim) * width + 4 * index
     }
 
     /// The projections of rows `x` (`[T, D]`, any number of sequences: row-wise, so a batch
@@ -225,8 +231,8 @@ impl Mla {
         }
         self.kv_norm.forward_inplace(&mut latent);
         self.rope.apply(&mut rope_k, 1, rd, &positions);
-        kv.k.extend_from_slice(&latent);
-        kv.v.extend_from_slice(&rope_k);
+        kv.k.extend(&latent);
+        kv.v.extend(&rope_k);
 
         // Queries: the rope part of every head rotates.
         let mut q_nope = Vec::with_capacity(t_len * h * nope);
@@ -286,7 +292,7 @@ impl Mla {
         };
         rope.apply(&mut qi, nh, hd, &positions);
         rope.apply(&mut ki, 1, hd, &positions);
-        kv.aux.extend_from_slice(&ki);
+        kv.aux.extend(&ki);
         let isa = Isa::detect();
         let head_scale = (nh as f32).powf(-0.5);
         let score_scale = (hd as f32).powf(-0.5);
@@ -300,7 +306,7 @@ impl Mla {
                 let q = &qi[t * nh * hd..(t + 1) * nh * hd];
                 let scores: Vec<f32> = (0..=pos)
                     .map(|s| {
-                        let k = &kv.aux[s * hd..(s + 1) * hd];
+                        let k = &kv.aux.f32()[s * hd..(s + 1) * hd];
                         let mut total = 0.0f32;
                         for head in 0..nh {
                             let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
@@ -373,16 +379,17 @@ impl Mla {
                 .iter()
                 .map(|&s| {
                     let s = s as usize;
-                    let c = WeightData::F32(&kv.k[s * r..(s + 1) * r]);
-                    let kr = WeightData::F32(&kv.v[s * rd..(s + 1) * rd]);
+                    let c = kv.k.data(s * r..(s + 1) * r);
+                    let kr = kv.v.data(s * rd..(s + 1) * rd);
                     (dot(isa, qa, c) + dot(isa, qr, kr)) * self.scale
                 })
                 .collect();
             softmax_inplace(&mut scores);
             let mut o_lat = vec![0.0f32; r];
+            let mut c = vec![0.0f32; r];
             for (p, &s) in scores.iter().zip(&ks) {
-                let c = &kv.k[s as usize * r..(s as usize + 1) * r];
-                for (a, cv) in o_lat.iter_mut().zip(c) {
+                kv.k.read(s as usize * r..(s as usize + 1) * r, &mut c);
+                for (a, cv) in o_lat.iter_mut().zip(&c) {
                     *a += p * cv;
                 }
             }
@@ -402,7 +409,7 @@ impl Mla {
         keys: impl Fn(usize) -> Vec<u32> + Sync,
     ) -> Vec<f32> {
         let (h, nope, rd, vd) = (self.heads, self.nope_dim, self.rope_dim, self.v_dim);
-        let expanded = self.kv_b.forward(&kv.k); // [len, H · (nope + v)]
+        let expanded = self.kv_b.forward(&kv.k.to_f32_vec()); // [len, H · (nope + v)]
         let width = h * (nope + vd);
         let isa = Isa::detect();
         let mut out = vec![0.0f32; t_len * h * vd];
@@ -416,7 +423,7 @@ impl Mla {
                 .iter()
                 .map(|&s| {
                     let kn = WeightData::F32(&expanded[at(s)..at(s) + nope]);
-                    let kr = WeightData::F32(&kv.v[s as usize * rd..(s as usize + 1) * rd]);
+                    let kr = kv.v.data(s as usize * rd..(s as usize + 1) * rd);
                     (dot(isa, qn, kn) + dot(isa, qr, kr)) * self.scale
                 })
                 .collect();

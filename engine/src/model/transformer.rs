@@ -37,17 +37,17 @@ impl SelfAttention {
         }
     }
 
-    /// Values one token adds to this layer's cache, and what full (per-head K and V)
+    /// Bytes one token adds to this layer's cache, and what full (per-head K and V, f32)
     /// attention of the same shape would store.
-    pub fn cache_values_per_token(&self) -> (usize, usize) {
+    pub fn cache_bytes_per_token(&self) -> (usize, usize) {
         match self {
             SelfAttention::Gqa(a) => {
-                let n = 2 * a.kv_heads * a.head_dim;
+                let n = 4 * 2 * a.kv_heads * a.head_dim;
                 (n, n)
             }
             SelfAttention::Mla(m) => (
-                m.cache_values_per_token(),
-                m.heads * (m.nope_dim + m.rope_dim + m.v_dim),
+                m.cache_bytes_per_token(),
+                4 * m.heads * (m.nope_dim + m.rope_dim + m.v_dim),
             ),
         }
     }
@@ -106,7 +106,13 @@ impl CausalLm for Transformer {
     }
 
     fn new_cache(&self, max_len: usize) -> KvCache {
-        KvCache::new(self.blocks.len(), max_len)
+        let mut cache = KvCache::new(self.blocks.len(), max_len);
+        for (layer, block) in cache.layers.iter_mut().zip(&self.blocks) {
+            if let SelfAttention::Mla(m) = &block.attn {
+                *layer = super::cache::LayerKv::with_dtype(m.kv_dtype);
+            }
+        }
+        cache
     }
 
     fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
@@ -140,7 +146,19 @@ impl CausalLm for Transformer {
 
 impl super::Drafter for Transformer {
     fn new_draft_cache(&self, max_len: usize) -> KvCache {
-        KvCache::new(1, max_len)
+        let mut cache = KvCache::new(1, max_len);
+        if let Some(MtpHead {
+            block:
+                Block {
+                    attn: SelfAttention::Mla(m),
+                    ..
+                },
+            ..
+        }) = &self.mtp
+        {
+            cache.layers[0] = super::cache::LayerKv::with_dtype(m.kv_dtype);
+        }
+        cache
     }
 
     fn forward_hidden(&self, tokens: &[u32], cache: &mut KvCache) -> Result<(Vec<f32>, Vec<f32>)> {
@@ -607,11 +625,11 @@ pub(crate) fn standard_info(
             .unwrap_or(0),
         kv_bytes_per_token: blocks
             .iter()
-            .map(|b| 4 * b.attn.cache_values_per_token().0)
+            .map(|b| b.attn.cache_bytes_per_token().0)
             .sum(),
         kv_bytes_per_token_full: blocks
             .iter()
-            .map(|b| 4 * b.attn.cache_values_per_token().1)
+            .map(|b| b.attn.cache_bytes_per_token().1)
             .sum(),
         active_experts: active,
         total_params,

@@ -33,7 +33,7 @@ use std::path::Path;
 
 use super::generate::Conversation;
 use crate::format::write::{commit, tmp_path};
-use crate::model::cache::{KvCache, LayerKv};
+use crate::model::cache::{KvBuf, KvCache, KvDType, LayerKv};
 use crate::model::{CausalLm, Logits};
 use crate::store::history::fingerprint;
 use crate::{Error, Result};
@@ -117,7 +117,9 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
         }
         for l in &cache.layers {
             for b in [&l.k, &l.v, &l.aux] {
-                for chunk in b.chunks(CHUNK_VALUES) {
+                // bf16 buffers are written widened to f32 (exact); `restore` narrows them back.
+                let values = b.to_f32_vec();
+                for chunk in values.chunks(CHUNK_VALUES) {
                     bytes.clear();
                     bytes.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
                     out.put(&bytes)?;
@@ -277,7 +279,7 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
     for c in &counts {
         let mut l = LayerKv::default();
         for (i, buf) in [&mut l.k, &mut l.v, &mut l.aux].into_iter().enumerate() {
-            *buf = b.f32s(c[i])?;
+            *buf = KvBuf::F32(b.f32s(c[i])?);
         }
         cache.layers.push(l);
     }
@@ -338,8 +340,36 @@ pub fn check_model(path: &Path, conv: &Conversation, model: &dyn CausalLm) -> Re
 /// [`load`] then [`check_model`]: the conversation saved in `path`, ready to continue with
 /// `model` (whose fingerprint is `fingerprint`).
 pub fn restore(path: &Path, fingerprint: &str, model: &dyn CausalLm) -> Result<Conversation> {
-    let conv = load(path, fingerprint)?;
+    let mut conv = load(path, fingerprint)?;
     check_model(path, &conv, model)?;
+    // Buffers the model keeps in bf16 were written widened to f32: narrow them back (exact
+    // for values that were bf16; anything else means the file was saved another way).
+    let fresh = model.new_cache(0);
+    for (l, (layer, want)) in conv.cache.layers.iter_mut().zip(&fresh.layers).enumerate() {
+        for (i, (buf, w)) in [&mut layer.k, &mut layer.v, &mut layer.aux]
+            .into_iter()
+            .zip([&want.k, &want.v, &want.aux])
+            .enumerate()
+        {
+            if w.dtype() == KvDType::Bf16 {
+                let values = buf.to_f32_vec();
+                let narrow: Vec<half::bf16> =
+                    values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                if narrow
+                    .iter()
+                    .zip(&values)
+                    .any(|(n, x)| n.to_f32().to_bits() != x.to_bits())
+                {
+                    return Err(Error::Invalid(format!(
+                        "{}: layer {l}: the saved `{}` buffer is not a bf16 cache, but this model keeps one (--kv-dtype bf16); {FIX}",
+                        path.display(),
+                        BUFFERS[i]
+                    )));
+                }
+                *buf = KvBuf::Bf16(narrow);
+            }
+        }
+    }
     Ok(conv)
 }
 
@@ -622,16 +652,18 @@ mod tests {
         let mut x = 0x1234_5678u32;
         for (l, w) in cache.layers.iter_mut().zip(widths) {
             for (i, buf) in [&mut l.k, &mut l.v, &mut l.aux].into_iter().enumerate() {
-                *buf = (0..w[i] * len)
-                    .map(|j| {
-                        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                        if j % 7 == 3 {
-                            specials[j % specials.len()]
-                        } else {
-                            f32::from_bits(x >> 2) // finite, of every magnitude
-                        }
-                    })
-                    .collect();
+                *buf = KvBuf::F32(
+                    (0..w[i] * len)
+                        .map(|j| {
+                            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                            if j % 7 == 3 {
+                                specials[j % specials.len()]
+                            } else {
+                                f32::from_bits(x >> 2) // finite, of every magnitude
+                            }
+                        })
+                        .collect(),
+                );
             }
         }
         Conversation {
@@ -652,7 +684,7 @@ mod tests {
         c.layers
             .iter()
             .flat_map(|l| [&l.k, &l.v, &l.aux])
-            .map(|b| b.iter().map(|x| x.to_bits()).collect())
+            .map(|b| b.to_f32_vec().iter().map(|x| x.to_bits()).collect())
             .collect()
     }
 
@@ -689,8 +721,8 @@ mod tests {
         assert_eq!(bits(&back.cache), bits(&orig.cache));
         // NaN payloads survive too (compared by bits: NaN != NaN).
         let mut nan = orig.clone();
-        nan.cache.layers[1].aux[0] = f32::from_bits(0x7fc0_1234);
-        nan.cache.layers[0].k[1] = f32::from_bits(0xffa0_0001);
+        nan.cache.layers[1].aux.f32_mut()[0] = f32::from_bits(0x7fc0_1234);
+        nan.cache.layers[0].k.f32_mut()[1] = f32::from_bits(0xffa0_0001);
         save(&path, FP, &nan).unwrap();
         assert_eq!(bits(&load(&path, FP).unwrap().cache), bits(&nan.cache));
         // No temporary file is left behind.
@@ -888,10 +920,10 @@ mod tests {
         refused(&c, "layers but the model has");
         let mut c = conv.clone();
         let l = c.cache.layers.len() - 1;
-        c.cache.layers[l].v.push(0.0);
+        c.cache.layers[l].v.extend(&[0.0]);
         refused(&c, "values per token");
         let mut c = conv.clone();
-        c.cache.layers[0].aux = vec![0.0; c.cache.len];
+        c.cache.layers[0].aux = KvBuf::F32(vec![0.0; c.cache.len]);
         refused(&c, "`aux` buffer");
         let mut c = conv.clone();
         c.tokens[0] = 384;

@@ -358,7 +358,7 @@ mod tests {
                 let p = cache.len + j;
                 logits.extend(row(t, p));
                 hidden.extend([p as f32, t as f32]);
-                cache.layers[0].k.push(t as f32);
+                cache.layers[0].k.extend(&[t as f32]);
             }
             cache.len += tokens.len();
             Ok((logits, hidden))
@@ -373,7 +373,7 @@ mod tests {
             let last = *next_ids.last().unwrap();
             let pos = cache.len; // position of `last`
             let mut out = vec![0.0; V];
-            let guess = if pos % 3 == 0 {
+            let guess = if pos.is_multiple_of(3) {
                 (next(last, pos) + 1) % V
             } else {
                 next(last, pos)

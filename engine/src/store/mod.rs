@@ -302,6 +302,11 @@ pub struct StoreOptions {
     /// Load the checkpoint's multi-token-prediction head (layer `num_hidden_layers` of the
     /// DeepSeek-style families) for drafting; its routed experts join the store.
     pub mtp: bool,
+    /// Bytes of the checkpoint the model never loads (an MTP block left out, a vision
+    /// tower): not counted as resident. Set by the family loader.
+    pub unused_bytes: usize,
+    /// Precision of the latent-attention cache (`--kv-dtype`).
+    pub kv_dtype: crate::model::cache::KvDType,
 }
 
 /// Expert cache eviction policy.

@@ -235,7 +235,9 @@ impl TieredStore {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
-        let resident = (ckpt.total_bytes() - total_bytes) as u64;
+        let resident = ckpt
+            .total_bytes()
+            .saturating_sub(total_bytes + opts.unused_bytes) as u64;
         if resident > budget {
             return Err(Error::Invalid(format!(
                 "the resident weights alone ({:.2} GB: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {:.2} GB; raise --ram to at least {:.2} GB",

@@ -270,6 +270,7 @@ fn load_model(state: &AppState) {
             mirror_weights: Vec::new(),
             mla_form: "absorbed".into(),
             draft: "none".into(),
+            kv_dtype: "f32".into(),
         };
         let loaded = Arc::new(args.load(true)?);
         let max_ctx = loaded.model.info().max_position_embeddings.max(2);
