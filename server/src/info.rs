@@ -73,10 +73,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
         i.dtypes.join(", ")
     );
     if i.kv_bytes_per_token == i.kv_bytes_per_token_full {
-        println!(
-            "kv cache:     {} per token",
-            bytes(i.kv_bytes_per_token)
-        );
+        println!("kv cache:     {} per token", bytes(i.kv_bytes_per_token));
     } else {
         println!(
             "kv cache:     {} per token; per-head K/V attention (f32) would take {} ({:.1}× more)",
