@@ -174,6 +174,7 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
             prefill_chunk: 4,
             queue_limit: 16,
             queue_timeout: Duration::from_secs(120),
+            persist_dir: None,
         },
     );
     let receivers: Vec<_> = prompts
@@ -213,6 +214,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             prefill_chunk: 256,
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
+            persist_dir: None,
         },
     );
     let (r, rx) = request(base.clone(), 7, 6);
@@ -239,6 +241,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             prefill_chunk: 256,
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
+            persist_dir: None,
         },
     );
     let (r, rx) = request(turn2, 8, 6);
@@ -260,6 +263,7 @@ fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
             prefill_chunk: 8,
             queue_limit: 1,
             queue_timeout: Duration::from_secs(120),
+            persist_dir: None,
         },
     );
     let (r, rx) = request(vec![1; 70], 1, 4);
@@ -290,4 +294,67 @@ fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
     scheduler.stop_accepting();
     let (r, _rx) = request(vec![1, 2], 1, 4);
     assert_eq!(scheduler.submit(r).unwrap_err(), SubmitError::ShuttingDown);
+}
+
+#[test]
+fn slot_conversations_survive_a_restart_through_the_prefix_cache_dir() {
+    let dir = fixture("deepseek_v3");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let base = prompt("deepseek_v3");
+    let state = tempfile::tempdir().unwrap();
+    let config = |persist: bool| SchedulerConfig {
+        slots: 2,
+        context: 64,
+        prefill_chunk: 256,
+        queue_limit: 4,
+        queue_timeout: Duration::from_secs(120),
+        persist_dir: persist.then(|| state.path().to_path_buf()),
+    };
+    let first_run = Scheduler::start(loaded.clone(), config(true));
+    let (r, rx) = request(base.clone(), 7, 6);
+    first_run.submit(r).unwrap();
+    let (first, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, 0);
+    first_run.shutdown();
+    drop(first_run);
+    let saved: Vec<_> = std::fs::read_dir(state.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(saved.len(), 1, "one slot held a conversation: {saved:?}");
+
+    // A restart reopens it: the next turn reuses every token the slot had run.
+    let mut turn2 = base.clone();
+    turn2.extend_from_slice(&first);
+    turn2.extend_from_slice(&[5, 9]);
+    let restarted = Scheduler::start(loaded.clone(), config(true));
+    let (r, rx) = request(turn2.clone(), 8, 6);
+    restarted.submit(r).unwrap();
+    let (second, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, base.len() + first.len() - 1);
+    drop(restarted);
+
+    // The same tokens as a scheduler that never saw the conversation.
+    let fresh = Scheduler::start(loaded.clone(), config(false));
+    let (r, rx) = request(turn2.clone(), 8, 6);
+    fresh.submit(r).unwrap();
+    let (again, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, 0);
+    assert_eq!(second, again);
+    drop(fresh);
+
+    // A corrupt file is reported and ignored: the slot starts empty and requests are served.
+    for name in std::fs::read_dir(state.path()).unwrap() {
+        let path = name.unwrap().path();
+        let mut bytes = std::fs::read(&path).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x40;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let after_damage = Scheduler::start(loaded, config(true));
+    let (r, rx) = request(turn2, 8, 6);
+    after_damage.submit(r).unwrap();
+    let (third, end) = collect(rx);
+    assert_eq!(end.unwrap().cached_tokens, 0);
+    assert_eq!(third, again);
 }

@@ -90,6 +90,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("otlp_endpoint", Shape::Text),
     ("tls_cert", Shape::Text),
     ("tls_key", Shape::Text),
+    ("prefix_cache_dir", Shape::Text),
 ];
 
 /// The effective configuration of `coli serve`.
@@ -140,6 +141,9 @@ pub struct ServeConfig {
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM); given together with `tls_cert`.
     pub tls_key: Option<PathBuf>,
+    /// Directory keeping the slots' conversations (tokens and KV cache) across restarts;
+    /// `None`: slots start empty.
+    pub prefix_cache_dir: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -167,6 +171,7 @@ impl Default for ServeConfig {
             otlp_endpoint: None,
             tls_cert: None,
             tls_key: None,
+            prefix_cache_dir: None,
         }
     }
 }
@@ -197,6 +202,7 @@ impl fmt::Debug for ServeConfig {
             .field("otlp_endpoint", &self.otlp_endpoint)
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
+            .field("prefix_cache_dir", &self.prefix_cache_dir)
             .finish()
     }
 }
@@ -461,6 +467,9 @@ pub struct ServeFlags {
     /// TLS private key (PEM); needs --tls-cert.
     #[arg(long, value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
+    /// Keep the slots' conversations (tokens and KV cache) in this directory across restarts.
+    #[arg(long, value_name = "DIR")]
+    pub prefix_cache_dir: Option<PathBuf>,
 }
 
 /// The arguments of `coli config`.
@@ -827,6 +836,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(otlp_endpoint, "--otlp-endpoint");
     opt!(tls_cert, "--tls-cert");
     opt!(tls_key, "--tls-key");
+    opt!(prefix_cache_dir, "--prefix-cache-dir");
     Ok(out)
 }
 
@@ -961,6 +971,7 @@ mod tests {
             otlp_endpoint: Some("http://x".into()),
             tls_cert: Some("c".into()),
             tls_key: Some("k".into()),
+            prefix_cache_dir: Some("p".into()),
             ..ServeConfig::default()
         };
         let text = toml::to_string(&full).unwrap();
@@ -1104,6 +1115,8 @@ mod tests {
             "c.pem",
             "--tls-key",
             "k.pem",
+            "--prefix-cache-dir",
+            "/state/prefix",
         ])
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -1129,6 +1142,7 @@ mod tests {
         assert_eq!(c.otlp_endpoint.as_deref(), Some("http://otel:4318"));
         assert_eq!(c.tls_cert, Some(PathBuf::from("c.pem")));
         assert_eq!(c.tls_key, Some(PathBuf::from("k.pem")));
+        assert_eq!(c.prefix_cache_dir, Some(PathBuf::from("/state/prefix")));
         assert_eq!(loaded.sources["mirrors"], Source::Flag("--mirror".into()));
         assert_eq!(loaded.sources["api_keys"], Source::Flag("--api-key".into()));
         assert_eq!(
@@ -1481,7 +1495,7 @@ mod tests {
         assert_eq!(shown.lines().count(), KEYS.len());
         assert!(shown.starts_with("model = "), "{shown}");
         assert!(
-            shown.ends_with("# tls_key = (unset)  # default\n"),
+            shown.ends_with("# prefix_cache_dir = (unset)  # default\n"),
             "{shown}"
         );
         // The output is valid TOML.

@@ -43,6 +43,10 @@ pub struct SchedulerConfig {
     pub queue_limit: usize,
     /// Longest a request waits for a slot before it is refused.
     pub queue_timeout: Duration,
+    /// Keep the slots' conversations (tokens and KV cache) across restarts: saved as KV files
+    /// in this directory when the engine stops, reopened when it starts, so a returning
+    /// conversation reuses its prefix after a restart. `None`: slots start empty.
+    pub persist_dir: Option<std::path::PathBuf>,
 }
 
 /// The log-probability of a token, with the most likely alternatives.
@@ -311,7 +315,7 @@ struct Engine {
 
 impl Engine {
     fn new(model: Arc<LoadedModel>, config: SchedulerConfig, stats: Arc<SchedulerStats>) -> Engine {
-        let slots = (0..config.slots.max(1))
+        let mut slots: Vec<Slot> = (0..config.slots.max(1))
             .map(|_| Slot {
                 cache: model.model.new_cache(config.context),
                 tokens: Vec::new(),
@@ -319,6 +323,9 @@ impl Engine {
                 last_used: 0,
             })
             .collect();
+        if let Some(dir) = &config.persist_dir {
+            restore_slots(&model, dir, config.context, &mut slots);
+        }
         Engine {
             model,
             config,
@@ -330,6 +337,13 @@ impl Engine {
     }
 
     fn run(mut self, rx: mpsc::Receiver<Message>) {
+        self.run_loop(rx);
+        if let Some(dir) = self.config.persist_dir.clone() {
+            save_slots(&self.model, &dir, &self.slots);
+        }
+    }
+
+    fn run_loop(&mut self, rx: mpsc::Receiver<Message>) {
         loop {
             // Take in messages: block only when there is nothing to do.
             let idle = self.slots.iter().all(|s| s.running.is_none()) && self.queue.is_empty();
@@ -583,6 +597,81 @@ impl Engine {
         while let Some((r, _)) = self.queue.pop_front() {
             self.stats.queued.fetch_sub(1, Ordering::SeqCst);
             r.sink.send(Event::Failed(why.clone()));
+        }
+    }
+}
+
+/// The file slot `i`'s conversation is kept in.
+fn slot_file(dir: &std::path::Path, i: usize) -> std::path::PathBuf {
+    dir.join(format!("slot-{i}.kv"))
+}
+
+/// Reopen the slots' conversations saved in `dir` (a missing file is an empty slot; a file
+/// that cannot be used — another model, corrupt, too long for `context` — is reported and
+/// left, and the slot starts empty).
+fn restore_slots(model: &LoadedModel, dir: &std::path::Path, context: usize, slots: &mut [Slot]) {
+    let fingerprint = match super::kv_file::model_fingerprint(&model.dir) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("prefix cache: cannot fingerprint the model, slots start empty: {e}");
+            return;
+        }
+    };
+    let mut restored = 0;
+    for (i, slot) in slots.iter_mut().enumerate() {
+        let path = slot_file(dir, i);
+        if !path.exists() {
+            continue;
+        }
+        match super::kv_file::restore(&path, &fingerprint, model.model.as_ref()) {
+            Ok(conv) if conv.cache.len <= context && conv.cache.len <= conv.tokens.len() => {
+                slot.tokens = conv.tokens[..conv.cache.len].to_vec();
+                slot.cache = conv.cache;
+                slot.cache.max_len = context;
+                restored += slot.tokens.len();
+            }
+            Ok(conv) => tracing::warn!(
+                "prefix cache: {} holds {} tokens, more than the context of {context}; slot {i} starts empty",
+                path.display(),
+                conv.cache.len
+            ),
+            Err(e) => tracing::warn!("prefix cache: slot {i} starts empty: {e}"),
+        }
+    }
+    if restored > 0 {
+        tracing::info!(
+            "prefix cache: reopened {restored} cached tokens from {}",
+            dir.display()
+        );
+    }
+}
+
+/// Save every slot's conversation into `dir` (atomically, one KV file per slot; an empty
+/// slot's file is removed).
+fn save_slots(model: &LoadedModel, dir: &std::path::Path, slots: &[Slot]) {
+    let fingerprint = match super::kv_file::model_fingerprint(&model.dir) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!("prefix cache: cannot fingerprint the model, not saved: {e}");
+            return;
+        }
+    };
+    if let Err(e) = std::fs::create_dir_all(dir) {
+        tracing::warn!("prefix cache: cannot create {}: {e}", dir.display());
+        return;
+    }
+    for (i, slot) in slots.iter().enumerate() {
+        let path = slot_file(dir, i);
+        if slot.tokens.is_empty() || slot.tokens.len() != slot.cache.len {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        let conv = super::generate::Conversation {
+            tokens: slot.tokens.clone(),
+            cache: slot.cache.clone(),
+        };
+        if let Err(e) = super::kv_file::save(&path, &fingerprint, &conv) {
+            tracing::warn!("prefix cache: slot {i} not saved: {e}");
         }
     }
 }

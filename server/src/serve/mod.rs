@@ -310,6 +310,7 @@ fn load_model(state: &AppState) {
                 prefill_chunk: cfg.prefill_chunk,
                 queue_limit: cfg.queue_limit,
                 queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
+                persist_dir: cfg.prefix_cache_dir.clone(),
             },
         );
         Ok(Serving {
