@@ -29,6 +29,11 @@ pub enum SynthArch {
     /// GLM-5.x: deepseek-v3's MLA and MoE plus the DSA lightning indexer.
     #[value(name = "glm-moe-dsa")]
     GlmMoeDsa,
+    /// DeepSeek-V4: hyper-connection streams, one shared key/value head, HCA / CSA compressed
+    /// attention with the lightning indexer, sliding window, sinks, grouped output, hash-routed
+    /// first layers, sqrt-softplus routing.
+    #[value(name = "deepseek-v4")]
+    DeepseekV4,
 }
 
 impl SynthArch {
@@ -165,6 +170,31 @@ pub struct DsArgs {
     /// (num_nextn_predict_layers 1).
     #[arg(long)]
     pub mtp: bool,
+    /// deepseek-v4: one letter per layer, H (heavily compressed), C (compressed sparse) or S
+    /// (sliding only); default: H H then C H C H …
+    #[arg(long)]
+    pub v4_layer_types: Option<String>,
+    /// deepseek-v4: leading layers routed by the token → experts table (hash_moe).
+    #[arg(long, default_value_t = 1)]
+    pub hash_layers: usize,
+    /// deepseek-v4: hyper-connection streams (hc_mult).
+    #[arg(long, default_value_t = 4)]
+    pub hc_mult: usize,
+    /// deepseek-v4: output projection groups (o_groups; must divide the heads).
+    #[arg(long, default_value_t = 2)]
+    pub o_groups: usize,
+    /// deepseek-v4: rank of each output group (o_lora_rank).
+    #[arg(long, default_value_t = 128)]
+    pub o_lora_rank: usize,
+    /// deepseek-v4: tokens every query sees directly (sliding_window).
+    #[arg(long, default_value_t = 128)]
+    pub sliding_window: usize,
+    /// deepseek-v4: tokens per compressed entry of CSA layers.
+    #[arg(long, default_value_t = 4)]
+    pub csa_rate: usize,
+    /// deepseek-v4: tokens per compressed entry of HCA layers.
+    #[arg(long, default_value_t = 128)]
+    pub hca_rate: usize,
 }
 
 impl Default for DsArgs {
@@ -174,6 +204,143 @@ impl Default for DsArgs {
         let cmd = Self::augment_args(clap::Command::new("synth"));
         Self::from_arg_matches(&cmd.get_matches_from(["synth"])).expect("defaults parse")
     }
+}
+
+/// A deepseek-v4 layer's attention kind: `H`, `C` or `S`.
+fn v4_layer_type(a: &SynthArgs, l: usize) -> char {
+    match &a.ds.v4_layer_types {
+        Some(t) => t.chars().nth(l).unwrap_or('S'),
+        None if l < 2 => 'H',
+        None if (l - 2).is_multiple_of(2) => 'C',
+        None => 'H',
+    }
+}
+
+/// deepseek-v4's per-head dims: head_dim (default hidden / heads) and its rope part.
+fn v4_head_dim(a: &SynthArgs, heads: usize) -> usize {
+    a.ds.head_dim.unwrap_or(a.hidden / heads)
+}
+
+/// The tensors of a deepseek-v4 checkpoint (the names transformers saves, arch doc 0.6).
+fn v4_plan(pl: &mut Plan, a: &SynthArgs, heads: usize) {
+    let (d, hd, x) = (a.hidden, v4_head_dim(a, heads), &a.ds);
+    let hc = x.hc_mult;
+    let n = (2 + hc) * hc;
+    let (ql, inter) = (x.q_lora_rank, a.moe_intermediate);
+    let small = |pl: &mut Plan, name: String, shape: Vec<usize>| {
+        pl.push(name, DType::F32, shape, Init::Uniform(0.5))
+    };
+    for l in 0..a.layers {
+        let p = format!("model.layers.{l}");
+        pl.norm(format!("{p}.attn_norm.weight"), d);
+        pl.norm(format!("{p}.ffn_norm.weight"), d);
+        for sub in ["attn", "ffn"] {
+            pl.mat(format!("{p}.hc_{sub}_fn"), n, hc * d);
+            small(pl, format!("{p}.hc_{sub}_base"), vec![n]);
+            small(pl, format!("{p}.hc_{sub}_scale"), vec![3]);
+        }
+        let s = format!("{p}.attn");
+        pl.mat(format!("{s}.wq_a.weight"), ql, d);
+        pl.norm(format!("{s}.q_norm.weight"), ql);
+        pl.mat(format!("{s}.wq_b.weight"), heads * hd, ql);
+        pl.mat(format!("{s}.wkv.weight"), hd, d);
+        pl.norm(format!("{s}.norm.weight"), hd);
+        pl.mat(
+            format!("{s}.wo_a.weight"),
+            x.o_groups * x.o_lora_rank,
+            heads * hd / x.o_groups,
+        );
+        pl.mat(format!("{s}.wo_b.weight"), d, x.o_groups * x.o_lora_rank);
+        small(pl, format!("{s}.attn_sink"), vec![heads]);
+        let compressor = |pl: &mut Plan, c: String, dim: usize, width: usize, rate: usize| {
+            pl.mat(format!("{c}.wkv.weight"), width, d);
+            pl.mat(format!("{c}.wgate.weight"), width, d);
+            small(pl, format!("{c}.ape"), vec![rate, width]);
+            pl.norm(format!("{c}.norm.weight"), dim);
+        };
+        match v4_layer_type(a, l) {
+            'H' => compressor(pl, format!("{s}.compressor"), hd, hd, x.hca_rate),
+            'C' => {
+                compressor(pl, format!("{s}.compressor"), hd, 2 * hd, x.csa_rate);
+                let (ni, ci) = (x.index_heads, x.index_head_dim);
+                pl.mat(format!("{s}.indexer.wq_b.weight"), ni * ci, ql);
+                pl.mat(format!("{s}.indexer.weights_proj.weight"), ni, d);
+                compressor(
+                    pl,
+                    format!("{s}.indexer.compressor"),
+                    ci,
+                    2 * ci,
+                    x.csa_rate,
+                );
+            }
+            _ => {}
+        }
+        let f = format!("{p}.ffn");
+        pl.mat(format!("{f}.gate.weight"), a.experts, d);
+        if l < x.hash_layers {
+            pl.push(
+                format!("{f}.gate.tid2eid"),
+                DType::I64,
+                vec![a.vocab, a.top_k],
+                Init::ExpertIds(a.experts),
+            );
+        } else {
+            pl.push(
+                format!("{f}.gate.bias"),
+                DType::F32,
+                vec![a.experts],
+                Init::Positive(CORRECTION_BIAS_SCALE),
+            );
+        }
+        for e in 0..a.experts {
+            let q = format!("{f}.experts.{e}");
+            pl.mat(format!("{q}.w1.weight"), inter, d);
+            pl.mat(format!("{q}.w3.weight"), inter, d);
+            pl.mat(format!("{q}.w2.weight"), d, inter);
+        }
+        let q = format!("{f}.shared_experts");
+        pl.mat(format!("{q}.w1.weight"), inter, d);
+        pl.mat(format!("{q}.w3.weight"), inter, d);
+        pl.mat(format!("{q}.w2.weight"), d, inter);
+    }
+    pl.mat("model.hc_head.hc_fn".into(), hc, hc * d);
+    small(pl, "model.hc_head.hc_base".into(), vec![hc]);
+    small(pl, "model.hc_head.hc_scale".into(), vec![1]);
+}
+
+/// The shape rules of deepseek-v4.
+fn check_v4(a: &SynthArgs, heads: usize) -> Result<()> {
+    let (hd, x) = (v4_head_dim(a, heads), &a.ds);
+    if let Some(t) = &x.v4_layer_types {
+        if t.chars().count() != a.layers || t.chars().any(|c| !"HCS".contains(c)) {
+            bail!(
+                "--v4-layer-types: one of H, C, S per layer ({} layers), got `{t}`",
+                a.layers
+            );
+        }
+    }
+    if x.q_lora_rank == 0 || x.qk_rope_dim == 0 || x.qk_rope_dim > hd || x.qk_rope_dim % 2 != 0 {
+        bail!(
+            "deepseek-v4 needs --q-lora-rank > 0 and an even --qk-rope-dim between 2 and the head dim {hd}"
+        );
+    }
+    if x.o_groups == 0 || !heads.is_multiple_of(x.o_groups) {
+        bail!("--o-groups {} must divide --heads {heads}", x.o_groups);
+    }
+    if x.hc_mult == 0 || x.csa_rate == 0 || x.hca_rate == 0 || x.sliding_window == 0 {
+        bail!("--hc-mult, --csa-rate, --hca-rate and --sliding-window must be positive");
+    }
+    if x.index_head_dim < x.qk_rope_dim {
+        bail!("--index-head-dim must be at least --qk-rope-dim");
+    }
+    if x.hash_layers > a.layers {
+        bail!(
+            "--hash-layers {} is more than --layers {}",
+            x.hash_layers,
+            a.layers
+        );
+    }
+    Ok(())
 }
 
 /// glm_moe_dsa's `index_skip_topk_offset` (the transformers default).
@@ -208,6 +375,8 @@ enum Init {
     Uniform(f32),
     /// Uniform in [0, scale) (router correction biases).
     Positive(f32),
+    /// Rows of distinct expert ids below the count (deepseek-v4's `tid2eid`, I64).
+    ExpertIds(usize),
 }
 
 /// One tensor and how to fill it.
@@ -290,6 +459,12 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
         norms: Vec::new(),
     };
     pl.mat("model.embed_tokens.weight".into(), a.vocab, d);
+    if a.arch == SynthArch::DeepseekV4 {
+        v4_plan(&mut pl, a, heads);
+        pl.norm("model.norm.weight".into(), d);
+        pl.mat("head.weight".into(), a.vocab, d);
+        return pl.finish();
+    }
     if a.arch.deepseek_style() {
         for l in 0..a.layers {
             let dense = l < a.ds.first_dense;
@@ -363,7 +538,10 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
                 pl.mat(format!("{p}.mlp.up_proj.weight"), i, d);
                 pl.mat(format!("{p}.mlp.down_proj.weight"), d, i);
             }
-            SynthArch::DeepseekV3 | SynthArch::Glm4Moe | SynthArch::GlmMoeDsa => unreachable!(),
+            SynthArch::DeepseekV3
+            | SynthArch::Glm4Moe
+            | SynthArch::GlmMoeDsa
+            | SynthArch::DeepseekV4 => unreachable!(),
         }
     }
     pl.norm("model.norm.weight".into(), d);
@@ -468,6 +646,7 @@ fn init_scale(name: &str, fan_in: usize) -> f32 {
     } else if name.ends_with("o_proj.weight")
         || name.ends_with("down_proj.weight")
         || name.ends_with(".w2.weight")
+        || name.ends_with("wo_b.weight")
     {
         unit * 0.1
     } else {
@@ -566,6 +745,7 @@ fn config_json(
                     "partial_rotary_factor": 0.5},
             }),
         ]),
+        SynthArch::DeepseekV4 => v4_config(a, heads),
         SynthArch::GlmMoeDsa => {
             let indexer_types: Vec<&str> = (0..a.layers)
                 .map(|l| {
@@ -601,6 +781,46 @@ fn config_json(
     v
 }
 
+/// deepseek-v4's config keys (as transformers writes them).
+fn v4_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
+    let (hd, x) = (v4_head_dim(a, heads), &a.ds);
+    let partial = x.qk_rope_dim as f64 / hd as f64;
+    let layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| match v4_layer_type(a, l) {
+            'H' => "heavily_compressed_attention",
+            'C' => "compressed_sparse_attention",
+            _ => "sliding_attention",
+        })
+        .collect();
+    let mlp_layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| if l < x.hash_layers { "hash_moe" } else { "moe" })
+        .collect();
+    json!({
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "num_key_value_heads": 1, "head_dim": hd, "q_lora_rank": x.q_lora_rank,
+        "qk_rope_head_dim": x.qk_rope_dim, "partial_rotary_factor": partial,
+        "moe_intermediate_size": a.moe_intermediate, "n_routed_experts": a.experts,
+        "n_shared_experts": 1, "num_experts_per_tok": a.top_k, "norm_topk_prob": true,
+        "routed_scaling_factor": x.routed_scaling, "scoring_func": "sqrtsoftplus",
+        "swiglu_limit": 10.0, "hc_mult": x.hc_mult, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+        "o_groups": x.o_groups, "o_lora_rank": x.o_lora_rank, "sliding_window": x.sliding_window,
+        "index_n_heads": x.index_heads, "index_head_dim": x.index_head_dim,
+        "index_topk": x.index_topk, "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
+        "compress_rates": {"compressed_sparse_attention": x.csa_rate,
+            "heavily_compressed_attention": x.hca_rate},
+        "layer_types": layer_types, "mlp_layer_types": mlp_layer_types,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial},
+            "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16.0,
+                "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                "attention_factor": 1.0, "partial_rotary_factor": partial},
+        },
+        "rms_norm_eps": 1e-6, "mlp_bias": false, "num_nextn_predict_layers": 0,
+        "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+        "output_router_logits": false, "pad_token_id": 0,
+    })
+}
+
 /// The union of JSON objects (later ones win).
 fn merged(parts: &[&serde_json::Value]) -> serde_json::Value {
     let mut out = serde_json::Map::new();
@@ -627,11 +847,24 @@ fn chunk_seed(seed: u64, name: &str, chunk: usize) -> u64 {
 const CHUNK: usize = 1 << 20;
 
 fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
+    if let Init::ExpertIds(experts) = p.init {
+        // Row r holds (start_r + j) mod experts for its k slots: distinct while k ≤ experts.
+        let k = p.spec.shape[1];
+        return (0..n)
+            .flat_map(|i| {
+                let at = chunk * CHUNK + i;
+                let (row, j) = (at / k, at % k);
+                let start = chunk_seed(seed, &p.spec.name, row) as usize % experts;
+                (((start + j) % experts) as i64).to_le_bytes()
+            })
+            .collect();
+    }
     let mut vals = vec![1.0f32; n];
     let (scale, shift) = match p.init {
         Init::Ones => (0.0, 0.0),
         Init::Uniform(s) => (s, 0.0),
         Init::Positive(s) => (s * 0.5, 1.0),
+        Init::ExpertIds(_) => unreachable!("filled above"),
     };
     if p.init != Init::Ones {
         let mut s = chunk_seed(seed, &p.spec.name, chunk);
@@ -664,7 +897,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         bail!("--hidden, --layers and --vocab must be positive");
     }
     let heads = args.heads.unwrap_or((args.hidden / 128).max(1));
-    let kv_heads = if args.arch.mla() {
+    let kv_heads = if args.arch == SynthArch::DeepseekV4 {
+        1
+    } else if args.arch.mla() {
         if args.kv_heads.is_some_and(|k| k != heads) {
             bail!("--kv-heads: MLA has one key/value head per query head (leave it out)");
         }
@@ -673,8 +908,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         args.kv_heads.unwrap_or(heads)
     };
     // MLA and an explicit --head-dim need no head dim of hidden / heads.
-    let free_head_dim =
-        args.arch.mla() || (args.arch.deepseek_style() && args.ds.head_dim.is_some());
+    let free_head_dim = args.arch.mla()
+        || ((args.arch.deepseek_style() || args.arch == SynthArch::DeepseekV4)
+            && args.ds.head_dim.is_some());
     if heads == 0
         || kv_heads == 0
         || (!free_head_dim && !args.hidden.is_multiple_of(heads))
@@ -696,6 +932,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     }
     if args.arch.deepseek_style() {
         check_ds(args, heads)?;
+    }
+    if args.arch == SynthArch::DeepseekV4 {
+        check_v4(args, heads)?;
     }
     let parent = args
         .out
@@ -1009,6 +1248,22 @@ mod tests {
                 a.ds.index_topk = 6;
                 a.ds.index_topk_freq = 2;
             }
+            SynthArch::DeepseekV4 => {
+                a.layers = 4;
+                a.ds.head_dim = Some(32);
+                a.ds.v4_layer_types = Some("HCSC".into());
+                a.ds.hash_layers = 2;
+                a.ds.hc_mult = 2;
+                a.ds.o_groups = 2;
+                a.ds.o_lora_rank = 16;
+                a.ds.sliding_window = 6;
+                a.ds.csa_rate = 4;
+                a.ds.hca_rate = 8;
+                a.ds.index_heads = 8;
+                a.ds.index_head_dim = 16;
+                a.ds.index_topk = 2;
+                a.ds.routed_scaling = 1.5;
+            }
             _ => unreachable!(),
         }
         a
@@ -1023,6 +1278,7 @@ mod tests {
             (SynthArch::DeepseekV3, "deepseek_v3"),
             (SynthArch::Glm4Moe, "glm4_moe"),
             (SynthArch::GlmMoeDsa, "glm_moe_dsa"),
+            (SynthArch::DeepseekV4, "deepseek_v4"),
         ] {
             let out = tmp.path().join(name);
             synthesize(&fixture_args(arch, out.clone()), false).unwrap();
@@ -1049,6 +1305,7 @@ mod tests {
                     "rope_parameters",
                     "eos_token_id",
                     "num_nextn_predict_layers",
+                    "hc_sinkhorn_iters",
                 ];
                 if !free.contains(&k.as_str()) {
                     assert_eq!(&got[k], v, "{name}: config {k}");
