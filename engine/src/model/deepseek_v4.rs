@@ -939,11 +939,13 @@ impl DeepseekV4 {
             }
         }
         for (l, layer) in self.layers.iter().enumerate() {
+            let t0 = std::time::Instant::now();
             let (u, post, comb) = layer.hc_attn.weights(&x, d);
             let a = layer
                 .attn
                 .forward(&layer.attn_norm.forward(&u), start, &mut cache.layers[l]);
             layer.hc_attn.mix(&mut x, &a, &post, &comb, d);
+            super::telemetry::add(super::telemetry::Part::Attention, t0);
             let (u, post, comb) = layer.hc_ffn.weights(&x, d);
             let f_in = layer.ffn_norm.forward(&u);
             let routes: Vec<Vec<(usize, f32)>> = match &layer.tid2eid {
