@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
-use super::mla::{Mla, MlaQuery, Sparse};
+use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
 };
@@ -350,6 +350,14 @@ pub fn load_mla_stack(
                 "sparse attention's indexer reads the query latent, so q_lora_rank must be set",
             ));
         }
+        let kv_b = Linear::load(
+            ckpt,
+            &format!("{a}.kv_b_proj"),
+            heads * (nope + v_dim),
+            kv_lora,
+            false,
+        )?;
+        let w_uk_t = transpose_w_uk(&kv_b.weight, heads, nope, v_dim, kv_lora)?;
         let mla = Mla {
             query,
             kv_a: Linear::load(
@@ -360,13 +368,7 @@ pub fn load_mla_stack(
                 false,
             )?,
             kv_norm: RmsNorm::load(ckpt, &format!("{a}.kv_a_layernorm.weight"), kv_lora, 1e-6)?,
-            kv_b: Linear::load(
-                ckpt,
-                &format!("{a}.kv_b_proj"),
-                heads * (nope + v_dim),
-                kv_lora,
-                false,
-            )?,
+            kv_b,
             o: Linear::load(ckpt, &format!("{a}.o_proj"), d, heads * v_dim, false)?,
             heads,
             nope_dim: nope,
@@ -378,6 +380,7 @@ pub fn load_mla_stack(
             form,
             sparse,
             kv_dtype: opts.kv_dtype,
+            w_uk_t,
         };
         Ok(Block {
             attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, eps)?,

@@ -132,6 +132,58 @@ pub struct Mla {
     pub sparse: Sparse,
     /// Precision of the cached latents and rope keys.
     pub kv_dtype: super::cache::KvDType,
+    /// `W_UK` of every head transposed, `[heads · kv_lora, nope]` (head `h`'s rows
+    /// `h·kv_lora..`), so the absorbed query `W_UK_hᵀ · q_nope` is one matmul per head with the
+    /// SIMD kernels. Exact copy of `kv_b_proj`'s values (same dtype for f32/bf16/f16, f32 for
+    /// other formats).
+    pub w_uk_t: crate::tensor::Tensor,
+}
+
+/// Build [`Mla::w_uk_t`] from `kv_b_proj` (`[heads · (nope + v), kv_lora]`).
+pub fn transpose_w_uk(
+    kv_b: &crate::tensor::Tensor,
+    heads: usize,
+    nope: usize,
+    v: usize,
+    kv_lora: usize,
+) -> crate::Result<crate::tensor::Tensor> {
+    use crate::tensor::{DType, Storage, Tensor};
+    let view = kv_b.view()?;
+    let mut t = vec![0.0f32; heads * kv_lora * nope];
+    let mut row = vec![0.0f32; kv_lora];
+    for h in 0..heads {
+        for i in 0..nope {
+            view.row_to_f32(h * (nope + v) + i, &mut row);
+            for (j, &x) in row.iter().enumerate() {
+                t[(h * kv_lora + j) * nope + i] = x;
+            }
+        }
+    }
+    let name = format!("{} (W_UK transposed)", kv_b.name);
+    let shape = [heads * kv_lora, nope];
+    // Narrowing back to the source's float type is exact: the values came from it.
+    let (dtype, bytes): (DType, Vec<u8>) = match kv_b.dtype {
+        DType::BF16 => (
+            DType::BF16,
+            t.iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        ),
+        DType::F16 => (
+            DType::F16,
+            t.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+        ),
+        _ => return Ok(Tensor::from_f32(&name, &shape, &t)),
+    };
+    Ok(Tensor {
+        name,
+        shape: shape.to_vec(),
+        dtype,
+        storage: Storage::owned(&bytes),
+        block_scales: None,
+    })
 }
 
 /// The row-wise projections of a step (all sequences stacked).
@@ -343,25 +395,18 @@ impl Mla {
             self.kv_lora,
         );
         let kv_b = self.kv_b.weight.view().expect("checked at load");
-        // q_abs[t, h] = W_UK_hᵀ · q_nope[t, h], accumulated over the nope rows in order.
-        let mut q_abs = vec![0.0f32; t_len * h * r];
+        let w_uk_t = self.w_uk_t.view().expect("built at load");
+        // q_abs[t, h] = W_UK_hᵀ · q_nope[t, h]: one matmul per head over the step's rows.
         let per_head: Vec<Vec<f32>> = (0..h)
             .into_par_iter()
             .map(|head| {
-                let mut acc = vec![0.0f32; t_len * r];
-                let mut row = vec![0.0f32; r];
-                for i in 0..nope {
-                    kv_b.row_to_f32(head * (nope + vd) + i, &mut row);
-                    for t in 0..t_len {
-                        let qv = q_nope[(t * h + head) * nope + i];
-                        for (a, w) in acc[t * r..(t + 1) * r].iter_mut().zip(&row) {
-                            *a += qv * w;
-                        }
-                    }
-                }
-                acc
+                let qh: Vec<f32> = (0..t_len)
+                    .flat_map(|t| q_nope[(t * h + head) * nope..(t * h + head + 1) * nope].to_vec())
+                    .collect();
+                crate::tensor::matmul::matmul_new(&qh, &w_uk_t.rows_range(head * r, r))
             })
             .collect();
+        let mut q_abs = vec![0.0f32; t_len * h * r];
         for (head, acc) in per_head.iter().enumerate() {
             for t in 0..t_len {
                 q_abs[(t * h + head) * r..(t * h + head + 1) * r]
