@@ -570,6 +570,115 @@ pub struct DeepseekV4 {
     store: Arc<dyn ExpertStore>,
 }
 
+/// The config in transformers' modern form: hub checkpoints ship the legacy keys
+/// (`compress_ratios` per layer, `compress_rate_csa` / `compress_rate_hca`, `num_hash_layers`,
+/// `qk_rope_head_dim`, `rope_theta` + `compress_rope_theta` + a flat yarn `rope_scaling`),
+/// which transformers folds into `layer_types`, `compress_rates`, `mlp_layer_types`,
+/// `partial_rotary_factor` and nested `rope_parameters.{main,compress}`; so do we, with its
+/// defaults.
+pub fn normalize_config(cfg: &ModelConfig) -> Result<ModelConfig> {
+    use serde_json::{json, Value};
+    let mut v = cfg.json().clone();
+    let n = cfg.usize("num_hidden_layers")?;
+    let head_dim = cfg.usize("head_dim")?;
+    let get = |k: &str| cfg.get(k).filter(|x| !x.is_null()).cloned();
+    // compress_rates: default, then the legacy scalar overrides.
+    let mut rates = get("compress_rates").unwrap_or_else(
+        || json!({"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}),
+    );
+    if let Some(r) = get("compress_rate_csa") {
+        rates["compressed_sparse_attention"] = r;
+    }
+    if let Some(r) = get("compress_rate_hca") {
+        rates["heavily_compressed_attention"] = r;
+    }
+    v["compress_rates"] = rates;
+    if get("layer_types").is_none() {
+        let types: Vec<String> = match get("compress_ratios") {
+            Some(Value::Array(list)) => list
+                .iter()
+                .take(n)
+                .map(|r| match r.as_u64() {
+                    Some(0) => Ok("sliding_attention".to_string()),
+                    Some(4) => Ok("compressed_sparse_attention".to_string()),
+                    Some(128) => Ok("heavily_compressed_attention".to_string()),
+                    _ => Err(Error::config(
+                        cfg.path(),
+                        "compress_ratios",
+                        format!("entry {r} is not one of 0, 4, 128"),
+                    )),
+                })
+                .collect::<Result<_>>()?,
+            Some(other) => {
+                return Err(Error::config(
+                    cfg.path(),
+                    "compress_ratios",
+                    format!("expected a list, found {other}"),
+                ))
+            }
+            None => (0..n)
+                .map(|i| match i {
+                    0 | 1 => "heavily_compressed_attention",
+                    _ if (i - 2) % 2 == 1 => "compressed_sparse_attention",
+                    _ => "heavily_compressed_attention",
+                })
+                .map(String::from)
+                .collect(),
+        };
+        v["layer_types"] = json!(types);
+    }
+    if get("mlp_layer_types").is_none() {
+        let hash = match get("num_hash_layers") {
+            Some(h) => h
+                .as_u64()
+                .ok_or_else(|| Error::config(cfg.path(), "num_hash_layers", "expected a number"))?
+                as usize,
+            None => 3,
+        };
+        let types: Vec<&str> = (0..n)
+            .map(|i| if i < hash { "hash_moe" } else { "moe" })
+            .collect();
+        v["mlp_layer_types"] = json!(types);
+    }
+    let partial = match cfg.opt_f64("partial_rotary_factor")? {
+        Some(p) => p,
+        None => match cfg.opt_usize("qk_rope_head_dim")? {
+            Some(r) => r as f64 / head_dim as f64,
+            None => 64.0 / 512.0,
+        },
+    };
+    v["partial_rotary_factor"] = json!(partial);
+    let rp = get("rope_parameters")
+        .or_else(|| get("rope_scaling"))
+        .unwrap_or(json!({}));
+    let nested = rp.get("main").is_some_and(Value::is_object)
+        && rp.get("compress").is_some_and(Value::is_object);
+    if !nested {
+        let mut yarn = rp.as_object().cloned().unwrap_or_default();
+        yarn.remove("main");
+        yarn.remove("compress");
+        if let Some(t) = yarn.remove("type") {
+            yarn.entry("rope_type").or_insert(t);
+        }
+        let theta = cfg.f64_or("rope_theta", 10000.0)?;
+        let compress_theta = cfg.f64_or("compress_rope_theta", 160000.0)?;
+        let main = json!({"rope_type": "default", "rope_theta": theta,
+            "partial_rotary_factor": partial});
+        let mut compress = Value::Object(yarn);
+        compress["rope_theta"] = json!(compress_theta);
+        compress["partial_rotary_factor"] = json!(partial);
+        if compress.get("rope_type").is_none() {
+            compress["rope_type"] = json!("default");
+        }
+        if compress["rope_type"] == "yarn" && compress.get("attention_factor").is_none() {
+            // The V4 reference does not scale cos/sin by yarn's mscale.
+            compress["attention_factor"] = json!(1.0);
+        }
+        v["rope_parameters"] = json!({"main": main, "compress": compress});
+    }
+    Ok(ModelConfig::from_value(cfg.path().to_path_buf(), v))
+}
+
 /// RoPE settings of one of V4's rope types (`rope_parameters.{main,compress}`).
 fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
     let sub = cfg
@@ -597,6 +706,8 @@ fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
 
 /// Build a DeepSeek-V4 model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<DeepseekV4> {
+    let normalized = normalize_config(cfg)?;
+    let cfg = &normalized;
     let d = cfg.usize("hidden_size")?;
     let layers_n = cfg.usize("num_hidden_layers")?;
     let heads = cfg.usize("num_attention_heads")?;
