@@ -213,3 +213,15 @@ fn a_bf16_cache_saved_to_a_kv_file_continues_exactly() {
     let joined: Vec<u32> = first.tokens.iter().chain(&rest.tokens).copied().collect();
     assert_eq!(joined, whole.tokens);
 }
+
+#[test]
+fn kimi_k2_configs_load_as_deepseek_v3() {
+    let ids = prompt("deepseek_v3");
+    let want = prefill(model::load(&fixture("deepseek_v3")).unwrap().as_ref(), &ids);
+    let dir = tempfile::tempdir().unwrap();
+    edited_copy("deepseek_v3", dir.path(), |c| {
+        c["model_type"] = "kimi_k2".into()
+    });
+    let got = prefill(model::load(dir.path()).unwrap().as_ref(), &ids);
+    assert_eq!(bits(&got), bits(&want));
+}

@@ -126,6 +126,7 @@ pub const SUPPORTED: &[&str] = &[
     "olmoe",
     "qwen3_moe",
     "deepseek_v3",
+    "kimi_k2",
     "kimi_k25",
     "glm4_moe",
     "glm_moe_dsa",
@@ -178,7 +179,8 @@ fn load_family(
         "mixtral" => Box::new(mixtral::load(ckpt, cfg, opts)?),
         "olmoe" => Box::new(olmoe::load(ckpt, cfg, opts)?),
         "qwen3_moe" => Box::new(qwen3_moe::load(ckpt, cfg, opts)?),
-        "deepseek_v3" => Box::new(deepseek_v3::load(ckpt, cfg, opts)?),
+        // Kimi K2's own model_type; transformers remaps it to deepseek_v3.
+        "deepseek_v3" | "kimi_k2" => Box::new(deepseek_v3::load(ckpt, cfg, opts)?),
         "kimi_k25" => Box::new(deepseek_v3::load_kimi_k25(ckpt, cfg, opts)?),
         "glm4_moe" => Box::new(glm4_moe::load(ckpt, cfg, opts)?),
         "glm_moe_dsa" => Box::new(glm_moe_dsa::load(ckpt, cfg, opts)?),
