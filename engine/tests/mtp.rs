@@ -1,0 +1,237 @@
+//! Multi-token-prediction drafts on a real MLA model: the deepseek_v3 fixture with an MTP block
+//! added at layer `num_hidden_layers` (its decoder layer copied from layer 2, fresh `eh_proj`).
+//! Drafting never changes a token — greedy or seeded sampling, resident or streamed. A random
+//! head's drafts are all rejected, so an "oracle" drafter that knows the answer except at every
+//! third position also runs the real model through accepted drafts (two-row verification steps
+//! whose second row is used) and rejected ones (the draft's cache row dropped).
+
+mod common;
+use common::{fixture, prompt};
+
+use std::path::Path;
+
+use colibri::format::safetensors::Checkpoint;
+use colibri::format::write::{SafetensorsWriter, TensorSpec};
+use colibri::model::cache::KvCache;
+use colibri::model::{self, CausalLm, Drafter, Logits, ModelInfo};
+use colibri::runtime::generate::{generate, GenerateParams};
+use colibri::runtime::sampling::SamplingParams;
+use colibri::runtime::speculative::{generate_with_drafts, DraftPolicy};
+use colibri::store::StoreOptions;
+use colibri::tensor::DType;
+
+/// The fixture plus an MTP block at layer 3.
+fn with_mtp(to: &Path) {
+    let src = fixture("deepseek_v3");
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(src.join(f), to.join(f)).unwrap();
+    }
+    let ck = Checkpoint::open(&src).unwrap();
+    let d = 64;
+    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+    for n in ck.tensors().keys() {
+        let t = ck.tensor_any_shape(n).unwrap();
+        let bytes = t.storage.bytes().to_vec();
+        tensors.push((n.clone(), t.dtype, t.shape.clone(), bytes.clone()));
+        if let Some(rest) = n.strip_prefix("model.layers.2.") {
+            tensors.push((
+                format!("model.layers.3.{rest}"),
+                t.dtype,
+                t.shape.clone(),
+                bytes,
+            ));
+        }
+    }
+    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let ones = f32s(vec![1.0; d]);
+    let mut x = 0x2545_f491u32;
+    let eh: Vec<f32> = (0..d * 2 * d)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            (x as f32 / u32::MAX as f32 - 0.5) * 0.3
+        })
+        .collect();
+    let head = ck.tensor_any_shape("lm_head.weight").unwrap();
+    for (name, shape, bytes) in [
+        ("enorm.weight", vec![d], ones.clone()),
+        ("hnorm.weight", vec![d], ones.clone()),
+        ("eh_proj.weight", vec![d, 2 * d], f32s(eh)),
+        ("shared_head.norm.weight", vec![d], ones),
+        (
+            "shared_head.head.weight",
+            head.shape.clone(),
+            head.storage.bytes().to_vec(),
+        ),
+    ] {
+        tensors.push((format!("model.layers.3.{name}"), DType::F32, shape, bytes));
+    }
+    let specs = tensors
+        .iter()
+        .map(|(name, dtype, shape, _)| TensorSpec {
+            name: name.clone(),
+            dtype: *dtype,
+            shape: shape.clone(),
+        })
+        .collect();
+    let mut w = SafetensorsWriter::create(&to.join("model.safetensors"), specs).unwrap();
+    for (_, _, _, bytes) in &tensors {
+        w.write(bytes).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+fn params(sampling: SamplingParams, n: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens: n,
+        eos_token_ids: vec![],
+        stop_strings: vec![],
+        sampling,
+    }
+}
+
+fn seeded() -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 11,
+        ..SamplingParams::greedy()
+    }
+}
+
+#[test]
+fn mtp_drafts_never_change_the_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    with_mtp(dir.path());
+    let ids = prompt("deepseek_v3");
+    let plain_model = model::load(dir.path()).unwrap();
+    assert!(
+        plain_model.drafter().is_none(),
+        "the head loads only on request"
+    );
+    let resident = StoreOptions {
+        mtp: true,
+        ..StoreOptions::default()
+    };
+    let info = model::load_with(dir.path(), &resident)
+        .unwrap()
+        .info()
+        .clone();
+    // Streamed: the MTP layer's experts go through the store like the others.
+    let streamed = StoreOptions {
+        ram_budget: Some(info.dense_bytes as u64 + 4096),
+        io_threads: 2,
+        ..resident.clone()
+    };
+    for opts in [resident, streamed] {
+        let m = model::load_with(dir.path(), &opts).unwrap();
+        for sampling in [SamplingParams::greedy(), seeded()] {
+            let p = params(sampling, 24);
+            let want = generate(plain_model.as_ref(), None, &ids, &p, |_| {}, |_| {}).unwrap();
+            for policy in [DraftPolicy::Always, DraftPolicy::Auto] {
+                let (got, stats) =
+                    generate_with_drafts(m.as_ref(), None, &ids, &p, policy, |_| {}, |_| {})
+                        .unwrap();
+                assert_eq!(got.tokens, want.tokens, "{policy:?}");
+                assert!(stats.drafted > 0, "{stats:?}");
+            }
+        }
+    }
+}
+
+/// The real model, with drafts from the known answer except at every third position.
+struct Oracle {
+    inner: Box<dyn CausalLm>,
+    answer: Vec<u32>,
+    prompt_len: usize,
+}
+
+impl CausalLm for Oracle {
+    fn info(&self) -> &ModelInfo {
+        self.inner.info()
+    }
+    fn new_cache(&self, max_len: usize) -> KvCache {
+        self.inner.new_cache(max_len)
+    }
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        logits: Logits,
+    ) -> colibri::Result<Vec<f32>> {
+        self.inner.forward(tokens, cache, logits)
+    }
+    fn drafter(&self) -> Option<&dyn Drafter> {
+        Some(self)
+    }
+}
+
+impl Drafter for Oracle {
+    fn new_draft_cache(&self, max_len: usize) -> KvCache {
+        KvCache::new(1, max_len)
+    }
+    fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> colibri::Result<(Vec<f32>, Vec<f32>)> {
+        let (logits, hidden) = self
+            .inner
+            .drafter()
+            .unwrap()
+            .forward_hidden(tokens, cache)?;
+        Ok((logits, hidden))
+    }
+    fn draft(
+        &self,
+        _hidden: &[f32],
+        next: &[u32],
+        cache: &mut KvCache,
+    ) -> colibri::Result<Vec<f32>> {
+        cache.len += next.len();
+        let pos = cache.len; // position of next.last()
+        let i = pos + 1 - self.prompt_len; // index in the answer of the token to draft
+        let v = self.info().vocab_size;
+        let mut row = vec![0.0f32; v];
+        let mut guess = self.answer.get(i).copied().unwrap_or(0) as usize;
+        if pos.is_multiple_of(3) {
+            guess = (guess + 1) % v;
+        }
+        row[guess] = 1.0;
+        Ok(row)
+    }
+}
+
+#[test]
+fn accepted_and_rejected_drafts_keep_the_greedy_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    with_mtp(dir.path());
+    let ids = prompt("deepseek_v3");
+    let opts = StoreOptions {
+        mtp: true,
+        ..StoreOptions::default()
+    };
+    let p = params(SamplingParams::greedy(), 30);
+    let plain = model::load(dir.path()).unwrap();
+    let want = generate(plain.as_ref(), None, &ids, &p, |_| {}, |_| {}).unwrap();
+    let oracle = Oracle {
+        inner: model::load_with(dir.path(), &opts).unwrap(),
+        answer: want.tokens.clone(),
+        prompt_len: ids.len(),
+    };
+    let (got, stats) =
+        generate_with_drafts(&oracle, None, &ids, &p, DraftPolicy::Always, |_| {}, |_| {}).unwrap();
+    assert_eq!(got.tokens, want.tokens);
+    assert!(
+        stats.accepted >= 5 && stats.accepted < stats.drafted,
+        "{stats:?}"
+    );
+}
