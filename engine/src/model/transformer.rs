@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::cache::KvCache;
-use super::layers::{embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
+use super::layers::{add_assign, embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
 use super::mla::{Mla, Selection};
 use super::telemetry::{self, Part};
 use super::{BatchItem, CausalLm, Logits, ModelInfo};
@@ -360,7 +360,7 @@ impl Transformer {
             }
         }
         let a = block.attn.output().forward(&heads_out);
-        add_inplace(h, &a);
+        add_assign(h, &a);
         telemetry::add(Part::Attention, t0);
         after_attention(h);
         let x = block.ffn_norm.forward(h);
@@ -373,7 +373,7 @@ impl Transformer {
             }
             Ffn::Moe(moe) => moe.forward(&x)?,
         };
-        add_inplace(h, &f);
+        add_assign(h, &f);
         Ok(())
     }
 
@@ -394,12 +394,6 @@ impl Transformer {
         }
         let x = ffn_norm.forward(h);
         next.store.hint(l + 1, &next.route_union(&x));
-    }
-}
-
-fn add_inplace(h: &mut [f32], x: &[f32]) {
-    for (a, b) in h.iter_mut().zip(x) {
-        *a += b;
     }
 }
 
