@@ -14,12 +14,13 @@ use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
+use super::olmoe::qwen_style_expert_names_under;
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
 };
 use crate::format::config::{ModelConfig, RopeKind};
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertStore, StoreOptions};
 use crate::{Error, Result};
 
 /// Where a family keeps its tensors.
@@ -76,29 +77,6 @@ pub fn load_kimi_k25(
     })?;
     model.info.model_type = cfg.model_type()?;
     Ok(model)
-}
-
-/// Per-expert names `{prefix}.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight` of the
-/// MoE layers.
-pub fn expert_names(prefix: &str, moe: &[bool], experts: usize) -> Vec<Vec<ExpertNames>> {
-    moe.iter()
-        .enumerate()
-        .map(|(l, &is_moe)| {
-            if !is_moe {
-                return Vec::new();
-            }
-            (0..experts)
-                .map(|e| {
-                    let p = format!("{prefix}.layers.{l}.mlp.experts.{e}");
-                    ExpertNames {
-                        gate: format!("{p}.gate_proj.weight"),
-                        up: format!("{p}.up_proj.weight"),
-                        down: format!("{p}.down_proj.weight"),
-                    }
-                })
-                .collect()
-        })
-        .collect()
 }
 
 /// The DeepSeek MoE settings of a config (shared by deepseek_v3, kimi, glm4_moe and
@@ -293,7 +271,7 @@ pub fn load_mla_stack(
         // The MTP block is a MoE layer; its experts join the store as layer `layers`.
         moe.is_moe.push(true);
     }
-    let expert_names = expert_names(&names.model, &moe.is_moe, moe.experts);
+    let expert_names = qwen_style_expert_names_under(&names.model, &moe.is_moe, moe.experts);
     // What is never loaded: tensors outside the text model (Kimi's vision tower) and an MTP
     // block left out.
     let mtp_prefix = format!("{m}.layers.{layers}.");

@@ -6,8 +6,9 @@
 
 use std::sync::Arc;
 
-use super::deepseek_v3::{expert_names, DeepseekMoe};
+use super::deepseek_v3::DeepseekMoe;
 use super::layers::{QkNorm, RmsNorm};
+use super::olmoe::qwen_style_expert_names_under;
 use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
@@ -26,7 +27,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
         sc.rope.partial_rotary_factor = 0.5;
     }
     let moe = DeepseekMoe::read(cfg, sc.layers)?;
-    let names = expert_names("model", &moe.is_moe, moe.experts);
+    let names = qwen_style_expert_names_under("model", &moe.is_moe, moe.experts);
     let store: Arc<dyn ExpertStore> =
         store::open(ckpt, &names, sc.hidden_size, moe.intermediate, opts)?;
     let qk_norm = cfg.bool_or("use_qk_norm", false)?;

@@ -11,20 +11,33 @@ use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
 use crate::Result;
 
-/// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`.
+/// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`
+/// under `model.layers.{L}.mlp` for the layers in `layers`.
 pub fn qwen_style_expert_names(
     layers: &[usize],
     total_layers: usize,
     experts: usize,
 ) -> Vec<Vec<ExpertNames>> {
-    (0..total_layers)
-        .map(|l| {
-            if !layers.contains(&l) {
+    let moe: Vec<bool> = (0..total_layers).map(|l| layers.contains(&l)).collect();
+    qwen_style_expert_names_under("model", &moe, experts)
+}
+
+/// [`qwen_style_expert_names`] under `{prefix}.layers.{L}.mlp.experts.{e}` for the layers whose
+/// `moe` entry is set (Kimi's text model lives under `language_model.model`).
+pub fn qwen_style_expert_names_under(
+    prefix: &str,
+    moe: &[bool],
+    experts: usize,
+) -> Vec<Vec<ExpertNames>> {
+    moe.iter()
+        .enumerate()
+        .map(|(l, &is_moe)| {
+            if !is_moe {
                 return Vec::new();
             }
             (0..experts)
                 .map(|e| {
-                    let p = format!("model.layers.{l}.mlp.experts.{e}");
+                    let p = format!("{prefix}.layers.{l}.mlp.experts.{e}");
                     ExpertNames {
                         gate: format!("{p}.gate_proj.weight"),
                         up: format!("{p}.up_proj.weight"),
