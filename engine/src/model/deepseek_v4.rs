@@ -959,13 +959,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             4 * (hd + raw + l.attn.aux_layout().width)
         })
         .sum();
-    let mut dtypes: Vec<String> = ckpt
-        .tensors()
-        .values()
-        .map(|t| t.dtype.to_string())
-        .collect();
-    dtypes.sort();
-    dtypes.dedup();
+    let dtypes = super::transformer::checkpoint_dtypes(ckpt);
     let info = ModelInfo {
         model_type: cfg.model_type()?,
         architecture: "DeepseekV4ForCausalLM".into(),

@@ -557,13 +557,8 @@ pub fn load_standard(
     })
 }
 
-pub(crate) fn standard_info(
-    ckpt: &crate::format::safetensors::Checkpoint,
-    cfg: &crate::format::config::ModelConfig,
-    sc: &StandardConfig,
-    blocks: &[Block],
-    store: Option<&dyn crate::store::ExpertStore>,
-) -> Result<ModelInfo> {
+/// The distinct dtypes of a checkpoint's tensors, sorted (what `coli info` lists).
+pub(crate) fn checkpoint_dtypes(ckpt: &crate::format::safetensors::Checkpoint) -> Vec<String> {
     let mut dtypes: Vec<String> = ckpt
         .tensors()
         .values()
@@ -571,6 +566,17 @@ pub(crate) fn standard_info(
         .collect();
     dtypes.sort();
     dtypes.dedup();
+    dtypes
+}
+
+pub(crate) fn standard_info(
+    ckpt: &crate::format::safetensors::Checkpoint,
+    cfg: &crate::format::config::ModelConfig,
+    sc: &StandardConfig,
+    blocks: &[Block],
+    store: Option<&dyn crate::store::ExpertStore>,
+) -> Result<ModelInfo> {
+    let dtypes = checkpoint_dtypes(ckpt);
     let total_bytes = ckpt.total_bytes();
     let total_params: usize = ckpt
         .tensors()
