@@ -34,6 +34,7 @@ use super::cache::{KvCache, LayerKv};
 use super::layers::{
     embed, softmax_inplace, weights_of, Linear, Mlp, MoeBlock, RmsNorm, Rope, Router,
 };
+use super::torch_topk::torch_topk;
 use super::{CausalLm, Logits, ModelInfo};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
@@ -485,6 +486,9 @@ impl V4Attention {
     }
 
     /// The indexer's picks: for each query, the best `top_k` entries it may see, ascending.
+    /// Ties are broken as transformers' `torch.topk` breaks them over the row it scores in
+    /// the same forward call: every entry complete by the call's last token, the ones the
+    /// query may not see yet masked ([`torch_topk`](super::torch_topk)).
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -502,6 +506,8 @@ impl V4Attention {
         let w = ix.weights_proj.forward(x);
         let isa = Isa::detect();
         let (score_scale, head_scale) = ((dim as f32).powf(-0.5), (nh as f32).powf(-0.5));
+        // The entries transformers scores for every query of this call.
+        let entries = positions.last().map_or(0, |&p| (p + 1) / rate);
         positions
             .par_iter()
             .enumerate()
@@ -510,7 +516,7 @@ impl V4Attention {
                 if visible <= ix.top_k {
                     return (0..visible).collect();
                 }
-                let scores: Vec<f32> = (0..visible)
+                let mut scores: Vec<f32> = (0..visible)
                     .map(|e| {
                         let at =
                             ((e + 1) * rate - 1) * layout.width + layout.entry + layout.idx_raw;
@@ -527,9 +533,10 @@ impl V4Attention {
                         total
                     })
                     .collect();
-                let mut p: Vec<usize> = super::layers::top_k(&scores, ix.top_k)
+                scores.resize(entries, f32::NEG_INFINITY);
+                let mut p: Vec<usize> = torch_topk(&scores, ix.top_k)
                     .into_iter()
-                    .map(|c| c.0)
+                    .filter(|&e| e < visible)
                     .collect();
                 p.sort_unstable();
                 p

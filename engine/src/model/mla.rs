@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use super::cache::LayerKv;
 use super::layers::{softmax_inplace, Linear, RmsNorm, Rope};
+use super::torch_topk::torch_topk;
 use crate::tensor::kernels::{dot, Isa};
 use crate::tensor::WeightData;
 
@@ -323,7 +324,10 @@ impl Mla {
 
     /// The indexer's pick for every query: keys `0..=pos` scored
     /// `Σ_h w_h · relu(qI_h · kI_s) · dI^-½` (`w = weights_proj(x) · nI^-½`), the best
-    /// `top_k` of them (all while fewer), in ascending order.
+    /// `top_k` of them (all while fewer), in ascending order. Ties are broken as
+    /// transformers' `torch.topk` breaks them over the row it scores in the same forward
+    /// call: every key up to the call's last token, the not-yet-causal ones masked
+    /// ([`torch_topk`](super::torch_topk)); scores tie exactly whenever every head's ReLU is 0.
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -338,6 +342,8 @@ impl Mla {
         let (nh, hd) = (ix.heads, ix.head_dim);
         let t_len = ki.len() / hd;
         let positions: Vec<usize> = (start..start + t_len).collect();
+        // The keys transformers scores for every query of this call.
+        let end = start + t_len;
         let rope = Rope {
             rotary_dim: ix.rope_dim,
             ..self.rope.clone()
@@ -356,7 +362,7 @@ impl Mla {
                     return (0..=pos as u32).collect();
                 }
                 let q = &qi[t * nh * hd..(t + 1) * nh * hd];
-                let scores: Vec<f32> = (0..=pos)
+                let mut scores: Vec<f32> = (0..=pos)
                     .map(|s| {
                         let k = &kv.aux.f32()[s * hd..(s + 1) * hd];
                         let mut total = 0.0f32;
@@ -368,9 +374,11 @@ impl Mla {
                         total
                     })
                     .collect();
-                let mut picked: Vec<u32> = super::layers::top_k(&scores, top_k)
+                scores.resize(end, f32::NEG_INFINITY);
+                let mut picked: Vec<u32> = torch_topk(&scores, top_k)
                     .into_iter()
-                    .map(|(s, _)| s as u32)
+                    .filter(|&s| s <= pos)
+                    .map(|s| s as u32)
                     .collect();
                 picked.sort_unstable();
                 picked

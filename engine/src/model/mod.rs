@@ -15,6 +15,7 @@ pub mod mla;
 pub mod olmoe;
 pub mod qwen3_moe;
 pub mod telemetry;
+pub mod torch_topk;
 pub mod transformer;
 
 use std::path::Path;

@@ -381,6 +381,47 @@ PER_LAYER = {
 }
 
 
+# The variant grid (`--variants`, written to <out>/variants/<name>): other seeds, shapes and schedules of
+# the sparse-attention families, chosen to reach what the base fixtures do not: indexers that have to
+# drop keys for many positions, odd indexer head counts (exact ReLU ties, `allow_ties`), the
+# index_topk_freq / index_skip_topk_offset schedule, a full indexer layer after a shared one, expert
+# groups, and for DeepSeek-V4 more streams and Sinkhorn iterations, other windows, rates and layer
+# orders, an indexer top-k far below the number of compressed entries, and a binding SwiGLU clamp.
+# (name, arch, seed, prompt_len, --set overrides, allow_ties)
+VARIANTS = [
+    ("dsa_heads3_ties", "glm_moe_dsa", 1, 40,
+     ["index_n_heads=3", "index_topk=12", "num_hidden_layers=4"], True),
+    ("dsa_freq2_offset2", "glm_moe_dsa", 2, 40,
+     ["num_hidden_layers=5", "index_topk=12", "index_topk_freq=2", "index_skip_topk_offset=2"], False),
+    ("dsa_full_after_shared", "glm_moe_dsa", 3, 36,
+     ["num_hidden_layers=4", "index_topk=8", 'indexer_types=["full","shared","full","shared"]'], False),
+    ("dsa_topk_group2", "glm_moe_dsa", 4, 40,
+     ["n_group=4", "topk_group=2", "index_topk=10", "index_n_heads=4"], False),
+    ("dsa_freq3_offset3", "glm_moe_dsa", 5, 38,
+     ["num_hidden_layers=5", "index_topk=5", "index_topk_freq=3", "index_skip_topk_offset=3",
+      "index_head_dim=12"], False),
+    ("dsa_heads3_shared_ties", "glm_moe_dsa", 6, 40,
+     ["index_n_heads=3", "index_topk=12", "num_hidden_layers=5", "n_group=2", "topk_group=1",
+      'indexer_types=["full","shared","full","full","shared"]'], True),
+    # index_topk 1: rows of 64 keys and more take torch's partial_sort path instead of nth_element.
+    ("dsa_heads2_topk1_ties", "glm_moe_dsa", 7, 68, ["index_n_heads=2", "index_topk=1"], True),
+    ("v4_hc3_sinkhorn6", "deepseek_v4", 1, 40, ["hc_mult=3", "hc_sinkhorn_iters=6"], False),
+    ("v4_window8_topk3", "deepseek_v4", 2, 44, ["sliding_window=8", "index_topk=3"], False),
+    ("v4_order_s_csa_hca_csa", "deepseek_v4", 3, 40,
+     ['layer_types=["sliding_attention","compressed_sparse_attention","heavily_compressed_attention",'
+      '"compressed_sparse_attention"]', "index_topk=4"], False),
+    ("v4_swiglu_binding", "deepseek_v4", 4, 40, ["swiglu_limit=0.5", "index_topk=3"], False),
+    ("v4_heads3_ties", "deepseek_v4", 5, 44, ["index_n_heads=3", "index_topk=3"], True),
+    ("v4_heads1_rate2_ties", "deepseek_v4", 7, 40,
+     ["index_n_heads=1", "index_topk=2",
+      'compress_rates={"compressed_sparse_attention":2,"heavily_compressed_attention":8}'], True),
+    ("v4_rates2_4", "deepseek_v4", 6, 40,
+     ['compress_rates={"compressed_sparse_attention":2,"heavily_compressed_attention":4}', "index_topk=5",
+      "sliding_window=5"], False),
+]
+VARIANT_NAMES = [v[0] for v in VARIANTS]
+
+
 def _import(name):
     return getattr(transformers, name)
 
@@ -770,6 +811,9 @@ class TopkSpy:
 
     def __init__(self):
         self.min_gap = {}
+        # Per site: how many rows tie exactly at the k-th place, and the smallest gap that is not 0.
+        self.ties = {}
+        self.min_nonzero_gap = {}
 
     def __enter__(self):
         self._fn, self._meth = torch.topk, torch.Tensor.topk
@@ -804,16 +848,31 @@ class TopkSpy:
         valid = a > self.MASKED
         if not bool(valid.any()):
             return
-        gap = float((a - b)[valid].min())
+        gaps = (a - b)[valid]
+        gap = float(gaps.min())
         f = sys._getframe(2)
         while f is not None and f.f_code.co_filename == __file__:
             f = f.f_back
         site = f"{Path(f.f_code.co_filename).name}:{f.f_lineno}:{f.f_code.co_name}" if f else "?"
         self.min_gap[site] = min(gap, self.min_gap.get(site, float("inf")))
+        self.ties[site] = self.ties.get(site, 0) + int((gaps == 0).sum())
+        nonzero = gaps[gaps != 0]
+        if nonzero.numel():
+            self.min_nonzero_gap[site] = min(float(nonzero.min()), self.min_nonzero_gap.get(site, float("inf")))
 
     @property
     def overall(self):
         return min(self.min_gap.values()) if self.min_gap else float("inf")
+
+    @property
+    def overall_nonzero(self):
+        """The smallest gap that is not an exact tie (exact ties are reproducible: an engine that breaks
+        them as torch.topk does gets the same pick; near-ties are not)."""
+        return min(self.min_nonzero_gap.values()) if self.min_nonzero_gap else float("inf")
+
+    @property
+    def total_ties(self):
+        return sum(self.ties.values())
 
 
 @torch.no_grad()
@@ -898,7 +957,9 @@ def dir_size(d):
 # Main per-arch routine
 # ----------------------------------------------------------------------------------------------------------
 
-def generate(arch, out_root, seed, prompt_len, sets, verify=True):
+def generate(arch, out_root, seed, prompt_len, sets, verify=True, allow_ties=False, name=None):
+    """Write the fixture `<out_root>/<name or arch>`. With `allow_ties`, exact ties at a top-k boundary
+    (all-zero ReLU indexer scores) are accepted and only the non-zero gaps must clear MIN_TOPK_MARGIN."""
     t0 = time.time()
     text_over, top_over, vision_over = split_overrides(sets)
     model, randomised = build_model(arch, seed, text_over, top_over, vision_over)
@@ -923,7 +984,8 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True):
         # Causal model: one forward over prompt + greedy[:-1] sees every selection made at every step.
         with TopkSpy() as spy:
             forward_logits(model, ids + greedy[:-1])
-        score = min(min(margins) / MIN_GREEDY_MARGIN, spy.overall / MIN_TOPK_MARGIN)
+        gap = spy.overall_nonzero if allow_ties else spy.overall
+        score = min(min(margins) / MIN_GREEDY_MARGIN, gap / MIN_TOPK_MARGIN)
         cand = (score, attempt, text, ids, greedy, margins, spy)
         if best is None or cand[0] > best[0]:
             best = cand
@@ -935,9 +997,12 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True):
     min_margin = min(margins)
     if min_margin < MIN_GREEDY_MARGIN:
         print(f"  WARNING {arch}: best greedy margin {min_margin:.2e} < {MIN_GREEDY_MARGIN}")
-    if spy.overall < MIN_TOPK_MARGIN:
-        print(f"  WARNING {arch}: smallest top-k selection gap {spy.overall:.2e} < {MIN_TOPK_MARGIN} "
-              f"{spy.min_gap}")
+    gap = spy.overall_nonzero if allow_ties else spy.overall
+    if gap < MIN_TOPK_MARGIN:
+        print(f"  WARNING {arch}: smallest top-k selection gap {gap:.2e} < {MIN_TOPK_MARGIN} "
+              f"{spy.min_gap} (non-zero: {spy.min_nonzero_gap})")
+    if spy.total_ties:
+        print(f"  note {arch}: {spy.total_ties} exact ties at a top-k boundary {spy.ties}")
 
     rec = RouterRecorder(model)
     logits = forward_logits(model, ids)
@@ -947,7 +1012,7 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True):
     if not generate_agrees:
         print(f"  WARNING {arch}: model.generate (kv cache) {gen} != manual argmax loop {greedy}")
 
-    out_dir = Path(out_root) / arch
+    out_dir = Path(out_root) / (name or arch)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -984,17 +1049,22 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True):
         "topk_min_gap": spy.overall if spy.min_gap else None,
         "topk_min_gap_by_site": spy.min_gap,
         "generate_agrees": generate_agrees,
+        "generate_ids": gen,
+        "generate_text": tok.decode(gen, skip_special_tokens=False),
+        "selection_ties": spy.total_ties,
+        "selection_ties_by_site": spy.ties,
         "overrides": list(sets or []),
         "router": rec.records,
         "randomised_params": [f"{n}: {how}" for n, how in randomised],
     }
     write_reference(out_dir / "reference.json", ref, logits)
 
-    summary = {"arch": arch, "bytes": dir_size(out_dir), "max_abs_logit": float(logits.abs().max()),
+    summary = {"arch": name or arch, "bytes": dir_size(out_dir), "max_abs_logit": float(logits.abs().max()),
                "greedy": greedy, "margin": min_margin, "topk_gap": spy.overall, "generate_agrees": generate_agrees,
                "secs": time.time() - t0}
     if verify:
         summary.update(verify_fixture(arch, out_dir, model_cls=type(model)))
+    summary["ties"] = spy.total_ties
     return summary
 
 
@@ -1019,6 +1089,9 @@ def verify_fixture(arch, out_dir, model_cls):
     greedy, _ = greedy_manual(model, ref["prompt_ids"], GREEDY_NEW_TOKENS)
     if greedy != ref["greedy_ids"]:
         raise RuntimeError(f"{arch}: reloaded greedy ids differ")
+    gen_cfg = GenerationConfig(bos_token_id=0, eos_token_id=ref["eos_token_id"], pad_token_id=0, do_sample=False)
+    if greedy_generate(model, ref["prompt_ids"], GREEDY_NEW_TOKENS, gen_cfg) != ref["generate_ids"]:
+        raise RuntimeError(f"{arch}: reloaded generate() ids differ")
     hf_tok = AutoTokenizer.from_pretrained(out_dir)
     if hf_tok(ref["prompt_text"], add_special_tokens=False)["input_ids"] != ref["prompt_ids"]:
         raise RuntimeError(f"{arch}: AutoTokenizer encodes the prompt differently")
@@ -1041,36 +1114,48 @@ def main(argv=None):
                     help="override a (text) config field; repeatable")
     ap.add_argument("--no-verify", action="store_true", help="skip the reload check")
     ap.add_argument("--keep-going", action="store_true", help="continue with the next arch after a failure")
+    ap.add_argument("--variants", action="store_true", help="generate the variant grid into <out>/variants")
+    ap.add_argument("--variant", action="append", choices=VARIANT_NAMES, help="one variant of the grid (repeatable)")
+    ap.add_argument("--allow-ties", action="store_true",
+                    help="accept exact ties at a top-k boundary (only non-zero gaps must clear the margin)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: up to 4)")
     args = ap.parse_args(argv)
 
     if transformers.__version__ != EXPECTED_TRANSFORMERS:
         print(f"warning: transformers {transformers.__version__} != pinned {EXPECTED_TRANSFORMERS}",
               file=sys.stderr)
     archs = ARCH_ORDER if args.all else (args.arch or [])
-    if not archs:
-        ap.error("give --arch A (repeatable) or --all")
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    jobs = [(a, args.out, args.seed, args.prompt_len, args.set, args.allow_ties, None) for a in archs]
+    if args.variants or args.variant:
+        for name, arch, seed, prompt_len, sets, allow_ties in VARIANTS:
+            if args.variants or name in args.variant:
+                jobs.append((arch, str(Path(args.out) / "variants"), seed, prompt_len, sets, allow_ties, name))
+    if not jobs:
+        ap.error("give --arch A (repeatable), --all, --variants or --variant NAME")
+    torch.set_num_threads(args.threads or max(1, min(4, os.cpu_count() or 1)))
 
     rows, failed = [], []
-    for arch in archs:
-        print(f"[{arch}] generating ...", flush=True)
+    for arch, out, seed, prompt_len, sets, allow_ties, name in jobs:
+        label = name or arch
+        print(f"[{label}] generating ...", flush=True)
         try:
-            s = generate(arch, args.out, args.seed, args.prompt_len, args.set, verify=not args.no_verify)
+            s = generate(arch, out, seed, prompt_len, sets, verify=not args.no_verify, allow_ties=allow_ties,
+                         name=name)
         except Exception as e:  # noqa: BLE001
-            failed.append((arch, f"{type(e).__name__}: {e}"))
-            print(f"[{arch}] FAILED: {type(e).__name__}: {e}", flush=True)
+            failed.append((label, f"{type(e).__name__}: {e}"))
+            print(f"[{label}] FAILED: {type(e).__name__}: {e}", flush=True)
             if not args.keep_going:
                 raise
             continue
         rows.append(s)
-        print(f"[{arch}] ok in {s['secs']:.1f}s", flush=True)
+        print(f"[{label}] ok in {s['secs']:.1f}s", flush=True)
 
     print()
-    print(f"{'arch':<13} {'bytes':>9} {'max|logit|':>10} {'margin':>8} {'topk_gap':>9} {'gen==loop':>9}  "
+    print(f"{'arch':<13} {'bytes':>9} {'max|logit|':>10} {'margin':>8} {'topk_gap':>9} {'ties':>5} {'gen==loop':>9}  "
           f"greedy_ids")
     for s in rows:
         print(f"{s['arch']:<13} {s['bytes']:>9} {s['max_abs_logit']:>10.4f} {s['margin']:>8.4f} "
-              f"{s['topk_gap']:>9.2e} {str(s['generate_agrees']):>9}  {s['greedy']}")
+              f"{s['topk_gap']:>9.2e} {s['ties']:>5} {str(s['generate_agrees']):>9}  {s['greedy']}")
     for arch, why in failed:
         print(f"{arch:<13} FAILED {why}")
     return 1 if failed else 0
