@@ -473,7 +473,10 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
     scheduler.submit(r).unwrap();
     assert_eq!(collect(rx).1.unwrap().completion_tokens, 8);
     let during = seen.lock().unwrap().expect("a save while the request ran");
-    assert!(during > p, "{during} tokens saved, the prompt alone has {p}");
+    assert!(
+        during > p,
+        "{during} tokens saved, the prompt alone has {p}"
+    );
     drop(scheduler);
 
     // Saves due only every minute: none while the request runs, one when the engine goes
@@ -492,13 +495,21 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
         .stats()
         .rows
         .load(std::sync::atomic::Ordering::SeqCst);
-    assert_eq!(rows, p + 7, "the prompt, then every generated token but the last");
+    assert_eq!(
+        rows,
+        p + 7,
+        "the prompt, then every generated token but the last"
+    );
     assert!(
         within(60, || saved_tokens(state.path()) == Some(rows)),
         "the history saved when the engine went idle holds all {rows} rows: {:?}",
         saved_tokens(state.path())
     );
-    assert_eq!(*seen.lock().unwrap(), vec![None; 8], "no save during the request");
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![None; 8],
+        "no save during the request"
+    );
     drop(scheduler);
     // What was saved is a valid history of this model.
     let fp = colibri::store::history::fingerprint(&dir).unwrap();

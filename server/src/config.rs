@@ -318,8 +318,7 @@ impl ServeConfig {
         if self.history_save_secs == 0 {
             return fail(
                 "history_save_secs",
-                "expected at least 1 (seconds between saves of the usage history), found 0"
-                    .into(),
+                "expected at least 1 (seconds between saves of the usage history), found 0".into(),
             );
         }
         Ok(())

@@ -235,5 +235,10 @@ fn damaged_or_foreign_kv_files_are_refused() {
     let source = tmp.path().join("nan-source.kv");
     kv_file::save(&source, &fp, &conv).unwrap();
     let nan = std::fs::read(&source).unwrap();
-    refused("nan.kv", &nan, arch, "is NaN, but a KV cache holds finite numbers only");
+    refused(
+        "nan.kv",
+        &nan,
+        arch,
+        "is NaN, but a KV cache holds finite numbers only",
+    );
 }

@@ -147,8 +147,7 @@ pub fn remove_stale_temporaries(dir: &Path, target: impl Fn(&str) -> bool) -> Ve
 
 /// [`remove_stale_temporaries`] for the temporaries of `path` only.
 pub fn remove_stale_temporaries_of(path: &Path) -> Vec<PathBuf> {
-    let (Some(name), Some(dir)) = (path.file_name().and_then(|n| n.to_str()), path.parent())
-    else {
+    let (Some(name), Some(dir)) = (path.file_name().and_then(|n| n.to_str()), path.parent()) else {
         return Vec::new();
     };
     let dir = if dir.as_os_str().is_empty() {
@@ -499,7 +498,9 @@ mod tests {
         );
         assert!(tmp.exists());
         let (dtmp, _dheld) = create_tmp_dir(&dir.path().join("ckpt")).unwrap();
-        let err = create_tmp_dir(&dir.path().join("ckpt")).unwrap_err().to_string();
+        let err = create_tmp_dir(&dir.path().join("ckpt"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("another process is writing"), "{err}");
         assert!(dtmp.is_dir());
     }

@@ -879,7 +879,9 @@ mod tests {
             let err = load(&path, FP).unwrap_err().to_string();
             assert!(
                 err.contains("nan.kv")
-                    && err.contains(&format!("layer {layer}: value 1 of its `{buffer}` buffer is {shown}"))
+                    && err.contains(&format!(
+                        "layer {layer}: value 1 of its `{buffer}` buffer is {shown}"
+                    ))
                     && err.contains("finite numbers only")
                     && err.contains("delete it"),
                 "{buffer}: {err}"
@@ -891,7 +893,10 @@ mod tests {
         v[n - 1] = f32::NAN;
         save(&path, FP, &c).unwrap();
         let err = load(&path, FP).unwrap_err().to_string();
-        assert!(err.contains("layer 2: value 34 of its `v` buffer is NaN"), "{err}");
+        assert!(
+            err.contains("layer 2: value 34 of its `v` buffer is NaN"),
+            "{err}"
+        );
     }
 
     #[test]

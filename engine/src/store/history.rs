@@ -888,8 +888,14 @@ mod tests {
         let state = tempfile::tempdir().unwrap();
         let mut h = history();
         let pending = h.snapshot(state.path()).unwrap();
-        assert_eq!(pending.path(), state.path().join("usage").join("abc123.json"));
-        assert!(!pending.path().exists(), "nothing is written by the snapshot");
+        assert_eq!(
+            pending.path(),
+            state.path().join("usage").join("abc123.json")
+        );
+        assert!(
+            !pending.path().exists(),
+            "nothing is written by the snapshot"
+        );
         // What is recorded after the snapshot is not in it, and is not decayed by it.
         h.record(2, &[2]);
         h.end_step();
@@ -913,8 +919,7 @@ mod tests {
         let stale = usage.join(format!("abc123.json.{dead}.tmp"));
         std::fs::write(&stale, b"{\"version\":1,").unwrap();
         // This process is alive, and its temporary is locked as it writes: it stays.
-        let (live, _lock) =
-            crate::format::write::create_tmp(&usage.join("other.json")).unwrap();
+        let (live, _lock) = crate::format::write::create_tmp(&usage.join("other.json")).unwrap();
         let (_, warning) = UsageHistory::load(state.path(), "abc123", &[0, 4, 3]).unwrap();
         assert_eq!(warning, None);
         assert!(!stale.exists(), "the dead process's temporary is removed");
