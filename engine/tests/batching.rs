@@ -175,6 +175,7 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
             queue_limit: 16,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
+            history_save_interval: Duration::from_secs(60),
         },
     );
     let receivers: Vec<_> = prompts
@@ -215,6 +216,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
+            history_save_interval: Duration::from_secs(60),
         },
     );
     let (r, rx) = request(base.clone(), 7, 6);
@@ -242,6 +244,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
+            history_save_interval: Duration::from_secs(60),
         },
     );
     let (r, rx) = request(turn2, 8, 6);
@@ -264,6 +267,7 @@ fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
             queue_limit: 1,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
+            history_save_interval: Duration::from_secs(60),
         },
     );
     let (r, rx) = request(vec![1; 70], 1, 4);
@@ -309,6 +313,7 @@ fn slot_conversations_survive_a_restart_through_the_prefix_cache_dir() {
         queue_limit: 4,
         queue_timeout: Duration::from_secs(120),
         persist_dir: persist.then(|| state.path().to_path_buf()),
+        history_save_interval: Duration::from_secs(60),
     };
     let first_run = Scheduler::start(loaded.clone(), config(true));
     let (r, rx) = request(base.clone(), 7, 6);
@@ -357,4 +362,164 @@ fn slot_conversations_survive_a_restart_through_the_prefix_cache_dir() {
     let (third, end) = collect(rx);
     assert_eq!(end.unwrap().cached_tokens, 0);
     assert_eq!(third, again);
+}
+
+/// An [`EventSink`] that runs `on_token(n)` on the engine thread at the `n`-th generated token
+/// (1-based) before passing every event on.
+struct Watching {
+    tx: mpsc::Sender<Event>,
+    tokens: std::sync::atomic::AtomicUsize,
+    on_token: Box<dyn Fn(usize) + Send>,
+}
+
+impl colibri::runtime::scheduler::EventSink for Watching {
+    fn send(&self, event: Event) -> bool {
+        if let Event::Token { .. } = event {
+            let n = self
+                .tokens
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                + 1;
+            (self.on_token)(n);
+        }
+        self.tx.send(event).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// `tokens` of the usage history file in `state`, if it exists and parses (read without
+/// touching anything else in the directory).
+fn saved_tokens(state: &std::path::Path) -> Option<u64> {
+    let usage = state.join("usage");
+    let file = std::fs::read_dir(&usage)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "json"))?;
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(file).ok()?).ok()?;
+    v["tokens"].as_u64()
+}
+
+/// Poll `f` until it returns true; false after `secs` seconds.
+fn within(secs: u64, f: impl Fn() -> bool) -> bool {
+    let end = std::time::Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        if std::time::Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// A request for `prompt` whose events go through a [`Watching`] sink.
+fn watched_request(
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    on_token: impl Fn(usize) + Send + 'static,
+) -> (Request, mpsc::Receiver<Event>) {
+    let (r, _) = request(prompt, 3, max_tokens);
+    let (tx, rx) = mpsc::channel();
+    let sink = Watching {
+        tx,
+        tokens: Default::default(),
+        on_token: Box::new(on_token),
+    };
+    (
+        Request {
+            sink: Box::new(sink),
+            ..r
+        },
+        rx,
+    )
+}
+
+#[test]
+fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle() {
+    let dir = fixture("olmoe");
+    let learning = |state: &std::path::Path| colibri::store::StoreOptions {
+        ram_budget: Some(1 << 30),
+        learn: true,
+        state_dir: Some(state.to_path_buf()),
+        ..Default::default()
+    };
+    let config = |interval: Duration| SchedulerConfig {
+        slots: 1,
+        context: 64,
+        prefill_chunk: 256,
+        queue_limit: 4,
+        queue_timeout: Duration::from_secs(120),
+        persist_dir: None,
+        history_save_interval: interval,
+    };
+    let base = prompt("olmoe");
+    let p = base.len() as u64;
+
+    // A save due after every step. The engine thread is held inside the third token's event,
+    // so the request is certainly still running: meanwhile the background saver writes the
+    // steps before it (the prompt's rows and the first decode row).
+    let state = tempfile::tempdir().unwrap();
+    let loaded = Arc::new(LoadedModel::open_with(&dir, false, &learning(state.path())).unwrap());
+    let scheduler = Scheduler::start(loaded.clone(), config(Duration::ZERO));
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let (during, watched) = (seen.clone(), state.path().to_path_buf());
+    let (r, rx) = watched_request(base.clone(), 8, move |n| {
+        if n == 3 {
+            within(60, || saved_tokens(&watched).is_some_and(|t| t > p));
+            *during.lock().unwrap() = saved_tokens(&watched);
+        }
+    });
+    scheduler.submit(r).unwrap();
+    assert_eq!(collect(rx).1.unwrap().completion_tokens, 8);
+    let during = seen.lock().unwrap().expect("a save while the request ran");
+    assert!(
+        during > p,
+        "{during} tokens saved, the prompt alone has {p}"
+    );
+    drop(scheduler);
+
+    // Saves due only every minute: none while the request runs, one when the engine goes
+    // idle, holding every row the engine ran.
+    let state = tempfile::tempdir().unwrap();
+    let loaded = Arc::new(LoadedModel::open_with(&dir, false, &learning(state.path())).unwrap());
+    let scheduler = Scheduler::start(loaded.clone(), config(Duration::from_secs(60)));
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (during, watched) = (seen.clone(), state.path().to_path_buf());
+    let (r, rx) = watched_request(base.clone(), 8, move |_| {
+        during.lock().unwrap().push(saved_tokens(&watched));
+    });
+    scheduler.submit(r).unwrap();
+    assert_eq!(collect(rx).1.unwrap().completion_tokens, 8);
+    let rows = scheduler
+        .stats()
+        .rows
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        rows,
+        p + 7,
+        "the prompt, then every generated token but the last"
+    );
+    assert!(
+        within(60, || saved_tokens(state.path()) == Some(rows)),
+        "the history saved when the engine went idle holds all {rows} rows: {:?}",
+        saved_tokens(state.path())
+    );
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![None; 8],
+        "no save during the request"
+    );
+    drop(scheduler);
+    // What was saved is a valid history of this model.
+    let fp = colibri::store::history::fingerprint(&dir).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let n = |k: &str| config[k].as_u64().unwrap() as usize;
+    let shape = vec![n("num_experts"); n("num_hidden_layers")];
+    let (h, warning) =
+        colibri::store::history::UsageHistory::load(state.path(), &fp, &shape).unwrap();
+    assert_eq!(warning, None);
+    assert_eq!(h.tokens(), rows);
+    assert!(!h.is_empty());
 }

@@ -90,6 +90,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("otlp_endpoint", Shape::Text),
     ("tls_cert", Shape::Text),
     ("tls_key", Shape::Text),
+    ("history_save_secs", Shape::Number),
     ("prefix_cache_dir", Shape::Text),
 ];
 
@@ -141,6 +142,9 @@ pub struct ServeConfig {
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM); given together with `tls_cert`.
     pub tls_key: Option<PathBuf>,
+    /// Longest time in seconds between saves of the expert usage history while requests run
+    /// (at least 1); it is also saved whenever the server goes idle and at shutdown.
+    pub history_save_secs: u64,
     /// Directory keeping the slots' conversations (tokens and KV cache) across restarts;
     /// `None`: slots start empty.
     pub prefix_cache_dir: Option<PathBuf>,
@@ -171,6 +175,7 @@ impl Default for ServeConfig {
             otlp_endpoint: None,
             tls_cert: None,
             tls_key: None,
+            history_save_secs: 60,
             prefix_cache_dir: None,
         }
     }
@@ -202,6 +207,7 @@ impl fmt::Debug for ServeConfig {
             .field("otlp_endpoint", &self.otlp_endpoint)
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
+            .field("history_save_secs", &self.history_save_secs)
             .field("prefix_cache_dir", &self.prefix_cache_dir)
             .finish()
     }
@@ -308,6 +314,12 @@ impl ServeConfig {
                 );
             }
             _ => {}
+        }
+        if self.history_save_secs == 0 {
+            return fail(
+                "history_save_secs",
+                "expected at least 1 (seconds between saves of the usage history), found 0".into(),
+            );
         }
         Ok(())
     }
@@ -467,6 +479,10 @@ pub struct ServeFlags {
     /// TLS private key (PEM); needs --tls-cert.
     #[arg(long, value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
+    /// Longest time between saves of the expert usage history while serving (it is also
+    /// saved when the server goes idle and at shutdown).
+    #[arg(long, value_name = "SECS")]
+    pub history_save_secs: Option<u64>,
     /// Keep the slots' conversations (tokens and KV cache) in this directory across restarts.
     #[arg(long, value_name = "DIR")]
     pub prefix_cache_dir: Option<PathBuf>,
@@ -836,6 +852,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(otlp_endpoint, "--otlp-endpoint");
     opt!(tls_cert, "--tls-cert");
     opt!(tls_key, "--tls-key");
+    opt!(history_save_secs, "--history-save-secs");
     opt!(prefix_cache_dir, "--prefix-cache-dir");
     Ok(out)
 }
@@ -996,6 +1013,7 @@ mod tests {
         assert_eq!(c.port, 8080);
         assert_eq!(c.max_body_bytes, 4_194_304);
         assert_eq!(c.drain_secs, 30);
+        assert_eq!(c.history_save_secs, 60);
         assert_eq!(c.log_level, "info");
         assert!(!c.log_json);
         assert_eq!(loaded.sources.len(), KEYS.len());
@@ -1115,6 +1133,8 @@ mod tests {
             "c.pem",
             "--tls-key",
             "k.pem",
+            "--history-save-secs",
+            "5",
             "--prefix-cache-dir",
             "/state/prefix",
         ])
@@ -1142,6 +1162,7 @@ mod tests {
         assert_eq!(c.otlp_endpoint.as_deref(), Some("http://otel:4318"));
         assert_eq!(c.tls_cert, Some(PathBuf::from("c.pem")));
         assert_eq!(c.tls_key, Some(PathBuf::from("k.pem")));
+        assert_eq!(c.history_save_secs, 5);
         assert_eq!(c.prefix_cache_dir, Some(PathBuf::from("/state/prefix")));
         assert_eq!(loaded.sources["mirrors"], Source::Flag("--mirror".into()));
         assert_eq!(loaded.sources["api_keys"], Source::Flag("--api-key".into()));
@@ -1389,6 +1410,7 @@ mod tests {
         );
         assert_eq!(bad(|c| c.tls_key = Some("k".into())), "tls_key");
         assert_eq!(bad(|c| c.model = Some(String::new())), "model");
+        assert_eq!(bad(|c| c.history_save_secs = 0), "history_save_secs");
 
         let mut ok = ServeConfig {
             slots: 256,

@@ -103,9 +103,12 @@ pub fn demo_args(out: PathBuf) -> SynthArgs {
     }
 }
 
-/// The demo model directory, synthesized on first use.
+/// The demo model directory, synthesized on first use. Temporaries that killed runs left in
+/// the cache directory (a demo model half written, a bandwidth probe) are removed first.
 pub fn ensure() -> Result<PathBuf> {
-    let dir = cache_dir()?.join(DEMO_NAME);
+    let cache = cache_dir()?;
+    colibri::format::write::remove_stale_temporaries(&cache, |_| true);
+    let dir = cache.join(DEMO_NAME);
     if dir.join("config.json").is_file() {
         return Ok(dir);
     }

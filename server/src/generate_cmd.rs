@@ -88,6 +88,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     let model = loaded.model.as_ref();
     let (fingerprint, restored) = match &args.kv_file {
         Some(path) => {
+            // Temporaries of saves of this file that a killed run left.
+            colibri::format::write::remove_stale_temporaries_of(path);
             let (fingerprint, conv) = restore(path, &loaded, &args.model.kv_dtype)?;
             (Some(fingerprint), conv)
         }

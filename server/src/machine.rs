@@ -73,26 +73,35 @@ fn memory_bandwidth() -> f64 {
 
 /// GB/s of O_DIRECT reads of a 1 GiB scratch file (4 MiB blocks, 4 readers).
 fn disk_bandwidth(dir: &std::path::Path) -> Result<(f64, String)> {
+    // A temporary of the atomic writer (`bandwidth-probe.PID.tmp`, locked while `probe` is
+    // open), so a run killed while measuring leaves a file the next write removes.
+    let (path, probe) = colibri::format::write::create_tmp(&dir.join("bandwidth-probe"))?;
+    let measured = measure_disk(&path, probe);
+    let _ = std::fs::remove_file(&path);
+    measured
+}
+
+/// Write the probe file `path` through `probe` (its open, locked handle), then time reading it.
+fn measure_disk(path: &std::path::Path, mut probe: std::fs::File) -> Result<(f64, String)> {
     const BLOCK: usize = 4 << 20;
     const BLOCKS: usize = 256;
-    let path = dir.join(format!("bandwidth-probe.{}.tmp", std::process::id()));
-    {
-        let mut f =
-            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let block: Vec<u8> = (0..BLOCK).map(|i| (i * 31 % 251) as u8).collect();
-        for _ in 0..BLOCKS {
-            f.write_all(&block)?;
-        }
-        f.sync_all()?;
+    let block: Vec<u8> = (0..BLOCK).map(|i| (i * 31 % 251) as u8).collect();
+    for _ in 0..BLOCKS {
+        probe
+            .write_all(&block)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
+    probe
+        .sync_all()
+        .with_context(|| format!("writing {}", path.display()))?;
     let direct = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
-        .open(&path);
+        .open(path);
     let (file, source) = match direct {
         Ok(f) => (f, "O_DIRECT reads, 4 MiB blocks, 4 in flight".to_string()),
         Err(_) => (
-            std::fs::File::open(&path)?,
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?,
             "buffered reads (O_DIRECT refused here), may include page cache".to_string(),
         ),
     };
@@ -110,7 +119,6 @@ fn disk_bandwidth(dir: &std::path::Path) -> Result<(f64, String)> {
         Ok(())
     });
     let secs = t.elapsed().as_secs_f64();
-    let _ = std::fs::remove_file(&path);
     result.context("reading the bandwidth probe file")?;
     Ok(((BLOCK * BLOCKS) as f64 / secs / 1e9, source))
 }

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use colibri::format::write::{tmp_path, write_atomic, SafetensorsWriter, TensorSpec};
+use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
 use colibri::tensor::DType;
 use half::bf16;
 use rayon::prelude::*;
@@ -942,9 +942,8 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-    let tmp = tmp_path(&args.out);
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    // Locked while `_lock` lives; a stale one of a killed run is removed first.
+    let (tmp, _lock) = create_tmp_dir(&args.out)?;
     let result = write_all(args, &tmp, heads, kv_heads, progress);
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);

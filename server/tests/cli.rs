@@ -230,9 +230,22 @@ fn out_of_vocabulary_token_is_rejected() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
 }
 
+/// A process id that is not running: a child that has exited and been reaped.
+fn dead_pid() -> u32 {
+    let mut child = Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
 #[test]
 fn synth_writes_a_runnable_checkpoint_deterministically() {
     let tmp = tempfile::tempdir().unwrap();
+    // What a synth killed while writing `a` left: its temporary directory, removed by the
+    // next one.
+    let stale = tmp.path().join(format!("a.{}.tmp", dead_pid()));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("model.safetensors"), b"half").unwrap();
     let mut outputs = Vec::new();
     for (name, shard) in [("a", "4000000000"), ("b", "100000")] {
         let out = tmp.path().join(name);
@@ -279,6 +292,7 @@ fn synth_writes_a_runnable_checkpoint_deterministically() {
             "1,5,300",
         ])));
     }
+    assert!(!stale.exists(), "the killed synth's temporary is removed");
     // The sharded copy (b) holds the same seeded weights as the single file (a).
     assert!(tmp.path().join("b/model.safetensors.index.json").exists());
     assert_eq!(outputs[0], outputs[1]);
@@ -356,6 +370,9 @@ fn convert_then_kl_measures_the_quantization_loss() {
     )
     .unwrap();
     let gguf = tmp.path().join("q8.gguf");
+    // What a convert killed while writing left, removed by the next one.
+    let stale = tmp.path().join(format!("q8.gguf.{}.tmp", dead_pid()));
+    std::fs::write(&stale, b"GGUF").unwrap();
     let out = coli(&[
         "convert",
         "-m",
@@ -370,6 +387,7 @@ fn convert_then_kl_measures_the_quantization_loss() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(!stale.exists(), "the killed convert's temporary is removed");
     let kl = |model: &std::path::Path| -> serde_json::Value {
         let out = coli(&[
             "kl",

@@ -1,6 +1,7 @@
 //! Warm conversations through the `coli` binary: a greedy generation split over two
 //! processes by `coli run --kv-file` produces exactly the tokens, text and KV cache of one
-//! uninterrupted run, and damaged or foreign KV files are refused with a clear error.
+//! uninterrupted run, and damaged or foreign KV files (a bad checksum, a truncation, another
+//! model, values that are not finite behind a valid checksum) are refused with a clear error.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -224,4 +225,20 @@ fn damaged_or_foreign_kv_files_are_refused() {
     );
     refused("foreign.kv", &bytes, "olmoe", "different model");
     refused("text.kv", b"hello, world", arch, "not a colibri KV file");
+
+    // A NaN in the cache, saved with a valid checksum (a file damaged before it was summed):
+    // before values were checked it was accepted and the answer came back empty.
+    let mut conv = load(arch, &good);
+    let n = conv.cache.layers[0].k.len();
+    conv.cache.layers[0].k.f32_mut()[n / 2] = f32::NAN;
+    let fp = kv_file::model_fingerprint(&fixture(arch)).unwrap();
+    let source = tmp.path().join("nan-source.kv");
+    kv_file::save(&source, &fp, &conv).unwrap();
+    let nan = std::fs::read(&source).unwrap();
+    refused(
+        "nan.kv",
+        &nan,
+        arch,
+        "is NaN, but a KV cache holds finite numbers only",
+    );
 }

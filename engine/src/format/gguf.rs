@@ -22,7 +22,7 @@ use std::io::{BufWriter, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::format::write::tmp_path;
+use crate::format::write::create_tmp;
 use crate::{Error, Result};
 
 /// The four bytes every GGUF file starts with.
@@ -1342,8 +1342,7 @@ impl GgufWriter {
         }
         head.resize(head.len().next_multiple_of(alignment), 0);
 
-        let tmp = tmp_path(path);
-        let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let (tmp, file) = create_tmp(path)?;
         let mut out = BufWriter::with_capacity(8 << 20, file);
         out.write_all(&head).map_err(|e| Error::io(&tmp, e))?;
         let mut w = GgufWriter {

@@ -1,28 +1,240 @@
 //! Writing files atomically: a temporary file beside the target, renamed into place when
 //! complete, so a crash never leaves a half-written file under the real name. Also a streaming
 //! safetensors writer (header first, then each tensor's bytes in order) for synthetic models.
+//!
+//! Every temporary (a file, or a directory for a whole checkpoint) is named after its target
+//! and its owner's process id, `NAME.PID.tmp` ([`tmp_path`]), and its owner holds an exclusive
+//! advisory lock (`flock`) on it while writing. A process killed while writing leaves its
+//! temporary behind, unlocked (the kernel drops the locks of a process that ends);
+//! [`remove_stale_temporaries`] removes such leftovers, and every writer removes those of its
+//! own target before it starts ([`create_tmp`]). A temporary is stale when nobody holds its
+//! lock and its process id is either not running or this process's own (a container restarts
+//! its server under the same pid, and this process never leaves one of its live temporaries
+//! unlocked). A live writer's temporary is never removed: it is locked, which also protects
+//! writers in other pid namespaces sharing the directory; where the file system has no locks,
+//! only temporaries of processes that are not running are removed.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use crate::tensor::DType;
 use crate::{Error, Result};
 
-/// Write `bytes` to `path` atomically.
+/// Held while this process creates and locks a temporary, and while it looks for stale ones,
+/// so that it never takes one of its own for stale in the instant between the two.
+static TEMPORARIES: Mutex<()> = Mutex::new(());
+
+/// Write `bytes` to `path` atomically. On failure the temporary is removed and `path` is left
+/// as it was.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_path(path);
-    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-    f.sync_all().map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    let (tmp, mut f) = create_tmp(path)?;
+    let written = f
+        .write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| Error::io(&tmp, e))
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
-/// The temporary name used while writing `path`.
+/// The temporary name this process uses while writing `path`: `NAME.PID.tmp` beside it.
 pub fn tmp_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".{}.tmp", std::process::id()));
     path.with_file_name(name)
+}
+
+/// Create the temporary file for writing `path` (see [`tmp_path`]), locked for as long as
+/// the returned file is open, after removing the stale temporaries of `path` left by
+/// processes that ended. Errors when a live writer holds the same temporary (a process of the
+/// same id in another pid namespace, or another writer of `path` in this process).
+pub fn create_tmp(path: &Path) -> Result<(PathBuf, File)> {
+    remove_stale_temporaries_of(path);
+    let tmp = tmp_path(path);
+    let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&tmp)
+        .map_err(|e| Error::io(&tmp, e))?;
+    if try_lock(&file) == Lock::Held {
+        return Err(in_use(&tmp, path));
+    }
+    file.set_len(0).map_err(|e| Error::io(&tmp, e))?;
+    Ok((tmp, file))
+}
+
+/// Create the temporary directory for writing the directory `path` (see [`tmp_path`]; a
+/// leftover of an earlier attempt under the same name is emptied), after removing the stale
+/// temporaries of `path`. The returned handle on the directory holds its lock: keep it until
+/// the directory is renamed into place.
+pub fn create_tmp_dir(path: &Path) -> Result<(PathBuf, File)> {
+    remove_stale_temporaries_of(path);
+    let tmp = tmp_path(path);
+    let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+    if tmp.exists() {
+        let old = File::open(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        if try_lock(&old) == Lock::Held {
+            return Err(in_use(&tmp, path));
+        }
+        drop(old);
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let handle = File::open(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    try_lock(&handle);
+    Ok((tmp, handle))
+}
+
+/// The error for a temporary another live process is writing.
+fn in_use(tmp: &Path, path: &Path) -> Error {
+    Error::Invalid(format!(
+        "{}: another process is writing {} (it holds this temporary's lock); try again when it has finished",
+        tmp.display(),
+        path.display()
+    ))
+}
+
+/// Remove the stale temporaries (see the module documentation) in `dir` whose target name
+/// satisfies `target`: files and directories named `NAME.PID.tmp`. Returns what was
+/// removed; each removal is logged, and one that fails is logged and skipped. A directory
+/// that cannot be read (or does not exist) has nothing to remove.
+pub fn remove_stale_temporaries(dir: &Path, target: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+    let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((of, pid)) = name.to_str().and_then(temporary_owner) else {
+            continue;
+        };
+        let path = entry.path();
+        if !target(of) || !is_stale(&path, pid) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let (bytes, gone) = if meta.is_dir() {
+            (dir_bytes(&path), std::fs::remove_dir_all(&path))
+        } else {
+            (meta.len(), std::fs::remove_file(&path))
+        };
+        match gone {
+            Ok(()) => {
+                tracing::info!(
+                    "removed {} ({bytes} bytes), left by process {pid}, which ended while writing it",
+                    path.display()
+                );
+                removed.push(path);
+            }
+            Err(e) => tracing::warn!(
+                "cannot remove {}, a temporary left by process {pid}, which ended: {e}",
+                path.display()
+            ),
+        }
+    }
+    removed
+}
+
+/// [`remove_stale_temporaries`] for the temporaries of `path` only.
+pub fn remove_stale_temporaries_of(path: &Path) -> Vec<PathBuf> {
+    let (Some(name), Some(dir)) = (path.file_name().and_then(|n| n.to_str()), path.parent()) else {
+        return Vec::new();
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    remove_stale_temporaries(dir, |of| of == name)
+}
+
+/// The target name and owner pid of a temporary's file name `NAME.PID.tmp`.
+pub fn temporary_owner(name: &str) -> Option<(&str, u32)> {
+    let (target, pid) = name.strip_suffix(".tmp")?.rsplit_once('.')?;
+    let digits = !pid.is_empty() && pid.len() <= 10 && pid.bytes().all(|b| b.is_ascii_digit());
+    let pid: u32 = pid.parse().ok().filter(|_| digits)?;
+    (!target.is_empty() && pid > 0).then_some((target, pid))
+}
+
+/// Whether the temporary at `path` owned by process `pid` was left by a process that ended.
+fn is_stale(path: &Path, pid: u32) -> bool {
+    let me = pid == std::process::id();
+    let lock = match File::open(path) {
+        Ok(f) => try_lock(&f),
+        Err(_) => Lock::Unknown,
+    };
+    match lock {
+        Lock::Held => false,
+        // Every live temporary of this process is locked (see `TEMPORARIES`).
+        Lock::Free => me || !process_running(pid),
+        Lock::Unknown => !me && !process_running(pid),
+    }
+}
+
+/// What an attempt to lock a temporary found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lock {
+    /// It was free, and is now held through the given file until that is closed.
+    Free,
+    /// Another open file (of this or another process) holds it.
+    Held,
+    /// The file system does not say (no advisory locks).
+    Unknown,
+}
+
+/// Try to take an exclusive advisory lock on `file`, without waiting.
+fn try_lock(file: &File) -> Lock {
+    // SAFETY: flock takes a descriptor (valid: `file` is open for the whole call) and flags,
+    // no pointers.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Lock::Free;
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Lock::Held,
+        _ => Lock::Unknown,
+    }
+}
+
+/// Whether a process with id `pid` is running (or cannot be told apart from one that is).
+fn process_running(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    if pid <= 0 {
+        return true;
+    }
+    // SAFETY: signal 0 sends nothing; kill only checks that the process exists. `pid` is
+    // positive, so it names one process, never a group.
+    if unsafe { libc::kill(pid, 0) } == 0 {
+        return true;
+    }
+    std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Bytes of the files under `dir` (for the log line of a removed temporary directory).
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// One tensor to be written.
@@ -77,8 +289,7 @@ impl SafetensorsWriter {
         while !(8 + json.len()).is_multiple_of(8) {
             json.push(b' ');
         }
-        let tmp = tmp_path(path);
-        let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let (tmp, file) = create_tmp(path)?;
         let mut out = BufWriter::with_capacity(8 << 20, file);
         out.write_all(&(json.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(&json))
@@ -135,13 +346,162 @@ impl SafetensorsWriter {
 }
 
 /// Flush and sync a buffered temporary file, then rename it to `path`: the last step of every
-/// atomic write.
+/// atomic write. On failure the temporary is removed and `path` is left as it was.
 pub fn commit(out: BufWriter<File>, tmp: &Path, path: &Path) -> Result<()> {
-    let mut out = out;
-    out.flush().map_err(|e| Error::io(tmp, e))?;
-    let file = out
-        .into_inner()
-        .map_err(|e| Error::io(tmp, e.into_error()))?;
-    file.sync_all().map_err(|e| Error::io(tmp, e))?;
-    std::fs::rename(tmp, path).map_err(|e| Error::io(path, e))
+    let committed = (|| {
+        let mut out = out;
+        out.flush().map_err(|e| Error::io(tmp, e))?;
+        let file = out
+            .into_inner()
+            .map_err(|e| Error::io(tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io(tmp, e))?;
+        std::fs::rename(tmp, path).map_err(|e| Error::io(path, e))
+    })();
+    if committed.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    committed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A process id that is not running: a child that has exited and been reaped.
+    fn dead_pid() -> u32 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(!process_running(pid));
+        pid
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn temporary_names_carry_target_and_pid() {
+        let path = Path::new("/x/slot-3.kv");
+        let tmp = tmp_path(path);
+        let name = tmp.file_name().unwrap().to_str().unwrap();
+        assert_eq!(name, format!("slot-3.kv.{}.tmp", std::process::id()));
+        assert_eq!(tmp.parent(), Some(Path::new("/x")));
+        assert_eq!(
+            temporary_owner(name),
+            Some(("slot-3.kv", std::process::id()))
+        );
+        assert_eq!(temporary_owner("a.b.17.tmp"), Some(("a.b", 17)));
+        for not in [
+            "x.tmp",
+            ".12.tmp",
+            "a.+12.tmp",
+            "a.0.tmp",
+            "a.12345678901.tmp",
+            "a.12.tmpx",
+            "a.1x.tmp",
+            "a.12",
+        ] {
+            assert_eq!(temporary_owner(not), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn only_temporaries_of_ended_processes_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let dead = dead_pid();
+        let live = std::os::unix::process::parent_id();
+        let me = std::process::id();
+        // Left by a dead process: a file and a directory (a checkpoint half written).
+        std::fs::write(d.join(format!("slot-0.kv.{dead}.tmp")), b"half").unwrap();
+        std::fs::create_dir(d.join(format!("model.{dead}.tmp"))).unwrap();
+        std::fs::write(d.join(format!("model.{dead}.tmp/a.safetensors")), b"12345").unwrap();
+        // A live process's (unlocked: it may be in the instant before it locks).
+        std::fs::write(d.join(format!("slot-1.kv.{live}.tmp")), b"live").unwrap();
+        // One with this process's id that nobody holds: a container restarted under the same
+        // pid left it, as this process locks every temporary it writes.
+        std::fs::write(d.join(format!("slot-2.kv.{me}.tmp")), b"old").unwrap();
+        // This process writing now (locked).
+        let (writing, _held) = create_tmp(&d.join("slot-3.kv")).unwrap();
+        // A dead pid, but locked: a live writer in another pid namespace.
+        let foreign = d.join(format!("slot-4.kv.{dead}.tmp"));
+        std::fs::write(&foreign, b"elsewhere").unwrap();
+        let foreign_lock = File::open(&foreign).unwrap();
+        assert_eq!(try_lock(&foreign_lock), Lock::Free);
+        // Not temporaries, and a temporary of a target the filter excludes.
+        std::fs::write(d.join("notes.tmp"), b"").unwrap();
+        std::fs::write(d.join("slot-0.kv"), b"kept").unwrap();
+        std::fs::write(d.join(format!("other.json.{dead}.tmp")), b"").unwrap();
+
+        let removed = remove_stale_temporaries(d, |t| t != "other.json");
+        let mut removed: Vec<String> = removed
+            .iter()
+            .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+            .collect();
+        removed.sort();
+        let mut expected = vec![
+            format!("model.{dead}.tmp"),
+            format!("slot-0.kv.{dead}.tmp"),
+            format!("slot-2.kv.{me}.tmp"),
+        ];
+        expected.sort();
+        assert_eq!(removed, expected);
+        let mut kept = vec![
+            "notes.tmp".to_string(),
+            "slot-0.kv".to_string(),
+            format!("other.json.{dead}.tmp"),
+            format!("slot-1.kv.{live}.tmp"),
+            writing.file_name().unwrap().to_str().unwrap().to_string(),
+            format!("slot-4.kv.{dead}.tmp"),
+        ];
+        kept.sort();
+        assert_eq!(names(d), kept);
+        // Once the foreign writer is gone, its temporary is stale too.
+        drop(foreign_lock);
+        assert_eq!(
+            remove_stale_temporaries_of(&d.join("slot-4.kv")),
+            vec![foreign]
+        );
+    }
+
+    #[test]
+    fn atomic_writes_leave_only_the_target_and_clear_their_leftovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h.json");
+        let dead = dead_pid();
+        std::fs::write(dir.path().join(format!("h.json.{dead}.tmp")), b"{").unwrap();
+        write_atomic(&path, b"{}").unwrap();
+        write_atomic(&path, b"{\"a\":1}").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"{\"a\":1}");
+        assert_eq!(names(dir.path()), ["h.json"]);
+        // A failed write leaves neither a temporary nor a target.
+        let missing = dir.path().join("no/such/dir/x.json");
+        assert!(write_atomic(&missing, b"{}").is_err());
+        assert_eq!(names(dir.path()), ["h.json"]);
+    }
+
+    #[test]
+    fn a_temporary_held_by_a_live_writer_is_not_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let (tmp, _held) = create_tmp(&path).unwrap();
+        let err = create_tmp(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("another process is writing") && err.contains("m.gguf"),
+            "{err}"
+        );
+        assert!(tmp.exists());
+        let (dtmp, _dheld) = create_tmp_dir(&dir.path().join("ckpt")).unwrap();
+        let err = create_tmp_dir(&dir.path().join("ckpt"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("another process is writing"), "{err}");
+        assert!(dtmp.is_dir());
+    }
 }

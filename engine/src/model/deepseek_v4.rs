@@ -1031,6 +1031,10 @@ impl CausalLm for DeepseekV4 {
     fn flush(&self) -> Result<()> {
         self.store.flush()
     }
+
+    fn flush_soon(&self) {
+        self.store.flush_soon();
+    }
 }
 
 impl DeepseekV4 {

@@ -105,6 +105,9 @@ pub trait CausalLm: Send + Sync {
     fn flush(&self) -> Result<()> {
         Ok(())
     }
+    /// Persist what the expert store learned in the background (see
+    /// [`crate::store::ExpertStore::flush_soon`]); returns at once.
+    fn flush_soon(&self) {}
 }
 
 /// Draft tokens from a model's own multi-token-prediction head (speculative decoding; see

@@ -142,6 +142,12 @@ impl CausalLm for Transformer {
             None => Ok(()),
         }
     }
+
+    fn flush_soon(&self) {
+        if let Some(s) = &self.store {
+            s.flush_soon();
+        }
+    }
 }
 
 impl super::Drafter for Transformer {

@@ -6,8 +6,11 @@
 //! is refused) and ends with a checksum of everything before it. It is written atomically
 //! (a temporary file renamed into place, see [`crate::format::write`]), so a crash leaves
 //! either the old file or the new one. [`load`] checks the file on its own (magic, version,
-//! size, checksum, fingerprint, structure); [`check_model`] checks it against the model (layer
-//! count, values per token of every buffer, context, vocabulary); [`restore`] does both.
+//! size, checksum, fingerprint, structure: the cache no longer than the conversation nor its
+//! capacity, every buffer a whole number of rows, every value a finite number — a checksum
+//! only proves the bytes are those that were summed); [`check_model`] checks it against the
+//! model (layer count, values per token of every buffer, context, vocabulary); [`restore`]
+//! does both.
 //! Every problem is an error naming the file and what to do, never a panic.
 //!
 //! Format (version [`FORMAT_VERSION`]), all integers and floats little-endian:
@@ -32,7 +35,7 @@ use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use super::generate::Conversation;
-use crate::format::write::{commit, tmp_path};
+use crate::format::write::{commit, create_tmp};
 use crate::model::cache::{KvBuf, KvCache, KvDType, LayerKv};
 use crate::model::{CausalLm, Logits};
 use crate::store::history::fingerprint;
@@ -87,8 +90,7 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
         + 3 * 8 * cache.layers.len() as u64
         + 4 * values;
 
-    let tmp = tmp_path(path);
-    let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let (tmp, file) = create_tmp(path)?;
     let mut out = HashingWriter {
         out: BufWriter::with_capacity(1 << 20, file),
         hash: Xxh64::new(),
@@ -141,8 +143,9 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
 
 /// Read the conversation saved in `path`, checking the file on its own: its magic bytes and
 /// version, its size against the length its header announces, its checksum, that it was saved
-/// for the model with fingerprint `fingerprint`, and its structure. See [`check_model`] for
-/// the checks against the model itself.
+/// for the model with fingerprint `fingerprint`, its structure (lengths consistent, every
+/// buffer a whole number of rows) and that every cached value is finite. See
+/// [`check_model`] for the checks against the model itself.
 pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
     let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
@@ -254,6 +257,12 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
             format!("its cache holds {cache_len} tokens but the conversation has only {n_tokens}; {FIX}"),
         ));
     }
+    if cache_len > max_len {
+        return Err(Error::corrupt(
+            path,
+            format!("its cache holds {cache_len} tokens but its capacity is {max_len}; {FIX}"),
+        ));
+    }
     let tokens = b.u32s(n_tokens)?;
     let mut counts = Vec::with_capacity(layers.min(b.left as usize / 24 + 1));
     for _ in 0..layers {
@@ -274,14 +283,49 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
             ),
         ));
     }
+    // Every buffer holds `cache_len` rows of one width.
+    for (l, c) in counts.iter().enumerate() {
+        for (i, &n) in c.iter().enumerate() {
+            let whole = if cache_len == 0 {
+                n == 0
+            } else {
+                n % cache_len == 0
+            };
+            if !whole {
+                return Err(Error::corrupt(
+                    path,
+                    format!(
+                        "layer {l}: its `{}` buffer holds {n} values, not a whole number of rows for {cache_len} cached tokens; {FIX}",
+                        BUFFERS[i]
+                    ),
+                ));
+            }
+        }
+    }
     let mut cache = KvCache::new(0, to_usize(max_len, path)?);
     cache.len = to_usize(cache_len, path)?;
-    for c in &counts {
-        let mut l = LayerKv::default();
-        for (i, buf) in [&mut l.k, &mut l.v, &mut l.aux].into_iter().enumerate() {
-            *buf = KvBuf::F32(b.f32s(c[i])?);
+    for (l, c) in counts.iter().enumerate() {
+        let mut layer = LayerKv::default();
+        for (i, buf) in [&mut layer.k, &mut layer.v, &mut layer.aux]
+            .into_iter()
+            .enumerate()
+        {
+            let values = b.f32s(c[i])?;
+            // A model's keys and values are finite numbers: a NaN or an infinity would turn
+            // every attention score that reads it into NaN, so the answer would be garbage.
+            if let Some(at) = values.iter().position(|x| !x.is_finite()) {
+                return Err(Error::corrupt(
+                    path,
+                    format!(
+                        "layer {l}: value {at} of its `{}` buffer is {}, but a KV cache holds finite numbers only (the file was damaged before its checksum was computed, or was not written by colibri); {FIX}",
+                        BUFFERS[i],
+                        values[at]
+                    ),
+                ));
+            }
+            *buf = KvBuf::F32(values);
         }
-        cache.layers.push(l);
+        cache.layers.push(layer);
     }
     Ok(Conversation { tokens, cache })
 }
@@ -642,13 +686,7 @@ mod tests {
         let mut cache = KvCache::new(3, 64);
         cache.len = len;
         let widths = [[4, 4, 0], [3, 2, 5], [1, 7, 0]];
-        let specials = [
-            0.0,
-            -0.0,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::MIN_POSITIVE / 8.0,
-        ];
+        let specials = [0.0, -0.0, f32::MAX, f32::MIN, f32::MIN_POSITIVE / 8.0];
         let mut x = 0x1234_5678u32;
         for (l, w) in cache.layers.iter_mut().zip(widths) {
             for (i, buf) in [&mut l.k, &mut l.v, &mut l.aux].into_iter().enumerate() {
@@ -719,12 +757,6 @@ mod tests {
         assert_eq!(back.cache.len, orig.cache.len);
         assert_eq!(back.cache.max_len, orig.cache.max_len);
         assert_eq!(bits(&back.cache), bits(&orig.cache));
-        // NaN payloads survive too (compared by bits: NaN != NaN).
-        let mut nan = orig.clone();
-        nan.cache.layers[1].aux.f32_mut()[0] = f32::from_bits(0x7fc0_1234);
-        nan.cache.layers[0].k.f32_mut()[1] = f32::from_bits(0xffa0_0001);
-        save(&path, FP, &nan).unwrap();
-        assert_eq!(bits(&load(&path, FP).unwrap().cache), bits(&nan.cache));
         // No temporary file is left behind.
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(names.len(), 1);
@@ -812,6 +844,97 @@ mod tests {
         std::fs::write(&bad, &b).unwrap();
         let err = load(&bad, FP).unwrap_err().to_string();
         assert!(err.contains("bad.kv"), "{err}");
+    }
+
+    /// `bytes` with its checksum recomputed, as a file damaged before it was summed.
+    fn resummed(mut bytes: Vec<u8>) -> Vec<u8> {
+        let n = bytes.len() - 8;
+        let sum = xxh64(&bytes[..n]);
+        bytes[n..].copy_from_slice(&sum.to_le_bytes());
+        bytes
+    }
+
+    #[test]
+    fn kv_file_with_a_non_finite_value_and_a_valid_checksum_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nan.kv");
+        // Saved through `save`, so the checksum is right: each buffer kind, each non-finite
+        // kind, and the last value of the last buffer.
+        let cases: [(usize, &str, f32, &str); 4] = [
+            (0, "k", f32::NAN, "NaN"),
+            (1, "aux", f32::from_bits(0xffa0_0001), "NaN"),
+            (1, "v", f32::INFINITY, "inf"),
+            (2, "k", f32::NEG_INFINITY, "-inf"),
+        ];
+        for (layer, buffer, value, shown) in cases {
+            let mut c = conversation();
+            let l = &mut c.cache.layers[layer];
+            let buf = match buffer {
+                "k" => &mut l.k,
+                "v" => &mut l.v,
+                _ => &mut l.aux,
+            };
+            buf.f32_mut()[1] = value;
+            save(&path, FP, &c).unwrap();
+            let err = load(&path, FP).unwrap_err().to_string();
+            assert!(
+                err.contains("nan.kv")
+                    && err.contains(&format!(
+                        "layer {layer}: value 1 of its `{buffer}` buffer is {shown}"
+                    ))
+                    && err.contains("finite numbers only")
+                    && err.contains("delete it"),
+                "{buffer}: {err}"
+            );
+        }
+        let mut c = conversation();
+        let v = c.cache.layers[2].v.f32_mut();
+        let n = v.len();
+        v[n - 1] = f32::NAN;
+        save(&path, FP, &c).unwrap();
+        let err = load(&path, FP).unwrap_err().to_string();
+        assert!(
+            err.contains("layer 2: value 34 of its `v` buffer is NaN"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kv_file_with_inconsistent_lengths_and_a_valid_checksum_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, bytes) = saved(dir.path());
+        let bad = dir.path().join("bad.kv");
+        let counts_at = 24 + 4 + FP.len() + 4;
+        // cache_len (5) above max_len (64 → 4).
+        let mut b = bytes.clone();
+        b[counts_at + 16..counts_at + 24].copy_from_slice(&4u64.to_le_bytes());
+        std::fs::write(&bad, resummed(b)).unwrap();
+        let err = load(&bad, FP).unwrap_err().to_string();
+        assert!(
+            err.contains("bad.kv") && err.contains("holds 5 tokens but its capacity is 4"),
+            "{err}"
+        );
+        // cache_len 5 → 4: layer 0's buffers of 4 values per token still divide (20 values),
+        // layer 1's `k` of 3 per token (15 values) does not.
+        let mut b = bytes.clone();
+        b[counts_at + 8..counts_at + 16].copy_from_slice(&4u64.to_le_bytes());
+        std::fs::write(&bad, resummed(b)).unwrap();
+        let err = load(&bad, FP).unwrap_err().to_string();
+        assert!(
+            err.contains("bad.kv")
+                && err.contains("layer 1: its `k` buffer holds 15 values, not a whole number of rows for 4 cached tokens"),
+            "{err}"
+        );
+        // An empty cache with values.
+        let mut b = bytes.clone();
+        b[counts_at + 8..counts_at + 16].copy_from_slice(&0u64.to_le_bytes());
+        std::fs::write(&bad, resummed(b)).unwrap();
+        let err = load(&bad, FP).unwrap_err().to_string();
+        assert!(
+            err.contains("layer 0: its `k` buffer holds 20 values, not a whole number of rows for 0 cached tokens"),
+            "{err}"
+        );
+        assert!(load(&path, FP).is_ok());
     }
 
     fn olmoe() -> (std::path::PathBuf, Box<dyn CausalLm>) {
@@ -920,8 +1043,13 @@ mod tests {
         refused(&c, "layers but the model has");
         let mut c = conv.clone();
         let l = c.cache.layers.len() - 1;
-        c.cache.layers[l].v.extend(&[0.0]);
+        // One more value per token: whole rows, of the wrong width.
+        let one_per_token = vec![0.0; c.cache.len];
+        c.cache.layers[l].v.extend(&one_per_token);
         refused(&c, "values per token");
+        let mut c = conv.clone();
+        c.cache.layers[l].v.extend(&[0.0]);
+        refused(&c, "not a whole number of rows");
         let mut c = conv.clone();
         c.cache.layers[0].aux = KvBuf::F32(vec![0.0; c.cache.len]);
         refused(&c, "`aux` buffer");

@@ -47,6 +47,13 @@ pub struct SchedulerConfig {
     /// in this directory when the engine stops, reopened when it starts, so a returning
     /// conversation reuses its prefix after a restart. `None`: slots start empty.
     pub persist_dir: Option<std::path::PathBuf>,
+    /// Longest the engine runs without asking the expert store to save what it learned (the
+    /// usage history, written in the background: see [`CausalLm::flush_soon`]); it also asks
+    /// whenever it goes idle, at the end of each batch of requests. So a process killed while
+    /// serving loses at most this much of its history.
+    ///
+    /// [`CausalLm::flush_soon`]: crate::model::CausalLm::flush_soon
+    pub history_save_interval: Duration,
 }
 
 /// The log-probability of a token, with the most likely alternatives.
@@ -311,6 +318,10 @@ struct Engine {
     slots: Vec<Slot>,
     queue: VecDeque<(Box<Request>, Instant)>,
     clock: u64,
+    /// When the expert store was last asked to save what it learned.
+    last_save: Instant,
+    /// Whether steps ran since then.
+    unsaved: bool,
 }
 
 impl Engine {
@@ -333,7 +344,17 @@ impl Engine {
             slots,
             queue: VecDeque::new(),
             clock: 0,
+            last_save: Instant::now(),
+            unsaved: false,
         }
+    }
+
+    /// Ask the expert store to save what it learned, in the background (see
+    /// [`SchedulerConfig::history_save_interval`]).
+    fn save_learning(&mut self) {
+        self.model.model.flush_soon();
+        self.last_save = Instant::now();
+        self.unsaved = false;
     }
 
     fn run(mut self, rx: mpsc::Receiver<Message>) {
@@ -347,6 +368,10 @@ impl Engine {
         loop {
             // Take in messages: block only when there is nothing to do.
             let idle = self.slots.iter().all(|s| s.running.is_none()) && self.queue.is_empty();
+            if idle && self.unsaved {
+                // The end of a batch of requests.
+                self.save_learning();
+            }
             let first = if idle {
                 match rx.recv() {
                     Ok(m) => Some(m),
@@ -399,6 +424,10 @@ impl Engine {
                 if let Some(e) = error {
                     tracing::error!("engine step failed: {e}");
                     self.fail_running(Failure::Engine(e));
+                }
+                self.unsaved = true;
+                if self.last_save.elapsed() >= self.config.history_save_interval {
+                    self.save_learning();
                 }
             }
         }
@@ -608,8 +637,14 @@ fn slot_file(dir: &std::path::Path, i: usize) -> std::path::PathBuf {
 
 /// Reopen the slots' conversations saved in `dir` (a missing file is an empty slot; a file
 /// that cannot be used — another model, corrupt, too long for `context` — is reported and
-/// left, and the slot starts empty).
+/// left, and the slot starts empty), after removing the temporaries of slot files that a
+/// process killed while saving left there.
 fn restore_slots(model: &LoadedModel, dir: &std::path::Path, context: usize, slots: &mut [Slot]) {
+    crate::format::write::remove_stale_temporaries(dir, |name| {
+        name.strip_prefix("slot-")
+            .and_then(|n| n.strip_suffix(".kv"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    });
     let fingerprint = match super::kv_file::model_fingerprint(&model.dir) {
         Ok(f) => f,
         Err(e) => {

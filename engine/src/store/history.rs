@@ -8,13 +8,17 @@
 //! - [`UsageHistory`]: per model, a decayed count of how often each routed expert was chosen,
 //!   saved as `<state dir>/usage/<fingerprint>.json`. At start the engine loads it and pins the
 //!   [`hottest`](UsageHistory::hottest) experts that fit a pin budget; while running it
-//!   [`record`](UsageHistory::record)s each token's routing and periodically
-//!   [`save`](UsageHistory::save)s, which fades old history with a half-life of
-//!   [`HALF_LIFE_TOKENS`] tokens.
+//!   [`record`](UsageHistory::record)s each token's routing and
+//!   [`save`](UsageHistory::save)s it — the server periodically and whenever it goes idle
+//!   (see `runtime::scheduler`), every command at its end —, which fades old history with a
+//!   half-life of [`HALF_LIFE_TOKENS`] tokens. A save is atomic, so a process killed at any
+//!   moment leaves the last complete save, and the temporaries of saves it was killed in
+//!   are removed by the next [`load`](UsageHistory::load).
 //!
 //! A history is never a reason to stop a run: a missing file gives an empty history, and an
 //! unreadable, corrupt or mis-shaped one gives an empty history plus a warning for the caller
-//! to report. The type is not synchronised; callers sharing one wrap it in a `Mutex`.
+//! to report. The type is not synchronised; callers sharing one wrap it in a `Mutex`, and take
+//! a [`snapshot`](UsageHistory::snapshot) under it to write after releasing it.
 //!
 //! File format (version [`FORMAT_VERSION`]):
 //! `{"version":1,"fingerprint":"…","tokens":123,"since_save":0,"updated":1700000000,
@@ -31,7 +35,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::error::read_file;
-use crate::format::write::write_atomic;
+use crate::format::write::{remove_stale_temporaries, write_atomic};
 use crate::{Error, Result};
 
 /// Version of the usage file format written by [`UsageHistory::save`].
@@ -212,7 +216,8 @@ impl UsageHistory {
     }
 
     /// Load the history of model `fingerprint` (shaped as in [`new`](Self::new)) from state
-    /// directory `dir`.
+    /// directory `dir`, after removing the temporaries that processes killed while saving left
+    /// in `<dir>/usage` (see [`remove_stale_temporaries`]).
     ///
     /// A missing file gives an empty history and no warning. A file that cannot be read, is
     /// not valid JSON, has another format version, names another fingerprint, holds negative
@@ -226,6 +231,7 @@ impl UsageHistory {
         experts_per_layer: &[usize],
     ) -> Result<(UsageHistory, Option<String>)> {
         let path = Self::path(dir, fingerprint)?;
+        remove_stale_temporaries(&dir.join("usage"), |_| true);
         let empty = || UsageHistory::new(fingerprint, experts_per_layer);
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
@@ -331,46 +337,44 @@ impl UsageHistory {
 
     /// Decay the counts for the tokens seen since the last save (see
     /// [`decay_factor`](Self::decay_factor)) and write the history atomically (a temporary
-    /// file renamed into place) to `<dir>/usage/<fingerprint>.json`, creating the directories.
+    /// file renamed into place) to `<dir>/usage/<fingerprint>.json`, creating the directories:
+    /// [`snapshot`](Self::snapshot) then [`PendingSave::write`].
     ///
     /// `dir` is the state directory (see [`state_dir`]); a directory holding a `config.json`
     /// looks like a model directory and is refused, as history is never written beside the
-    /// weights. If writing fails the history is left as it was, so a later save decays by the
-    /// right amount.
+    /// weights. If writing fails, what was learned stays in memory (decayed for the tokens
+    /// seen, as time passed either way) and the next save writes it.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
-        if dir.join("config.json").exists() {
-            return Err(Error::Invalid(format!(
-                "{}: refusing to write usage history into what looks like a model directory \
-                 (it holds a config.json); use a state directory such as $COLI_STATE_DIR",
-                dir.display()
-            )));
-        }
+        self.snapshot(dir)?.write()
+    }
+
+    /// The first, quick half of [`save`](Self::save), for a caller that holds the history
+    /// under a lock the engine also takes: decay the counts for the tokens seen since the last
+    /// save and copy the history out, to be written by [`PendingSave::write`] after the lock
+    /// is released. Errors only when the fingerprint is not a plain name (see
+    /// [`path`](Self::path)).
+    pub fn snapshot(&mut self, dir: &Path) -> Result<PendingSave> {
         let path = Self::path(dir, &self.fingerprint)?;
         let factor = Self::decay_factor(self.since_save);
-        let updated = SystemTime::now()
+        for c in self.counts.iter_mut().flatten() {
+            *c *= factor;
+        }
+        self.since_save = 0;
+        self.updated = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
-        let file = UsageFile {
-            version: FORMAT_VERSION,
-            fingerprint: self.fingerprint.clone(),
-            tokens: self.tokens,
-            since_save: 0,
-            updated,
-            layers: self
-                .counts
-                .iter()
-                .map(|row| row.iter().map(|c| c * factor).collect())
-                .collect(),
-        };
-        let bytes = serde_json::to_vec(&file)
-            .map_err(|e| Error::Invalid(format!("usage history: cannot serialise: {e}")))?;
-        let parent = path.parent().unwrap_or(dir);
-        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-        write_atomic(&path, &bytes)?;
-        self.counts = file.layers;
-        self.since_save = 0;
-        self.updated = updated;
-        Ok(())
+        Ok(PendingSave {
+            dir: dir.to_path_buf(),
+            path,
+            file: UsageFile {
+                version: FORMAT_VERSION,
+                fingerprint: self.fingerprint.clone(),
+                tokens: self.tokens,
+                since_save: 0,
+                updated: self.updated,
+                layers: self.counts.clone(),
+            },
+        })
     }
 
     /// The experts to pin: all experts with a count above zero, hottest first (ties: lower
@@ -439,6 +443,41 @@ impl UsageHistory {
     /// Whether nothing was ever recorded (every count is zero).
     pub fn is_empty(&self) -> bool {
         self.counts.iter().flatten().all(|&c| c == 0.0)
+    }
+}
+
+/// A history copied out by [`UsageHistory::snapshot`], not yet written.
+pub struct PendingSave {
+    /// The state directory.
+    dir: PathBuf,
+    /// `<dir>/usage/<fingerprint>.json`.
+    path: PathBuf,
+    file: UsageFile,
+}
+
+impl PendingSave {
+    /// The file it will be written to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Write it atomically, creating the directories; refuses a state directory that looks
+    /// like a model directory (see [`UsageHistory::save`]). Saves of one history must be
+    /// written in the order they were taken, so that an older one never replaces a newer one.
+    pub fn write(self) -> Result<()> {
+        let dir = &self.dir;
+        if dir.join("config.json").exists() {
+            return Err(Error::Invalid(format!(
+                "{}: refusing to write usage history into what looks like a model directory \
+                 (it holds a config.json); use a state directory such as $COLI_STATE_DIR",
+                dir.display()
+            )));
+        }
+        let bytes = serde_json::to_vec(&self.file)
+            .map_err(|e| Error::Invalid(format!("usage history: cannot serialise: {e}")))?;
+        let parent = self.path.parent().unwrap_or(dir);
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        write_atomic(&self.path, &bytes)
     }
 }
 
@@ -816,18 +855,74 @@ mod tests {
     }
 
     #[test]
-    fn failed_save_leaves_history_unchanged() {
+    fn failed_save_keeps_what_was_learned_for_the_next_save() {
         let state = tempfile::tempdir().unwrap();
         // `usage` is a file, so the directory cannot be created.
         std::fs::write(state.path().join("usage"), b"").unwrap();
         let mut h = history();
-        let before = h.clone();
         for _ in 0..1000 {
             h.end_step();
         }
-        let pending = h.clone();
+        let mut twin = h.clone();
         assert!(h.save(state.path()).is_err());
-        assert_eq!(h, pending);
-        assert_ne!(h, before);
+        // Decayed for the 1002 tokens seen, as a successful save would have.
+        let factor = 0.5f64.powf(1002.0 / 100_000.0);
+        assert_eq!(h.count(1, 2), 2.0 * factor);
+        assert_eq!(h.since_save(), 0);
+        // Once the directory can be written, the next save writes what the failed one
+        // would have, and nothing is decayed twice.
+        std::fs::remove_file(state.path().join("usage")).unwrap();
+        h.save(state.path()).unwrap();
+        let other = tempfile::tempdir().unwrap();
+        twin.save(other.path()).unwrap();
+        assert_eq!(h.count(1, 2), twin.count(1, 2));
+        let (loaded, warning) = UsageHistory::load(state.path(), "abc123", &[0, 4, 3]).unwrap();
+        assert_eq!(warning, None);
+        // serde_json parses floats to within one ulp, not always exactly.
+        assert!((loaded.count(1, 2) - 2.0 * factor).abs() < 1e-12);
+        assert_eq!(loaded.tokens(), 1002);
+    }
+
+    #[test]
+    fn snapshot_decays_at_once_and_writes_later() {
+        let state = tempfile::tempdir().unwrap();
+        let mut h = history();
+        let pending = h.snapshot(state.path()).unwrap();
+        assert_eq!(
+            pending.path(),
+            state.path().join("usage").join("abc123.json")
+        );
+        assert!(
+            !pending.path().exists(),
+            "nothing is written by the snapshot"
+        );
+        // What is recorded after the snapshot is not in it, and is not decayed by it.
+        h.record(2, &[2]);
+        h.end_step();
+        pending.write().unwrap();
+        let (loaded, _) = UsageHistory::load(state.path(), "abc123", &[0, 4, 3]).unwrap();
+        assert_eq!(loaded.tokens(), 2);
+        assert_eq!(loaded.count(2, 2), 0.0);
+        assert_eq!(h.count(2, 2), 1.0);
+        assert_eq!(h.since_save(), 1);
+    }
+
+    #[test]
+    fn load_removes_temporaries_of_dead_processes_only() {
+        let state = tempfile::tempdir().unwrap();
+        let mut h = history();
+        h.save(state.path()).unwrap();
+        let usage = state.path().join("usage");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = usage.join(format!("abc123.json.{dead}.tmp"));
+        std::fs::write(&stale, b"{\"version\":1,").unwrap();
+        // This process is alive, and its temporary is locked as it writes: it stays.
+        let (live, _lock) = crate::format::write::create_tmp(&usage.join("other.json")).unwrap();
+        let (_, warning) = UsageHistory::load(state.path(), "abc123", &[0, 4, 3]).unwrap();
+        assert_eq!(warning, None);
+        assert!(!stale.exists(), "the dead process's temporary is removed");
+        assert!(live.exists(), "a live writer's temporary is kept");
     }
 }

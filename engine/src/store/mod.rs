@@ -124,10 +124,15 @@ pub trait ExpertStore: Send + Sync {
     }
     /// `tokens` more tokens went through the model (for usage history).
     fn step_done(&self, _tokens: usize) {}
-    /// Persist what the store learned (usage history). Called at the end of a run.
+    /// Persist what the store learned (usage history). Called at the end of a run; waits for
+    /// a background save in progress (see [`flush_soon`](Self::flush_soon)), then saves.
     fn flush(&self) -> Result<()> {
         Ok(())
     }
+    /// Persist what the store learned on a background thread, soon; returns at once (the
+    /// engine waits only while the history is copied). Saves land in the order they were
+    /// asked for; one that fails is logged. Called by the server while it runs.
+    fn flush_soon(&self) {}
     /// Counters so far, if this store keeps any.
     fn stats(&self) -> Option<StoreSnapshot> {
         None

@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use std::path::PathBuf;
@@ -168,11 +168,69 @@ fn make_reader(
     Ok((Arc::new(mirrored), warnings))
 }
 
-/// The usage history being recorded, and where it is saved.
+/// The usage history being recorded, where it is saved, and the thread that saves it in the
+/// background.
 struct Learning {
+    shared: Arc<Saving>,
+    /// Wakes the saver thread (started on the first [`ExpertStore::flush_soon`]).
+    saver: Mutex<Option<Sender<()>>>,
+    warning: Option<String>,
+}
+
+/// What the engine and the saver thread share.
+struct Saving {
     history: Mutex<UsageHistory>,
     dir: PathBuf,
-    warning: Option<String>,
+    /// Held from a snapshot to the end of its write, so saves land in the order they were
+    /// taken and never two at once.
+    order: Mutex<()>,
+    /// The last background save's error, so a failure repeating is logged once.
+    last_error: Mutex<Option<String>>,
+}
+
+impl Saving {
+    /// Save the history: decay and copy it under its lock (the engine waits only for that),
+    /// then write it.
+    fn save(&self) -> Result<()> {
+        let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = self
+            .history
+            .lock()
+            .map_err(|_| Error::Invalid("usage history poisoned".into()))?
+            .snapshot(&self.dir)?;
+        pending.write()
+    }
+
+    /// The saver thread: one save per wake-up (wake-ups that came during a save are merged),
+    /// skipped when nothing was recorded since the last one. Ends when the store is dropped.
+    fn run(&self, wake: Receiver<()>) {
+        while wake.recv().is_ok() {
+            while wake.try_recv().is_ok() {}
+            let dirty = self.history.lock().is_ok_and(|h| h.since_save() > 0);
+            if !dirty {
+                continue;
+            }
+            let t0 = std::time::Instant::now();
+            let result = self.save();
+            let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
+            match result {
+                Ok(()) => {
+                    tracing::debug!(
+                        "usage history saved in {:.1} ms",
+                        t0.elapsed().as_secs_f64() * 1e3
+                    );
+                    *last = None;
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    if last.as_deref() != Some(e.as_str()) {
+                        tracing::warn!("saving the expert usage history: {e}");
+                    }
+                    *last = Some(e);
+                }
+            }
+        }
+    }
 }
 
 impl TieredStore {
@@ -296,8 +354,13 @@ impl TieredStore {
                     tracing::warn!("{w}");
                 }
                 Some(Learning {
-                    history: Mutex::new(h),
-                    dir,
+                    shared: Arc::new(Saving {
+                        history: Mutex::new(h),
+                        dir,
+                        order: Mutex::new(()),
+                        last_error: Mutex::new(None),
+                    }),
+                    saver: Mutex::new(None),
                     warning,
                 })
             }
@@ -325,6 +388,7 @@ impl TieredStore {
                 .unwrap_or(store.inner.capacity / 2)
                 .min(store.inner.capacity);
             let hot = l
+                .shared
                 .history
                 .lock()
                 .map_err(|_| Error::Invalid("usage history poisoned".into()))?
@@ -533,7 +597,7 @@ impl ExpertStore for TieredStore {
             )));
         }
         if let Some(l) = &self.learning {
-            if let Ok(mut h) = l.history.lock() {
+            if let Ok(mut h) = l.shared.history.lock() {
                 h.record(layer, experts);
             }
         }
@@ -632,7 +696,7 @@ impl ExpertStore for TieredStore {
 
     fn step_done(&self, tokens: usize) {
         if let Some(l) = &self.learning {
-            if let Ok(mut h) = l.history.lock() {
+            if let Ok(mut h) = l.shared.history.lock() {
                 for _ in 0..tokens {
                     h.end_step();
                 }
@@ -642,12 +706,30 @@ impl ExpertStore for TieredStore {
 
     fn flush(&self) -> Result<()> {
         match &self.learning {
-            Some(l) => l
-                .history
-                .lock()
-                .map_err(|_| Error::Invalid("usage history poisoned".into()))?
-                .save(&l.dir),
+            Some(l) => l.shared.save(),
             None => Ok(()),
+        }
+    }
+
+    fn flush_soon(&self) {
+        let Some(l) = &self.learning else { return };
+        let mut saver = l.saver.lock().unwrap_or_else(|e| e.into_inner());
+        if saver.is_none() {
+            let (tx, rx) = channel();
+            let shared = l.shared.clone();
+            match std::thread::Builder::new()
+                .name("coli-history".into())
+                .spawn(move || shared.run(rx))
+            {
+                Ok(_) => *saver = Some(tx),
+                Err(e) => {
+                    tracing::warn!("cannot start the usage history saver thread: {e}");
+                    return;
+                }
+            }
+        }
+        if let Some(tx) = saver.as_ref() {
+            let _ = tx.send(());
         }
     }
 

@@ -311,6 +311,7 @@ fn load_model(state: &AppState) {
                 queue_limit: cfg.queue_limit,
                 queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
                 persist_dir: cfg.prefix_cache_dir.clone(),
+                history_save_interval: Duration::from_secs(cfg.history_save_secs),
             },
         );
         Ok(Serving {
