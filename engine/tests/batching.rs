@@ -207,7 +207,10 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
 fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
     let dir = fixture("olmoe");
     let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
-    let tokenizer = loaded.tokenizer.as_ref().expect("the fixture has a tokenizer");
+    let tokenizer = loaded
+        .tokenizer
+        .as_ref()
+        .expect("the fixture has a tokenizer");
     let vocab = GrammarVocab::new(tokenizer.inner(), &loaded.eos_token_ids).unwrap();
     // Accepted (its first two tokens lead somewhere), unsatisfiable once "ab" is written: the
     // mask after it fails in the engine.
@@ -245,7 +248,11 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
     );
     let (a, a_rx) = request(base.clone(), 5, 24);
     let (mut b, b_rx) = request(base[..10].to_vec(), 6, 24);
-    b.constraint = Some(vocab.constraint(&grammar).expect("the constraint is accepted"));
+    b.constraint = Some(
+        vocab
+            .constraint(&grammar)
+            .expect("the constraint is accepted"),
+    );
     scheduler.submit(a).unwrap();
     scheduler.submit(b).unwrap();
     let (b_tokens, b_end) = collect(b_rx);
@@ -268,7 +275,10 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
         .steps
         .load(std::sync::atomic::Ordering::Relaxed);
     let apart = 24 + b_tokens.len() as u64 + 1;
-    assert!(steps < apart, "{steps} steps, {apart} apart: the requests did not share a batch");
+    assert!(
+        steps < apart,
+        "{steps} steps, {apart} apart: the requests did not share a batch"
+    );
 }
 
 #[test]

@@ -969,7 +969,10 @@ mod tests {
         let p = payload(&required_tool_call_grammar(&tool(Some(false)), None).unwrap());
         let args = &p["anyOf"][0]["properties"]["arguments"];
         assert_eq!(args.get("additionalProperties"), None);
-        assert_eq!(args["properties"]["a"], serde_json::json!({"type": "integer"}));
+        assert_eq!(
+            args["properties"]["a"],
+            serde_json::json!({"type": "integer"})
+        );
     }
 
     #[test]

@@ -52,7 +52,10 @@ pub enum Grammar {
     /// JSON valid against this JSON Schema (OpenAI json_schema). `strict` applies
     /// [`strict_json_schema`] first: objects that list their properties are closed and numbers
     /// bounded where the schema says nothing; `false` reads the schema as JSON Schema does.
-    JsonSchema { schema: serde_json::Value, strict: bool },
+    JsonSchema {
+        schema: serde_json::Value,
+        strict: bool,
+    },
     /// A Lark grammar (llguidance's dialect) — the server's `grammar` extension field.
     Lark(String),
     /// A regular expression.
@@ -298,8 +301,8 @@ impl GrammarVocab {
             // One step further, on a copy: the first allowed token must lead somewhere. This
             // catches grammars too ambiguous for llguidance's parser limits (which trip on
             // the first token consumed) and those unsatisfiable right after it.
-            let first_text = (0..mask.len())
-                .find(|&id| mask.get(id) && !self.eos_ids.contains(&(id as u32)));
+            let first_text =
+                (0..mask.len()).find(|&id| mask.get(id) && !self.eos_ids.contains(&(id as u32)));
             if let Some(first) = first_text {
                 let mut probe = matcher.clone();
                 {
@@ -1179,7 +1182,11 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
             schema(ref_chain(1000)),
             schema(nested_objects(300)),
             Grammar::Lark(lark_chain(750)),
-            Grammar::Lark(format!("start: {}\"a\"{}", "(".repeat(5000), ")".repeat(5000))),
+            Grammar::Lark(format!(
+                "start: {}\"a\"{}",
+                "(".repeat(5000),
+                ")".repeat(5000)
+            )),
             Grammar::Regex(format!("{}a{}", "(".repeat(5000), ")".repeat(5000))),
             Grammar::Lark(format!(
                 "start: x\nx: %json {}",
@@ -1191,7 +1198,10 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
                 Err(e @ ConstraintError::TooDeep { limit, .. }) => {
                     assert_eq!(limit, MAX_CONSTRAINT_DEPTH);
                     let m = e.to_string();
-                    assert!(m.contains("MAX_CONSTRAINT_DEPTH") && m.contains("128"), "{m}");
+                    assert!(
+                        m.contains("MAX_CONSTRAINT_DEPTH") && m.contains("128"),
+                        "{m}"
+                    );
                 }
                 other => panic!("{}: {other:?}", g.kind()),
             }
@@ -1257,7 +1267,12 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
     }
 
     /// Feed `text`'s tokens to a fresh constraint of `g`: Ok(accepting) or the first refusal.
-    fn feed(vocab: &GrammarVocab, tok: &Tokenizer, g: &Grammar, text: &str) -> Result<bool, String> {
+    fn feed(
+        vocab: &GrammarVocab,
+        tok: &Tokenizer,
+        g: &Grammar,
+        text: &str,
+    ) -> Result<bool, String> {
         let mut c = vocab.constraint(g).map_err(|e| e.to_string())?;
         for &t in tok.encode(text, false).unwrap().get_ids() {
             c.consume(t)?;
@@ -1287,7 +1302,10 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
         assert!(feed(&vocab, &f.tok, &loose, extra).is_ok());
         // Numbers: 16 digits before the point, no exponent.
         let number = schema(serde_json::json!({"type": "number"}));
-        assert_eq!(feed(&vocab, &f.tok, &number, "-1234567890123456.25"), Ok(true));
+        assert_eq!(
+            feed(&vocab, &f.tok, &number, "-1234567890123456.25"),
+            Ok(true)
+        );
         assert!(feed(&vocab, &f.tok, &number, "12345678901234567").is_err());
         assert!(feed(&vocab, &f.tok, &number, "1e5").is_err());
     }
@@ -1309,8 +1327,12 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
                 .unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}"));
             let obj = v.as_object().unwrap();
             assert_eq!(obj.len(), 3, "seed {seed}: {text:?}");
-            assert!(obj["a"].as_i64().is_some_and(|a| a.abs() <= JSON_INTEGER_BOUND));
-            assert!(obj["b"].as_f64().is_some_and(|b| b.abs() <= JSON_NUMBER_BOUND));
+            assert!(obj["a"]
+                .as_i64()
+                .is_some_and(|a| a.abs() <= JSON_INTEGER_BOUND));
+            assert!(obj["b"]
+                .as_f64()
+                .is_some_and(|b| b.abs() <= JSON_NUMBER_BOUND));
             assert!(ids.len() < 200);
         }
     }
@@ -1335,7 +1357,13 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
         eprintln!("vocab {n}: GrammarVocab::new {:?}", t0.elapsed());
         let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap();
         let grammars = [
-            ("schema", Grammar::JsonSchema { schema, strict: true }),
+            (
+                "schema",
+                Grammar::JsonSchema {
+                    schema,
+                    strict: true,
+                },
+            ),
             ("json_object", Grammar::JsonObject),
             ("lark", Grammar::Lark(r#"start: "yes" | "no""#.to_string())),
         ];

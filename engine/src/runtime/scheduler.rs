@@ -694,7 +694,12 @@ fn save_slots(model: &LoadedModel, dir: &std::path::Path, slots: &[Slot]) {
 /// goes wrong here is this request's alone: its constraint refusing to go on is
 /// [`Failure::Invalid`] (the request's grammar or schema is at fault), its text failing to
 /// decode is [`Failure::Engine`].
-fn sample_next(model: &LoadedModel, context: usize, run: &mut Running, logits: Vec<f32>) -> Outcome {
+fn sample_next(
+    model: &LoadedModel,
+    context: usize,
+    run: &mut Running,
+    logits: Vec<f32>,
+) -> Outcome {
     match sample_next_inner(model, context, run, logits) {
         Ok(outcome) => outcome,
         Err(failure) => Outcome::Failed(failure),

@@ -78,10 +78,16 @@ fn strict_node(node: &mut Value, in_all_of: bool) {
                     a.iter_mut().for_each(|s| strict_node(s, true));
                 }
             }
-            "additionalProperties" | "additionalItems" | "contains" | "propertyNames" | "not"
-            | "if" | "then" | "else" | "unevaluatedItems" | "unevaluatedProperties" => {
-                strict_node(v, false)
-            }
+            "additionalProperties"
+            | "additionalItems"
+            | "contains"
+            | "propertyNames"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "unevaluatedItems"
+            | "unevaluatedProperties" => strict_node(v, false),
             _ => {}
         }
     }
@@ -144,8 +150,15 @@ mod tests {
         let p = &s["properties"];
         assert_eq!(s["additionalProperties"], false);
         assert_eq!(p["a"]["additionalProperties"], false);
-        assert_eq!(p["free"].get("additionalProperties"), None, "a free-form object");
-        assert_eq!(p["open"]["additionalProperties"], true, "the schema's own word");
+        assert_eq!(
+            p["free"].get("additionalProperties"),
+            None,
+            "a free-form object"
+        );
+        assert_eq!(
+            p["open"]["additionalProperties"], true,
+            "the schema's own word"
+        );
         assert_eq!(p["list"]["items"]["additionalProperties"], false);
         assert_eq!(p["either"]["anyOf"][0]["additionalProperties"], false);
         assert_eq!(p["both"]["allOf"][0].get("additionalProperties"), None);

@@ -368,11 +368,14 @@ fn scan_lark(text: &str) -> Result<Vec<LarkDef<'_>>, Exceeded> {
             b'<' => {
                 // A special token `<...>`.
                 let mut j = i + 1;
-                while j < b.len() && !matches!(b[j], b'<' | b'>' | b' ' | b'\t' | b'\n' | b'\r')
-                {
+                while j < b.len() && !matches!(b[j], b'<' | b'>' | b' ' | b'\t' | b'\n' | b'\r') {
                     j += 1;
                 }
-                i = if b.get(j) == Some(&b'>') { j + 1 } else { i + 1 };
+                i = if b.get(j) == Some(&b'>') {
+                    j + 1
+                } else {
+                    i + 1
+                };
             }
             b'%' => {
                 let start = i + 1;
@@ -522,7 +525,11 @@ pub(super) mod tests {
 
     /// A Lark rule chain `start: r1`, `r1: r2`, …, `r{n-1}: "x"` (`n` rules).
     pub(in crate::runtime::grammar) fn lark_chain(n: usize) -> String {
-        let mut g = String::from(if n > 1 { "start: r1\n" } else { "start: \"x\"\n" });
+        let mut g = String::from(if n > 1 {
+            "start: r1\n"
+        } else {
+            "start: \"x\"\n"
+        });
         for i in 1..n {
             if i + 1 < n {
                 g.push_str(&format!("r{i}: r{}\n", i + 1));
@@ -638,7 +645,10 @@ tail: item
 "#;
         let defs = scan_lark(g).unwrap();
         let names: Vec<&str> = defs.iter().map(|d| d.name).collect();
-        assert_eq!(names, ["start", "item", "lazy", "WORD", "json_call", "tail"]);
+        assert_eq!(
+            names,
+            ["start", "item", "lazy", "WORD", "json_call", "tail"]
+        );
         let uses = |n: &str| -> Vec<&str> {
             defs.iter()
                 .find(|d| d.name == n)
