@@ -2,7 +2,8 @@
 //! (prefill chunks and decode rows mixed, each continuing its own cache) gives the same logits
 //! bits as run alone; the scheduler's concurrent requests get exactly the tokens each gets
 //! alone with the same seed; a prompt that extends a slot's previous sequence reuses its KV and
-//! still gives the same tokens.
+//! still gives the same tokens; a request whose constraint fails in the middle of a batch ends
+//! alone, and the request batched with it gets its tokens all the same.
 
 mod common;
 use common::{bits, fixture, prompt};
@@ -13,6 +14,7 @@ use std::time::Duration;
 
 use colibri::model::{self, BatchItem, Logits};
 use colibri::runtime::generate::{generate, FinishReason, GenerateParams};
+use colibri::runtime::grammar::{Grammar, GrammarVocab};
 use colibri::runtime::loaded::LoadedModel;
 use colibri::runtime::sampling::SamplingParams;
 use colibri::runtime::scheduler::{
@@ -199,6 +201,84 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
         stats.steps.load(std::sync::atomic::Ordering::Relaxed)
             < 8 * 12 + prompts.iter().map(|p| p.len() as u64).sum::<u64>(),
         "requests were batched"
+    );
+}
+
+#[test]
+fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
+    let dir = fixture("olmoe");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let tokenizer = loaded
+        .tokenizer
+        .as_ref()
+        .expect("the fixture has a tokenizer");
+    let vocab = GrammarVocab::new(tokenizer.inner(), &loaded.eos_token_ids).unwrap();
+    // Accepted (its first two tokens lead somewhere), unsatisfiable once "ab" is written: the
+    // mask after it fails in the engine.
+    let grammar = Grammar::Lark("start: \"a\" \"b\" x\nx: x".to_string());
+    let base = prompt("olmoe");
+    let alone = generate(
+        loaded.model.as_ref(),
+        None,
+        &base,
+        &GenerateParams {
+            max_tokens: 24,
+            eos_token_ids: vec![],
+            stop_strings: vec![],
+            sampling: SamplingParams {
+                temperature: 0.9,
+                seed: 5,
+                ..SamplingParams::default()
+            },
+        },
+        |_| {},
+        |_| {},
+    )
+    .unwrap()
+    .tokens;
+    let scheduler = Scheduler::start(
+        loaded.clone(),
+        SchedulerConfig {
+            slots: 2,
+            context: 128,
+            prefill_chunk: 64,
+            queue_limit: 4,
+            queue_timeout: Duration::from_secs(120),
+            persist_dir: None,
+        },
+    );
+    let (a, a_rx) = request(base.clone(), 5, 24);
+    let (mut b, b_rx) = request(base[..10].to_vec(), 6, 24);
+    b.constraint = Some(
+        vocab
+            .constraint(&grammar)
+            .expect("the constraint is accepted"),
+    );
+    scheduler.submit(a).unwrap();
+    scheduler.submit(b).unwrap();
+    let (b_tokens, b_end) = collect(b_rx);
+    match b_end {
+        Err(Failure::Invalid(m)) => assert!(m.contains("output constraint failed"), "{m}"),
+        other => panic!("expected the constraint's failure, got {other:?}"),
+    }
+    assert!(
+        (1..=2).contains(&b_tokens.len()),
+        "\"ab\" in one or two tokens before the constraint failed: {b_tokens:?}"
+    );
+    let (a_tokens, a_end) = collect(a_rx);
+    let usage = a_end.expect("the other request completes");
+    assert_eq!(usage.finish_reason, FinishReason::Length);
+    assert_eq!(a_tokens, alone);
+    // Alone, A takes 24 steps (a prefill and 23 decodes) and B one more than its tokens:
+    // fewer in all means B ran inside A's steps.
+    let steps = scheduler
+        .stats()
+        .steps
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let apart = 24 + b_tokens.len() as u64 + 1;
+    assert!(
+        steps < apart,
+        "{steps} steps, {apart} apart: the requests did not share a batch"
     );
 }
 

@@ -8,17 +8,13 @@
 //! the streaming forms emit exactly the same text (whitespace is held until something follows
 //! it), so concatenating a stream's events always gives the finished result.
 
+use colibri::runtime::grammar::{strict_json_schema, with_compact_json};
 use serde_json::Value;
 
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
-
-/// The whitespace the forced tool-call grammar allows between JSON tokens: one run of at most
-/// 20 blanks, or a line break and at most 20 blanks of indentation (the same bound as the
-/// engine's JSON grammars), so a model cannot emit whitespace forever.
-const JSON_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,20}|\r?\n[\x20\x09]{0,20}";
 
 /// One parsed call, OpenAI-shaped pieces.
 #[derive(Debug, Clone, PartialEq)]
@@ -464,9 +460,13 @@ fn has_local_ref(schema: &Value) -> bool {
 ///     "additionalProperties": false}, ...], "$defs": {...}, "x-guidance": {...}}
 /// ```
 ///
-/// A function without `parameters` takes none (`{}`). A parameters schema with local `$ref`s
-/// moves under `$defs/fn{i}` with its refs rebased, so pydantic-style `$defs` keep working.
-/// Fails when no function is usable or `only` names none of them.
+/// The call is compact JSON (no whitespace between tokens: the arguments are re-serialized
+/// anyway), and each function's parameters get the engine's strict defaults
+/// ([`strict_json_schema`]: objects that list their properties closed, numbers bounded) unless
+/// the function says `"strict": false`. A function without `parameters` takes none (`{}`). A
+/// parameters schema with local `$ref`s moves under `$defs/fn{i}` with its refs rebased, so
+/// pydantic-style `$defs` keep working. Fails when no function is usable or `only` names none
+/// of them.
 pub fn required_tool_call_grammar(tools: &[Value], only: Option<&str>) -> Result<String, String> {
     let mut options = Vec::new();
     let mut defs = serde_json::Map::new();
@@ -504,6 +504,9 @@ pub fn required_tool_call_grammar(tools: &[Value], only: Option<&str>) -> Result
                 ))
             }
         };
+        if function.get("strict").and_then(Value::as_bool) != Some(false) {
+            strict_json_schema(&mut params);
+        }
         if has_local_ref(&params) {
             let key = format!("fn{i}");
             rebase_refs(&mut params, &format!("#/$defs/{key}"));
@@ -528,17 +531,9 @@ pub fn required_tool_call_grammar(tools: &[Value], only: Option<&str>) -> Result
     if !defs.is_empty() {
         schema.insert("$defs".to_string(), Value::Object(defs));
     }
-    schema.insert(
-        "x-guidance".to_string(),
-        serde_json::json!({
-            "whitespace_flexible": false,
-            "whitespace_pattern": JSON_WHITESPACE_PATTERN,
-            "coerce_one_of": true,
-        }),
-    );
     Ok(format!(
         "start: \"<tool_call>\\n\" json_call \"\\n</tool_call>\"\njson_call: %json {}\n",
-        Value::Object(schema)
+        with_compact_json(Value::Object(schema))
     ))
 }
 
@@ -949,6 +944,35 @@ mod tests {
         assert!(required_tool_call_grammar(&bad_params, None).is_err());
         let other_kind = vec![serde_json::json!({"type": "custom", "custom": {"name": "f"}})];
         assert!(required_tool_call_grammar(&other_kind, None).is_err());
+    }
+
+    #[test]
+    fn tool_grammar_is_strict_unless_the_function_says_not() {
+        let tool = |strict: Option<bool>| {
+            let mut f = serde_json::json!({"name": "add", "parameters": {"type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "number"}}}});
+            if let Some(s) = strict {
+                f["strict"] = Value::Bool(s);
+            }
+            vec![serde_json::json!({"type": "function", "function": f})]
+        };
+        for strict in [None, Some(true)] {
+            let p = payload(&required_tool_call_grammar(&tool(strict), None).unwrap());
+            let args = &p["anyOf"][0]["properties"]["arguments"];
+            assert_eq!(args["additionalProperties"], false, "{strict:?}");
+            assert_eq!(
+                args["properties"]["a"]["maximum"],
+                colibri::runtime::grammar::JSON_INTEGER_BOUND
+            );
+            assert!(args["properties"]["b"]["minimum"].is_number());
+        }
+        let p = payload(&required_tool_call_grammar(&tool(Some(false)), None).unwrap());
+        let args = &p["anyOf"][0]["properties"]["arguments"];
+        assert_eq!(args.get("additionalProperties"), None);
+        assert_eq!(
+            args["properties"]["a"],
+            serde_json::json!({"type": "integer"})
+        );
     }
 
     #[test]

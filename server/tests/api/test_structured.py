@@ -102,7 +102,7 @@ def test_named_tool_call(server, seed):
     calls = choice.message.tool_calls
     assert calls is not None and len(calls) == 1
     check_call(calls[0])
-    assert choice.message.content in (None, "")
+    assert choice.message.content is None
     assert r.usage.completion_tokens < CALL_TOKENS
 
 
@@ -219,10 +219,10 @@ def test_json_schema_output_streamed_equals_non_streamed(server):
 def test_json_object_output_parses(server):
     """`json_object` bounds nothing, so a random model may still be inside a string when
     `max_tokens` ends it: such output must be a prefix of a JSON object; finished output must
-    parse as one. With this model, seeds 2, 7 and 8 finish within 300 tokens and seed 1 does
-    not, so both paths are checked (at least one seed must finish)."""
+    parse as one. With this model (compact JSON), seeds 2, 7 and 8 finish within 300 tokens and
+    seed 5 does not, so both paths are checked (at least one seed must finish)."""
     finished = 0
-    for seed in (1, 2, 7, 8):
+    for seed in (5, 2, 7, 8):
         r = chat(
             server,
             messages=[{"role": "user", "content": "Reply with a JSON object."}],
