@@ -245,6 +245,7 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
+            history_save_interval: Duration::from_secs(60),
         },
     );
     let (a, a_rx) = request(base.clone(), 5, 24);
