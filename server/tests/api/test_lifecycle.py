@@ -71,7 +71,7 @@ def test_staying_up_after_a_failed_load_answers_503_with_the_error(start_server,
     # A failure is not temporary: no Retry-After.
     assert "retry-after" not in r.headers
     # Requests get the same error; the process is alive and says so.
-    body = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=5)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["message"] == err["message"]
