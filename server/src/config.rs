@@ -143,7 +143,7 @@ pub struct ServeConfig {
     /// request gets a 408. 1 to 86400.
     pub body_timeout_secs: u64,
     /// Seconds in-flight requests and open connections get on shutdown; what is still running
-    /// then is ended (streams with an error event) and the process exits 2 s later at most.
+    /// then is ended (streams with an error event) and connections still open 2 s later are closed.
     pub drain_secs: u64,
     /// After a failed model load, keep serving (`/ready` and requests answer 503 with the
     /// error) instead of exiting with status 1.
@@ -303,7 +303,9 @@ impl ServeConfig {
             if !(1..=MAX_TIMEOUT_SECS).contains(&secs) {
                 return fail(
                     key,
-                    format!("expected a number of seconds from 1 to {MAX_TIMEOUT_SECS}, found {secs}"),
+                    format!(
+                        "expected a number of seconds from 1 to {MAX_TIMEOUT_SECS}, found {secs}"
+                    ),
                 );
             }
         }

@@ -219,10 +219,7 @@ impl Metrics {
                 );
             }
             for (drive, bytes) in &st.drives {
-                mirror(
-                    &self.bytes_read.with_label_values(&["disk", drive]),
-                    *bytes,
-                );
+                mirror(&self.bytes_read.with_label_values(&["disk", drive]), *bytes);
             }
         }
         let mut out = Vec::new();

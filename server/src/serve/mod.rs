@@ -248,7 +248,13 @@ async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
     }
     let app = router(state.clone());
     let header_timeout = Duration::from_secs(state.config.header_timeout_secs);
-    let stop = serve_connections(listener, app, header_timeout, shutdown_signal(state.clone())).await;
+    let stop = serve_connections(
+        listener,
+        app,
+        header_timeout,
+        shutdown_signal(state.clone()),
+    )
+    .await;
     if let Some(s) = state.serving.get() {
         s.scheduler.shutdown();
         if let Err(e) = s.loaded.model.flush() {
@@ -423,9 +429,14 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// Gives a request's body `body_timeout_secs`, from the moment its headers are in, to arrive
 /// whole: reading it later fails with [`BodyTimeout`], which the handler answers with a 408.
-async fn body_deadline(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+async fn body_deadline(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let limit = Duration::from_secs(state.config.body_timeout_secs);
-    next.run(request.map(|body| deadline_body(body, limit))).await
+    next.run(request.map(|body| deadline_body(body, limit)))
+        .await
 }
 
 /// `body`, failing with [`BodyTimeout`] once `limit` has passed without it having ended. Data
