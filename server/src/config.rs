@@ -143,7 +143,8 @@ pub struct ServeConfig {
     /// request gets a 408. 1 to 86400.
     pub body_timeout_secs: u64,
     /// Seconds in-flight requests and open connections get on shutdown; what is still running
-    /// then is ended (streams with an error event) and connections still open 2 s later are closed.
+    /// then is ended (streams with an error event), and connections still open 2 s later are
+    /// closed.
     pub drain_secs: u64,
     /// After a failed model load, keep serving (`/ready` and requests answer 503 with the
     /// error) instead of exiting with status 1.
