@@ -7,12 +7,13 @@ use std::path::PathBuf;
 /// Errors of the inference engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A file could not be opened or read.
-    #[error("{path}: {source}")]
+    /// A file could not be opened or read. The I/O error is part of the message and is not
+    /// also reported as the [`source`](std::error::Error::source): a chain printer (anyhow's
+    /// `{:#}`) would print it twice.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A JSON file does not parse.
     #[error("{path}: invalid JSON: {message}")]
@@ -47,10 +48,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     /// An I/O error on `path`.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 
@@ -101,4 +102,33 @@ pub fn read_json(path: &std::path::Path) -> Result<serde_json::Value> {
         path: path.to_path_buf(),
         message: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every message of an error's chain, joined as anyhow's `{:#}` joins them.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut text = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            text.push_str(": ");
+            text.push_str(&c.to_string());
+            cause = c.source();
+        }
+        text
+    }
+
+    #[test]
+    fn an_io_error_names_its_cause_once() {
+        let e = Error::io(
+            "/models/m/config.json",
+            std::io::Error::from_raw_os_error(13),
+        );
+        let text = chain(&e);
+        let cause = std::io::Error::from_raw_os_error(13).to_string();
+        assert_eq!(text.matches(&cause).count(), 1, "{text}");
+        assert!(text.starts_with("/models/m/config.json: "), "{text}");
+    }
 }

@@ -457,8 +457,13 @@ def test_docs_metrics_are_the_servers():
     """docs/api.md's metrics table, which the dashboard and alerts are checked against, lists
     exactly the metrics the server registers (server/src/serve/metrics.rs)."""
     source = (ROOT / "server" / "src" / "serve" / "metrics.rs").read_text(encoding="utf-8")
+    source = source.split("#[cfg(test)]", 1)[0]
     defined = set(re.findall(r'"(coli_[a-z_]+)"', source))
-    assert set(documented_metrics()) == defined
+    documented = documented_metrics()
+    assert set(documented) == defined
+    # Prometheus reserves `_total` for counters: every counter is named so, and nothing else.
+    for name, kind in documented.items():
+        assert name.endswith("_total") == (kind == "counter"), f"{name} is documented as a {kind}"
 
 
 def test_chart_config_keys_are_the_servers():
@@ -842,6 +847,7 @@ def check_promql(expr: str) -> set[str]:
         assert base in documented or name in PROMETHEUS_METRICS, f"{name} is not in docs/api.md's metrics table"
         if func in COUNTER_FUNCTIONS:
             assert name.endswith("_total") or name.endswith(HISTOGRAM_SUFFIXES), f"{func}({name}) needs a running total"
+            assert documented.get(base) in ("counter", "histogram"), f"{func}({name}): {base} is a {documented.get(base)}, not a counter"
         if func == "histogram_quantile":
             pytest.fail(f"histogram_quantile over a raw selector in {expr}")
         used.add(name)
@@ -941,6 +947,15 @@ def test_alert_rules():
     assert 'status=~"5.."' in err["expr"] and "0.05" in err["expr"] and err["for"] == "5m"
     hit = alerts["ColibriExpertHitRateCollapse"]
     assert "0.5" in hit["expr"] and hit["for"] == "15m" and "coli_generated_tokens_total" in hit["expr"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (Debian: apt-get install prometheus)")
+def test_promtool_accepts_the_rules():
+    r = subprocess.run(
+        ["promtool", "check", "rules", str(MONITORING / "prometheus-rules.yaml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ pub const DEFAULT_FILE: &str = "colibri.toml";
 /// The log levels `log_level` accepts.
 const LOG_LEVELS: &[&str] = &["error", "warn", "info", "debug", "trace"];
 
+/// The longest `header_timeout_secs` / `body_timeout_secs` accepted (a day).
+const MAX_TIMEOUT_SECS: u64 = 86_400;
+
 /// Keys whose values are secret: masked wherever the configuration is printed.
 const SECRET_KEYS: &[&str] = &["api_keys"];
 
@@ -84,7 +87,10 @@ const KEYS: &[(&str, Shape)] = &[
     ("api_keys", Shape::List),
     ("cors_origins", Shape::List),
     ("max_body_bytes", Shape::Number),
+    ("header_timeout_secs", Shape::Number),
+    ("body_timeout_secs", Shape::Number),
     ("drain_secs", Shape::Number),
+    ("stay_up_on_load_failure", Shape::Bool),
     ("log_level", Shape::Text),
     ("log_json", Shape::Bool),
     ("otlp_endpoint", Shape::Text),
@@ -130,8 +136,20 @@ pub struct ServeConfig {
     pub cors_origins: Vec<String>,
     /// The largest request body accepted, in bytes (at least 1024).
     pub max_body_bytes: usize,
-    /// Seconds in-flight requests get to finish on shutdown.
+    /// Seconds a client has to send a request's headers, counted from the connection's start
+    /// or the end of its previous response (so also how long an idle keep-alive connection
+    /// stays open); then the connection is closed. 1 to 86400.
+    pub header_timeout_secs: u64,
+    /// Seconds a client has to send a whole request body once its headers are in; then the
+    /// request gets a 408. 1 to 86400.
+    pub body_timeout_secs: u64,
+    /// Seconds in-flight requests and open connections get on shutdown; what is still running
+    /// then is ended (streams with an error event), and connections still open 2 s later are
+    /// closed.
     pub drain_secs: u64,
+    /// After a failed model load, keep serving (`/ready` and requests answer 503 with the
+    /// error) instead of exiting with status 1.
+    pub stay_up_on_load_failure: bool,
     /// One of `error`, `warn`, `info`, `debug`, `trace`.
     pub log_level: String,
     /// Log as JSON lines instead of text.
@@ -169,7 +187,10 @@ impl Default for ServeConfig {
             api_keys: Vec::new(),
             cors_origins: Vec::new(),
             max_body_bytes: 4 << 20,
+            header_timeout_secs: 75,
+            body_timeout_secs: 60,
             drain_secs: 30,
+            stay_up_on_load_failure: false,
             log_level: "info".to_string(),
             log_json: false,
             otlp_endpoint: None,
@@ -201,7 +222,10 @@ impl fmt::Debug for ServeConfig {
             .field("api_keys", &vec!["***"; self.api_keys.len()])
             .field("cors_origins", &self.cors_origins)
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("header_timeout_secs", &self.header_timeout_secs)
+            .field("body_timeout_secs", &self.body_timeout_secs)
             .field("drain_secs", &self.drain_secs)
+            .field("stay_up_on_load_failure", &self.stay_up_on_load_failure)
             .field("log_level", &self.log_level)
             .field("log_json", &self.log_json)
             .field("otlp_endpoint", &self.otlp_endpoint)
@@ -279,6 +303,19 @@ impl ServeConfig {
             }
         }
         at_least("max_body_bytes", self.max_body_bytes, 1024)?;
+        for (key, secs) in [
+            ("header_timeout_secs", self.header_timeout_secs),
+            ("body_timeout_secs", self.body_timeout_secs),
+        ] {
+            if !(1..=MAX_TIMEOUT_SECS).contains(&secs) {
+                return fail(
+                    key,
+                    format!(
+                        "expected a number of seconds from 1 to {MAX_TIMEOUT_SECS}, found {secs}"
+                    ),
+                );
+            }
+        }
         if !LOG_LEVELS.contains(&self.log_level.as_str()) {
             return fail(
                 "log_level",
@@ -461,9 +498,18 @@ pub struct ServeFlags {
     /// The largest request body accepted, in bytes.
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
-    /// Seconds in-flight requests get to finish on shutdown.
+    /// Seconds a client has to send a request's headers (also the keep-alive idle limit).
+    #[arg(long, value_name = "SECS")]
+    pub header_timeout_secs: Option<u64>,
+    /// Seconds a client has to send a whole request body after its headers (408 beyond).
+    #[arg(long, value_name = "SECS")]
+    pub body_timeout_secs: Option<u64>,
+    /// Seconds in-flight requests and connections get on shutdown.
     #[arg(long, value_name = "SECS")]
     pub drain_secs: Option<u64>,
+    /// Keep serving 503s with the error after a failed model load instead of exiting 1.
+    #[arg(long)]
+    pub stay_up_on_load_failure: bool,
     /// error, warn, info, debug or trace.
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
@@ -844,7 +890,16 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     list!(api_keys, "--api-key");
     list!(cors_origins, "--cors-origin");
     opt!(max_body_bytes, "--max-body-bytes");
+    opt!(header_timeout_secs, "--header-timeout-secs");
+    opt!(body_timeout_secs, "--body-timeout-secs");
     opt!(drain_secs, "--drain-secs");
+    if flags.stay_up_on_load_failure {
+        put(
+            "stay_up_on_load_failure",
+            "--stay-up-on-load-failure",
+            Ok(Value::from(true)),
+        )?;
+    }
     opt!(log_level, "--log-level");
     if flags.log_json {
         put("log_json", "--log-json", Ok(Value::from(true)))?;
@@ -1014,6 +1069,8 @@ mod tests {
         assert_eq!(c.max_body_bytes, 4_194_304);
         assert_eq!(c.drain_secs, 30);
         assert_eq!(c.history_save_secs, 60);
+        assert_eq!((c.header_timeout_secs, c.body_timeout_secs), (75, 60));
+        assert!(!c.stay_up_on_load_failure);
         assert_eq!(c.log_level, "info");
         assert!(!c.log_json);
         assert_eq!(loaded.sources.len(), KEYS.len());
@@ -1122,8 +1179,13 @@ mod tests {
             "*",
             "--max-body-bytes",
             "2048",
+            "--header-timeout-secs",
+            "4",
+            "--body-timeout-secs",
+            "5",
             "--drain-secs",
             "3",
+            "--stay-up-on-load-failure",
             "--log-level",
             "warn",
             "--log-json",
@@ -1158,6 +1220,8 @@ mod tests {
         assert_eq!(c.api_keys, ["k1", "k2"]);
         assert_eq!(c.cors_origins, ["*"]);
         assert_eq!((c.max_body_bytes, c.drain_secs), (2048, 3));
+        assert_eq!((c.header_timeout_secs, c.body_timeout_secs), (4, 5));
+        assert!(c.stay_up_on_load_failure);
         assert_eq!((c.log_level.as_str(), c.log_json), ("warn", true));
         assert_eq!(c.otlp_endpoint.as_deref(), Some("http://otel:4318"));
         assert_eq!(c.tls_cert, Some(PathBuf::from("c.pem")));
@@ -1393,6 +1457,12 @@ mod tests {
         assert_eq!(bad(|c| c.queue_limit = 0), "queue_limit");
         assert_eq!(bad(|c| c.max_tokens_cap = 0), "max_tokens_cap");
         assert_eq!(bad(|c| c.max_body_bytes = 1023), "max_body_bytes");
+        assert_eq!(bad(|c| c.header_timeout_secs = 0), "header_timeout_secs");
+        assert_eq!(bad(|c| c.body_timeout_secs = 0), "body_timeout_secs");
+        assert_eq!(
+            bad(|c| c.body_timeout_secs = MAX_TIMEOUT_SECS + 1),
+            "body_timeout_secs"
+        );
         assert_eq!(bad(|c| c.log_level = "verbose".into()), "log_level");
         assert_eq!(bad(|c| c.ram = Some("6Q".into())), "ram");
         assert_eq!(bad(|c| c.ram = Some("G".into())), "ram");
@@ -1421,6 +1491,8 @@ mod tests {
             otlp_endpoint: Some("https://otel".into()),
             tls_cert: Some("c".into()),
             tls_key: Some("k".into()),
+            header_timeout_secs: 1,
+            body_timeout_secs: MAX_TIMEOUT_SECS,
             ..ServeConfig::default()
         };
         for ram in ["6G", "512m", "6GiB", "6gb", "1024", "1.5G", "100B", "2T"] {
@@ -1441,6 +1513,8 @@ mod tests {
             ("COLI_MIRRORS", "/d1,/d2"),
             ("COLI_LOG_JSON", "true"),
             ("COLI_MAX_BODY_BYTES", "2048"),
+            ("COLI_STAY_UP_ON_LOAD_FAILURE", "yes"),
+            ("COLI_HEADER_TIMEOUT_SECS", "9"),
         ]);
         let loaded = load_from(&ServeFlags::default(), &vars, dir.path()).unwrap();
         assert_eq!(loaded.config.api_keys, ["a", "b", "c"]);
@@ -1451,6 +1525,8 @@ mod tests {
         );
         assert!(loaded.config.log_json);
         assert_eq!(loaded.config.max_body_bytes, 2048);
+        assert!(loaded.config.stay_up_on_load_failure);
+        assert_eq!(loaded.config.header_timeout_secs, 9);
         assert_eq!(
             loaded.sources["api_keys"],
             Source::Env("COLI_API_KEYS".into())

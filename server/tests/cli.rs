@@ -541,3 +541,26 @@ fn k_quant_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
         );
     }
 }
+
+#[test]
+fn an_io_error_is_printed_with_its_cause_once() {
+    // A `config.json` that is a directory: reading it fails with an I/O error, which the
+    // message used to repeat ("...: Is a directory (os error 21): Is a directory (os error 21)").
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let config = model.join("config.json");
+    std::fs::create_dir_all(&config).unwrap();
+    let cause = std::fs::read(&config).unwrap_err().to_string();
+    let model = model.to_str().unwrap();
+    for args in [
+        &["info", "--model", model][..],
+        &["logits", "--model", model, "--tokens", "1"],
+    ] {
+        let command = args[0];
+        let out = coli(args);
+        assert!(!out.status.success());
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(e.matches(&cause).count(), 1, "{command}: {e}");
+        assert!(e.contains(&config.display().to_string()), "{command}: {e}");
+    }
+}

@@ -883,7 +883,8 @@ pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+/// A caught panic's payload as text: `panic: MESSAGE` (or `panic` when it carries no text).
+pub fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = panic.downcast_ref::<&str>() {
         format!("panic: {s}")
     } else if let Some(s) = panic.downcast_ref::<String>() {

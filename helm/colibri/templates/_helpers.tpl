@@ -141,7 +141,7 @@ and there is a memory limit; else empty (the server's default).
 The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS).
 */}}
 {{- define "colibri.configKeys" -}}
-model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes drain_secs log_level log_json otlp_endpoint tls_cert tls_key history_save_secs prefix_cache_dir
+model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint tls_cert tls_key history_save_secs prefix_cache_dir
 {{- end }}
 
 {{/*

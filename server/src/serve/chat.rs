@@ -46,19 +46,9 @@ impl EventSink for ChannelSink {
 
 /// Parse a JSON body, naming the field that is wrong.
 fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
-    let body = body.map_err(|r| {
-        let status = r.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                status,
-                "request body too large (the server's max_body_bytes limit)",
-            )
-        } else {
-            ApiError::new(status, r.body_text())
-        }
-    })?;
+    let body = body.map_err(ApiError::from)?;
     let de = &mut serde_json::Deserializer::from_slice(&body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let parsed = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let mut path = e.path().to_string();
         let mut inner = e.into_inner().to_string();
         if path == "." || path.is_empty() {
@@ -81,7 +71,15 @@ fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Resul
         );
         err.param = param;
         err
-    })
+    })?;
+    // Only whitespace may follow the JSON value.
+    de.end().map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}: only whitespace may follow the JSON value"),
+        )
+    })?;
+    Ok(parsed)
 }
 
 /// Everything a request asks the engine for.
@@ -626,6 +624,12 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
                 for (j, p) in parts.iter().enumerate() {
                     match (p.kind.as_str(), &p.text) {
                         ("text", Some(t)) => text.push_str(t),
+                        ("text", None) => {
+                            return Err(ApiError::invalid(
+                                &format!("messages[{i}].content[{j}].text"),
+                                "a content part of type `text` needs a `text` field (a string)",
+                            ))
+                        }
                         _ => {
                             return Err(ApiError::invalid(
                                 &format!("messages[{i}].content[{j}]"),

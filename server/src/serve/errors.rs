@@ -1,6 +1,9 @@
 //! API errors: every failure answers in OpenAI's error shape with the right status, naming the
-//! offending request field when there is one.
+//! offending request field when there is one — axum's own extractor rejections included.
 
+use std::time::Duration;
+
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -52,7 +55,7 @@ impl ApiError {
     /// The OpenAI error `type` for this status.
     pub fn kind(&self) -> &'static str {
         match self.status.as_u16() {
-            400 | 413 | 422 => "invalid_request_error",
+            400 | 408 | 413 | 422 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
@@ -83,11 +86,63 @@ impl IntoResponse for ApiError {
                 response.headers_mut().insert(header::RETRY_AFTER, v);
             }
         }
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of the body may still come: the connection cannot carry another request.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if self.status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+/// A request body that had not arrived whole `body_timeout_secs` after its headers.
+#[derive(Debug)]
+pub struct BodyTimeout(pub Duration);
+
+impl std::fmt::Display for BodyTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the request body did not arrive within {} s of its headers (the server's body_timeout_secs)",
+            self.0.as_secs()
+        )
+    }
+}
+
+impl std::error::Error for BodyTimeout {}
+
+/// A body that could not be read: too large (413), too slow (408) or cut off (400).
+impl From<BytesRejection> for ApiError {
+    fn from(rejection: BytesRejection) -> ApiError {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&rejection);
+        while let Some(e) = cause {
+            if let Some(timeout) = e.downcast_ref::<BodyTimeout>() {
+                return ApiError::new(StatusCode::REQUEST_TIMEOUT, timeout.to_string())
+                    .code("request_timeout");
+            }
+            cause = e.source();
+        }
+        let status = rejection.status();
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                status,
+                "request body too large (the server's max_body_bytes limit)",
+            )
+        } else {
+            ApiError::new(status, rejection.body_text())
+        }
+    }
+}
+
+/// A path parameter that does not decode (e.g. percent-encoded bytes that are not UTF-8).
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> ApiError {
+        ApiError::new(rejection.status(), rejection.body_text())
     }
 }

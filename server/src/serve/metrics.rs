@@ -1,9 +1,11 @@
 //! The server's Prometheus metrics (`GET /metrics`): request counts by endpoint and status,
 //! queue and slot gauges, time-to-first-token and inter-token latency histograms, token
 //! counters, and the expert store's hit rate, bytes read per drive and memory use — read from
-//! the scheduler's and the store's own counters at scrape time.
+//! the scheduler's and the store's own counters at scrape time. Running totals are exported as
+//! counters (named `*_total`), levels as gauges (never named `*_total`).
 
 use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
@@ -26,14 +28,25 @@ pub struct Metrics {
     queue_depth: IntGauge,
     active_slots: IntGauge,
     slots: IntGauge,
-    engine_steps: IntGauge,
-    engine_rows: IntGauge,
-    expert_hits: IntGauge,
-    expert_misses: IntGauge,
+    engine_steps: IntCounter,
+    engine_rows: IntCounter,
+    expert_hits: IntCounter,
+    expert_misses: IntCounter,
     expert_hit_rate: Gauge,
-    bytes_read: GaugeVec,
+    bytes_read: IntCounterVec,
     memory: GaugeVec,
     ready: IntGauge,
+    /// Held by [`Metrics::render`]: raising a mirrored counter reads it first.
+    refresh: Mutex<()>,
+}
+
+/// Raises `counter`, which mirrors an engine total, to `total` (such totals only grow while
+/// the process runs, and the counter starts with the process).
+fn mirror(counter: &IntCounter, total: u64) {
+    let now = counter.get();
+    if total > now {
+        counter.inc_by(total - now);
+    }
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -98,13 +111,13 @@ impl Metrics {
             queue_depth: gauge("coli_queue_depth", "Requests waiting for a slot"),
             active_slots: gauge("coli_active_slots", "Slots running a request"),
             slots: gauge("coli_slots", "Sequence slots"),
-            engine_steps: gauge("coli_engine_steps_total", "Batched engine steps run"),
-            engine_rows: gauge("coli_engine_rows_total", "Token rows run through the model"),
-            expert_hits: gauge(
+            engine_steps: counter("coli_engine_steps_total", "Batched engine steps run"),
+            engine_rows: counter("coli_engine_rows_total", "Token rows run through the model"),
+            expert_hits: counter(
                 "coli_expert_cache_hits_total",
                 "Routed experts found in memory",
             ),
-            expert_misses: gauge(
+            expert_misses: counter(
                 "coli_expert_cache_misses_total",
                 "Routed experts that had to be read",
             ),
@@ -112,7 +125,7 @@ impl Metrics {
                 "coli_expert_cache_hit_rate",
                 "Share of routed-expert uses served from memory",
             )),
-            bytes_read: must(GaugeVec::new(
+            bytes_read: must(IntCounterVec::new(
                 Opts::new(
                     "coli_bytes_read_total",
                     "Bytes of expert weights read, by tier and drive",
@@ -124,6 +137,7 @@ impl Metrics {
                 &["tier", "kind"],
             )),
             ready: gauge("coli_ready", "1 once the model is loaded and warm"),
+            refresh: Mutex::new(()),
             registry,
         };
         m.slots.set(slots as i64);
@@ -160,7 +174,7 @@ impl Metrics {
             .inc();
     }
 
-    /// Render the text exposition format, refreshing the gauges that mirror engine counters.
+    /// Render the text exposition format, refreshing the metrics that mirror engine counters.
     pub fn render(
         &self,
         ready: bool,
@@ -169,15 +183,15 @@ impl Metrics {
         resident_bytes: u64,
         kv_bytes: u64,
     ) -> String {
+        let _refreshing = self.refresh.lock().unwrap_or_else(|e| e.into_inner());
         self.ready.set(ready as i64);
         if let Some(s) = scheduler {
             self.queue_depth
                 .set(s.queued.load(Ordering::Relaxed) as i64);
             self.active_slots
                 .set(s.active.load(Ordering::Relaxed) as i64);
-            self.engine_steps
-                .set(s.steps.load(Ordering::Relaxed) as i64);
-            self.engine_rows.set(s.rows.load(Ordering::Relaxed) as i64);
+            mirror(&self.engine_steps, s.steps.load(Ordering::Relaxed));
+            mirror(&self.engine_rows, s.rows.load(Ordering::Relaxed));
         }
         self.memory
             .with_label_values(&["ram", "resident_weights"])
@@ -186,8 +200,8 @@ impl Metrics {
             .with_label_values(&["ram", "kv_cache"])
             .set(kv_bytes as f64);
         if let Some(st) = store {
-            self.expert_hits.set(st.hits as i64);
-            self.expert_misses.set(st.misses as i64);
+            mirror(&self.expert_hits, st.hits);
+            mirror(&self.expert_misses, st.misses);
             self.expert_hit_rate.set(st.hit_rate());
             self.memory
                 .with_label_values(&["ram", "expert_cache"])
@@ -199,14 +213,13 @@ impl Metrics {
                 .with_label_values(&["ram", "pinned_experts"])
                 .set(st.pinned_bytes as f64);
             if st.drives.is_empty() {
-                self.bytes_read
-                    .with_label_values(&["disk", "model"])
-                    .set(st.bytes_read as f64);
+                mirror(
+                    &self.bytes_read.with_label_values(&["disk", "model"]),
+                    st.bytes_read,
+                );
             }
             for (drive, bytes) in &st.drives {
-                self.bytes_read
-                    .with_label_values(&["disk", drive])
-                    .set(*bytes as f64);
+                mirror(&self.bytes_read.with_label_values(&["disk", drive]), *bytes);
             }
         }
         let mut out = Vec::new();
@@ -214,5 +227,103 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("encoding metrics text");
         String::from_utf8(out).expect("metrics text is UTF-8")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(name, type)` of every `# TYPE` line.
+    fn families(text: &str) -> Vec<(String, String)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (name, kind) = l.split_once(' ').expect("`# TYPE name kind`");
+                (name.to_string(), kind.to_string())
+            })
+            .collect()
+    }
+
+    fn sample(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no sample {series} in\n{text}"))
+            .parse()
+            .unwrap()
+    }
+
+    fn snapshot(hits: u64, misses: u64, drives: &[(&str, u64)]) -> StoreSnapshot {
+        StoreSnapshot {
+            hits,
+            misses,
+            drives: drives.iter().map(|(d, b)| (d.to_string(), *b)).collect(),
+            ..StoreSnapshot::default()
+        }
+    }
+
+    #[test]
+    fn totals_are_counters_and_only_counters_are_named_total() {
+        let m = Metrics::new(4);
+        m.request("/v1/models", 200);
+        let stats = SchedulerStats::default();
+        let text = m.render(true, Some(&stats), Some(snapshot(1, 1, &[("a", 1)])), 0, 0);
+        let families = families(&text);
+        assert!(families.len() >= 18, "{families:?}");
+        for (name, kind) in &families {
+            match kind.as_str() {
+                "counter" => assert!(name.ends_with("_total"), "counter {name}"),
+                _ => assert!(!name.ends_with("_total"), "{kind} {name}"),
+            }
+        }
+        for name in [
+            "coli_engine_steps_total",
+            "coli_engine_rows_total",
+            "coli_expert_cache_hits_total",
+            "coli_expert_cache_misses_total",
+            "coli_bytes_read_total",
+            "coli_requests_total",
+        ] {
+            assert!(
+                families.contains(&(name.to_string(), "counter".to_string())),
+                "{name} is not a counter: {families:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn mirrored_counters_follow_the_engine_totals() {
+        let m = Metrics::new(1);
+        let stats = SchedulerStats::default();
+        stats.steps.store(7, Ordering::Relaxed);
+        stats.rows.store(40, Ordering::Relaxed);
+        let text = m.render(
+            true,
+            Some(&stats),
+            Some(snapshot(3, 2, &[("model", 100), ("m1", 50)])),
+            0,
+            0,
+        );
+        assert_eq!(sample(&text, "coli_engine_steps_total"), 7.0);
+        assert_eq!(sample(&text, "coli_engine_rows_total"), 40.0);
+        assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 3.0);
+        assert_eq!(sample(&text, "coli_expert_cache_misses_total"), 2.0);
+        let drive = |d: &str| format!("coli_bytes_read_total{{drive=\"{d}\",tier=\"disk\"}}");
+        assert_eq!(sample(&text, &drive("model")), 100.0);
+        assert_eq!(sample(&text, &drive("m1")), 50.0);
+        // A second scrape reports the new totals, not their sum with the old ones.
+        stats.steps.store(9, Ordering::Relaxed);
+        let text = m.render(
+            true,
+            Some(&stats),
+            Some(snapshot(5, 2, &[("model", 130), ("m1", 50)])),
+            0,
+            0,
+        );
+        assert_eq!(sample(&text, "coli_engine_steps_total"), 9.0);
+        assert_eq!(sample(&text, "coli_engine_rows_total"), 40.0);
+        assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 5.0);
+        assert_eq!(sample(&text, &drive("model")), 130.0);
+        assert_eq!(sample(&text, &drive("m1")), 50.0);
     }
 }

@@ -3,9 +3,12 @@
 //! Start-up binds the listener first (so `/health` answers at once), then loads the model on a
 //! background thread; `/ready` turns 200 once it is loaded and warm. Requests go through the
 //! API-key check, the body limit, typed parsing and validation, then into the KV-slot
-//! [`Scheduler`]; tokens come back through a channel and leave as JSON or SSE. SIGTERM (or
-//! Ctrl-C) stops admitting, lets in-flight requests finish until the drain deadline, then ends
-//! the rest with an error event and exits 0.
+//! [`Scheduler`]; tokens come back through a channel and leave as JSON or SSE. A client has
+//! `header_timeout_secs` to send a request's headers and `body_timeout_secs` to send its body.
+//! SIGTERM (or Ctrl-C) stops admitting, lets in-flight requests and open connections finish
+//! until the drain deadline, then ends the rest (streams with an error event), closes every
+//! connection and exits 0. A failed model load — an error or a panic — is reported as failed:
+//! the process exits 1, or with `stay_up_on_load_failure` keeps answering 503 with the error.
 
 mod chat;
 mod errors;
@@ -13,12 +16,17 @@ pub mod metrics;
 pub mod openai;
 pub mod otlp;
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
@@ -27,12 +35,17 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use colibri::runtime::grammar::GrammarVocab;
 use colibri::runtime::loaded::LoadedModel;
-use colibri::runtime::scheduler::{Scheduler, SchedulerConfig};
+use colibri::runtime::scheduler::{panic_message, Scheduler, SchedulerConfig};
+use futures_util::StreamExt;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use utoipa::OpenApi;
 
 use crate::config::{self, ServeConfig, ServeFlags};
 use crate::model_arg::ModelArgs;
-use errors::ApiError;
+use errors::{ApiError, BodyTimeout};
 use metrics::Metrics;
 use openai::*;
 
@@ -62,6 +75,8 @@ pub struct AppState {
     pub serving: OnceLock<Arc<Serving>>,
     /// Why loading failed, if it did.
     pub load_error: Mutex<Option<String>>,
+    /// Notified once loading has failed (`load_error` is set by then).
+    pub load_failed: Notify,
     pub draining: AtomicBool,
     pub metrics: Metrics,
     /// The span exporter, when `otlp_endpoint` is configured.
@@ -161,10 +176,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
             "listening on {} without an API key: anyone who can reach this address can use the model (set api_keys / --api-key / COLI_API_KEYS)",
             addr.ip()
         );
-        eprintln!(
-            "coli: warning: listening on {} without an API key; set --api-key",
-            addr.ip()
-        );
     }
     if cfg.tls_cert.is_some() {
         anyhow::bail!(
@@ -188,6 +199,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         created: now_secs(),
         serving: OnceLock::new(),
         load_error: Mutex::new(None),
+        load_failed: Notify::new(),
         draining: AtomicBool::new(false),
         otlp: OnceLock::new(),
     });
@@ -235,92 +247,43 @@ async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
             .context("spawning the loader thread")?;
     }
     let app = router(state.clone());
-    let shutdown = shutdown_signal(state.clone());
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .context("serving HTTP")?;
+    let header_timeout = Duration::from_secs(state.config.header_timeout_secs);
+    let stop = serve_connections(
+        listener,
+        app,
+        header_timeout,
+        shutdown_signal(state.clone()),
+    )
+    .await;
     if let Some(s) = state.serving.get() {
         s.scheduler.shutdown();
         if let Err(e) = s.loaded.model.flush() {
             eprintln!("coli: warning: saving the expert usage history: {e}");
         }
     }
-    eprintln!("coli: stopped");
-    Ok(())
+    match stop {
+        Stop::Signal => {
+            eprintln!("coli: stopped");
+            Ok(())
+        }
+        Stop::LoadFailed(e) => Err(anyhow::anyhow!(
+            "the model failed to load: {e} (set stay_up_on_load_failure to keep serving 503s with this error instead of exiting)"
+        )),
+    }
 }
 
-/// Load the model the configuration names and start its scheduler.
+/// Load the model the configuration names and start its scheduler; record a failure — an
+/// error or a panic anywhere on the way — in `load_error` and notify `load_failed`.
 fn load_model(state: &AppState) {
     let cfg = &state.config;
-    let result = (|| -> Result<Serving> {
-        let args = ModelArgs {
-            model: cfg.model.clone().unwrap_or_else(|| "demo".into()),
-            threads: cfg.threads,
-            ram: cfg.ram.clone(),
-            mmap: false,
-            no_prefetch: false,
-            io_threads: 4,
-            no_learn: false,
-            pin_budget: None,
-            mirrors: cfg.mirrors.clone(),
-            cache_policy: "lru".into(),
-            direct_io: false,
-            io: "auto".into(),
-            mirror_weights: Vec::new(),
-            mla_form: "absorbed".into(),
-            draft: "none".into(),
-            kv_dtype: "f32".into(),
-        };
-        let loaded = Arc::new(args.load(true)?);
-        let max_ctx = loaded.model.info().max_position_embeddings.max(2);
-        let context = if cfg.context == 0 {
-            max_ctx
-        } else {
-            anyhow::ensure!(
-                cfg.context <= max_ctx,
-                "context: {} tokens is more than the model's {} (max_position_embeddings)",
-                cfg.context,
-                max_ctx
-            );
-            cfg.context
-        };
-        let grammar = match &loaded.tokenizer {
-            Some(t) => match GrammarVocab::new(t.inner(), &loaded.eos_token_ids) {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    tracing::warn!("grammar-constrained output is off for this model: {e}");
-                    None
-                }
-            },
-            None => None,
-        };
-        // Warm up: one token through every layer, so the first request does not pay for
-        // page faults and thread start-up.
-        let mut cache = loaded.model.new_cache(2);
-        loaded
-            .model
-            .forward(&[0], &mut cache, colibri::model::Logits::Last)
-            .context("warm-up forward pass")?;
-        let scheduler = Scheduler::start(
-            loaded.clone(),
-            SchedulerConfig {
-                slots: cfg.slots,
-                context,
-                prefill_chunk: cfg.prefill_chunk,
-                queue_limit: cfg.queue_limit,
-                queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
-                persist_dir: cfg.prefix_cache_dir.clone(),
-                history_save_interval: Duration::from_secs(cfg.history_save_secs),
-            },
-        );
-        Ok(Serving {
-            loaded,
-            scheduler,
-            grammar,
-            context,
-        })
-    })();
+    let result = match std::panic::catch_unwind(AssertUnwindSafe(|| start_serving(cfg))) {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(panic) => Err(format!(
+            "the loader stopped on a {} (a bug in colibri: please report it)",
+            panic_message(&panic)
+        )),
+    };
     match result {
         Ok(s) => {
             eprintln!(
@@ -330,10 +293,94 @@ fn load_model(state: &AppState) {
             let _ = state.serving.set(Arc::new(s));
         }
         Err(e) => {
-            eprintln!("coli: error: {e:#}");
-            *state.load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{e:#}"));
+            if cfg.stay_up_on_load_failure {
+                // Otherwise the process exits with this error (printed once, by `main`).
+                eprintln!("coli: error: the model failed to load: {e}");
+                eprintln!(
+                    "coli: staying up (stay_up_on_load_failure): /ready and requests answer 503 with this error"
+                );
+            }
+            *state.load_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            state.load_failed.notify_one();
         }
     }
+}
+
+/// The variable that makes [`start_serving`] panic, so tests can check that a panic while
+/// loading is reported as a failed load. Test-only: nothing sets it in production.
+const TEST_LOAD_PANIC_ENV: &str = "COLI_TEST_LOAD_PANIC";
+
+/// Loads the model, warms it up and starts its scheduler.
+fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
+    if std::env::var_os(TEST_LOAD_PANIC_ENV).is_some() {
+        panic!("{TEST_LOAD_PANIC_ENV} is set: a panic forced in the load path");
+    }
+    let args = ModelArgs {
+        model: cfg.model.clone().unwrap_or_else(|| "demo".into()),
+        threads: cfg.threads,
+        ram: cfg.ram.clone(),
+        mmap: false,
+        no_prefetch: false,
+        io_threads: 4,
+        no_learn: false,
+        pin_budget: None,
+        mirrors: cfg.mirrors.clone(),
+        cache_policy: "lru".into(),
+        direct_io: false,
+        io: "auto".into(),
+        mirror_weights: Vec::new(),
+        mla_form: "absorbed".into(),
+        draft: "none".into(),
+        kv_dtype: "f32".into(),
+    };
+    let loaded = Arc::new(args.load(true)?);
+    let max_ctx = loaded.model.info().max_position_embeddings.max(2);
+    let context = if cfg.context == 0 {
+        max_ctx
+    } else {
+        anyhow::ensure!(
+            cfg.context <= max_ctx,
+            "context: {} tokens is more than the model's {} (max_position_embeddings)",
+            cfg.context,
+            max_ctx
+        );
+        cfg.context
+    };
+    let grammar = match &loaded.tokenizer {
+        Some(t) => match GrammarVocab::new(t.inner(), &loaded.eos_token_ids) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                tracing::warn!("grammar-constrained output is off for this model: {e}");
+                None
+            }
+        },
+        None => None,
+    };
+    // Warm up: one token through every layer, so the first request does not pay for
+    // page faults and thread start-up.
+    let mut cache = loaded.model.new_cache(2);
+    loaded
+        .model
+        .forward(&[0], &mut cache, colibri::model::Logits::Last)
+        .context("warm-up forward pass")?;
+    let scheduler = Scheduler::start(
+        loaded.clone(),
+        SchedulerConfig {
+            slots: cfg.slots,
+            context,
+            prefill_chunk: cfg.prefill_chunk,
+            queue_limit: cfg.queue_limit,
+            queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
+            persist_dir: cfg.prefix_cache_dir.clone(),
+            history_save_interval: Duration::from_secs(cfg.history_save_secs),
+        },
+    );
+    Ok(Serving {
+        loaded,
+        scheduler,
+        grammar,
+        context,
+    })
 }
 
 /// The routes, with authentication, body limit and CORS.
@@ -356,6 +403,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), body_deadline))
         .with_state(state.clone());
     if !state.config.cors_origins.is_empty() {
         use tower_http::cors::{AllowOrigin, CorsLayer};
@@ -380,6 +428,56 @@ pub fn router(state: Arc<AppState>) -> Router {
     app
 }
 
+/// Gives a request's body `body_timeout_secs`, from the moment its headers are in, to arrive
+/// whole: reading it later fails with [`BodyTimeout`], which the handler answers with a 408.
+async fn body_deadline(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let limit = Duration::from_secs(state.config.body_timeout_secs);
+    next.run(request.map(|body| deadline_body(body, limit)))
+        .await
+}
+
+/// `body`, failing with [`BodyTimeout`] once `limit` has passed without it having ended. Data
+/// that has already arrived is delivered first, so a body that is complete is never refused.
+fn deadline_body(body: Body, limit: Duration) -> Body {
+    let mut data = body.into_data_stream();
+    let mut deadline = Box::pin(tokio::time::sleep(limit));
+    let mut ended = false;
+    Body::from_stream(futures_util::stream::poll_fn(move |cx| {
+        if ended {
+            return Poll::Ready(None);
+        }
+        match data.poll_next_unpin(cx) {
+            Poll::Ready(Some(chunk)) => Poll::Ready(Some(chunk.map_err(axum::BoxError::from))),
+            Poll::Ready(None) => {
+                ended = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
+                ended = true;
+                Poll::Ready(Some(Err(BodyTimeout(limit).into())))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }))
+}
+
+/// The key a request presents: `Authorization: Bearer KEY` (the scheme in any case, as HTTP
+/// auth schemes are case-insensitive) or `x-api-key: KEY`.
+fn presented_key(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, key) = v.trim_start().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+        })
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+}
+
 /// `Authorization: Bearer KEY` (or `x-api-key: KEY`) on `/v1/*` when keys are configured;
 /// keys are compared in constant time.
 async fn require_api_key(
@@ -391,12 +489,7 @@ async fn require_api_key(
     if keys.is_empty() {
         return next.run(request).await;
     }
-    let headers = request.headers();
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").map(str::trim))
-        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
+    let given = presented_key(request.headers());
     let ok = given.is_some_and(|g| {
         keys.iter().fold(false, |acc, k| {
             acc | constant_time_eq(k.as_bytes(), g.as_bytes())
@@ -524,12 +617,14 @@ async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
 
 async fn get_model(
     State(state): State<Arc<AppState>>,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    id: Result<axum::extract::Path<String>, PathRejection>,
 ) -> Response {
-    if id == state.model_id {
-        Json(model_card(&state)).into_response()
-    } else {
-        unknown_model(&state, &id).into_response()
+    match id {
+        Ok(axum::extract::Path(id)) if id == state.model_id => {
+            Json(model_card(&state)).into_response()
+        }
+        Ok(axum::extract::Path(id)) => unknown_model(&state, &id).into_response(),
+        Err(rejection) => ApiError::from(rejection).param("model").into_response(),
     }
 }
 
@@ -564,9 +659,82 @@ async fn method_not_allowed(request: Request) -> ApiError {
     )
 }
 
-/// Resolves after SIGTERM or Ctrl-C and the drain: stop admitting (503), give in-flight
-/// requests until the drain deadline, end the rest with an error event.
-async fn shutdown_signal(state: Arc<AppState>) {
+/// Why the server stops.
+enum Stop {
+    /// SIGTERM or Ctrl-C.
+    Signal,
+    /// The model failed to load (and `stay_up_on_load_failure` is off): why.
+    LoadFailed(String),
+}
+
+/// What requests ended at the drain deadline, and connections still open then, get to
+/// deliver their last bytes.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// `start + d`, or a century after `start` if that is not representable.
+fn after(start: Instant, d: Duration) -> Instant {
+    start
+        .checked_add(d)
+        .unwrap_or_else(|| start + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// Serves HTTP/1.1 connections on `listener`, each limited to `header_timeout` for a request's
+/// headers, until `stop` resolves with why and the instant every connection must be closed
+/// by. Then it stops accepting, lets each connection finish the response it is on, and at that
+/// instant drops the ones still open — whatever they are waiting for.
+async fn serve_connections(
+    mut listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    stop: impl Future<Output = (Stop, Instant)>,
+) -> Stop {
+    let (closing, _) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    tokio::pin!(stop);
+    let (why, close_by) = loop {
+        tokio::select! {
+            s = &mut stop => break s,
+            // axum's listener: retries accept errors (e.g. too many open files) after a pause.
+            (stream, _) = axum::serve::Listener::accept(&mut listener) => {
+                let service = TowerToHyperService::new(app.clone());
+                let mut closing = closing.subscribe();
+                connections.spawn(async move {
+                    let mut http = hyper::server::conn::http1::Builder::new();
+                    http.timer(TokioTimer::new()).header_read_timeout(header_timeout);
+                    let conn = http.serve_connection(TokioIo::new(stream), service);
+                    tokio::pin!(conn);
+                    tokio::select! {
+                        _ = conn.as_mut() => return,
+                        _ = closing.wait_for(|c| *c) => conn.as_mut().graceful_shutdown(),
+                    }
+                    let _ = conn.await;
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    };
+    drop(listener);
+    closing.send_replace(true);
+    let drained = tokio::time::timeout_at(close_by, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        eprintln!(
+            "coli: closing {} connection(s) still open at the shutdown deadline",
+            connections.len()
+        );
+        connections.shutdown().await;
+    }
+    why
+}
+
+/// Resolves when the server must stop, with why and the instant by which every connection must
+/// be closed. After SIGTERM or Ctrl-C: stop admitting (503), give in-flight requests and open
+/// connections until the drain deadline, end the requests still running (an error event), and
+/// give them [`CLOSE_GRACE`] more. After a failed load (unless `stay_up_on_load_failure`):
+/// at once, with [`CLOSE_GRACE`] for the connections.
+async fn shutdown_signal(state: Arc<AppState>) -> (Stop, Instant) {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -581,36 +749,51 @@ async fn shutdown_signal(state: Arc<AppState>) {
     };
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
+    let load_failed = async {
+        if state.config.stay_up_on_load_failure {
+            std::future::pending::<()>().await;
+        }
+        state.load_failed.notified().await;
+    };
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+        _ = load_failed => {
+            let why = state
+                .load_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_default();
+            return (Stop::LoadFailed(why), after(Instant::now(), CLOSE_GRACE));
+        }
     }
     state.draining.store(true, Ordering::SeqCst);
-    let deadline = Duration::from_secs(state.config.drain_secs);
+    let drain = Duration::from_secs(state.config.drain_secs);
+    let deadline = after(Instant::now(), drain);
     eprintln!(
-        "coli: shutting down: new requests get 503; draining in-flight ones for up to {} s",
-        deadline.as_secs()
+        "coli: shutting down: new requests get 503; draining in-flight ones and open connections for up to {} s",
+        drain.as_secs()
     );
     // Keep listening while draining, so /ready says 503 (a load balancer takes this replica
     // out) and new requests get a 503 instead of a refused connection. Polling the counters
     // here is the drain's own clock, not test synchronisation.
     if let Some(s) = state.serving.get() {
         s.scheduler.stop_accepting();
-        let start = tokio::time::Instant::now();
-        while s.scheduler.in_flight() > 0 && start.elapsed() < deadline {
+        while s.scheduler.in_flight() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         if s.scheduler.in_flight() > 0 {
             eprintln!("coli: drain deadline reached: ending the remaining requests");
             s.scheduler.cancel_all();
             // Let the ended requests' last events reach their clients.
-            let grace = tokio::time::Instant::now();
-            while s.scheduler.in_flight() > 0 && grace.elapsed() < Duration::from_secs(2) {
+            let grace = after(Instant::now(), CLOSE_GRACE);
+            while s.scheduler.in_flight() > 0 && Instant::now() < grace {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
     }
-    // Returning stops the listener; axum then waits for open responses to finish.
+    (Stop::Signal, after(deadline, CLOSE_GRACE))
 }
 
 fn now_secs() -> u64 {

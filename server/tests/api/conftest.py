@@ -53,15 +53,23 @@ def model_dir(coli_bin, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def start_server(coli_bin, model_dir, tmp_path_factory):
-    """`start_server(*flags, name=..., model=...)`: a started server (on the synthesized model
-    unless `model` is given), stopped at the end of the session."""
+    """`start_server(*flags, name=..., model=..., host=..., env=..., wait_ready=...)`: a started
+    server (by default on the session's model, waited for until ready), stopped at the end of
+    the session."""
     started: list[Server] = []
 
-    def start(*flags: str, name: str = "server", model: Path | None = None) -> Server:
+    def start(
+        *flags: str,
+        name: str = "server",
+        model: Path | None = None,
+        host: str = "127.0.0.1",
+        env: dict | None = None,
+        wait_ready: bool = True,
+    ) -> Server:
         workdir = tmp_path_factory.mktemp(name)
-        s = Server(coli_bin, model or model_dir, workdir, list(flags), name)
+        s = Server(coli_bin, model or model_dir, workdir, list(flags), name, host=host, env=env)
         started.append(s)
-        return s.start()
+        return s.start(wait_ready=wait_ready)
 
     yield start
     for s in started:

@@ -93,12 +93,23 @@ def _die_with_parent():
 class Server:
     """A `coli serve` process on a free port."""
 
-    def __init__(self, coli_bin: Path, model: Path, workdir: Path, flags: list[str], name: str):
+    def __init__(
+        self,
+        coli_bin: Path,
+        model: Path,
+        workdir: Path,
+        flags: list[str],
+        name: str,
+        host: str = "127.0.0.1",
+        env: dict | None = None,
+    ):
         self.coli_bin = coli_bin
         self.model = model
         self.workdir = workdir
         self.flags = flags
         self.name = name
+        self.host = host
+        self.extra_env = env or {}
         self.lines: list[str] = []
         self.port: int | None = None
         self._listening = threading.Event()
@@ -107,15 +118,18 @@ class Server:
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> "Server":
+    def start(self, wait_ready: bool = True) -> "Server":
+        """Start the process and wait for its `listening` line, then (with `wait_ready`) for
+        `/ready` to answer 200."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
         env["COLI_CACHE_DIR"] = str(self.workdir / "cache")
         env["COLI_STATE_DIR"] = str(self.workdir / "state")
+        env.update(self.extra_env)
         cmd = [
             str(self.coli_bin), "serve",
             "--model", str(self.model),
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", "0",
             *self.flags,
         ]
@@ -135,6 +149,8 @@ class Server:
         if not self._listening.wait(LISTEN_DEADLINE_S) or self.port is None:
             self.kill()
             raise AssertionError(f"{self.name}: no `listening` line within {LISTEN_DEADLINE_S} s:\n{self.log()}")
+        if not wait_ready:
+            return self
 
         def ready():
             if self.proc.poll() is not None:

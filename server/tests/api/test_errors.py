@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import httpx
 import openai
@@ -56,6 +57,25 @@ def test_right_api_key_is_200(auth_server):
     # `x-api-key` works as well.
     with auth_server.http() as http:
         assert http.get("/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive(auth_server):
+    with auth_server.http() as http:
+        for scheme in ("bearer", "BEARER", "Bearer", "bEaReR"):
+            r = http.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+            assert r.status_code == 200, (scheme, r.text)
+        r = http.get("/v1/models", headers={"Authorization": f"bearer wrong-{API_KEY}"})
+        assert r.status_code == 401 and error_body(r)["message"] == "invalid API key"
+        # Another scheme is no key at all.
+        r = http.get("/v1/models", headers={"Authorization": f"Basic {API_KEY}"})
+        assert r.status_code == 401 and "missing API key" in error_body(r)["message"]
+
+
+def test_no_api_key_on_a_public_address_is_warned_about_once(start_server):
+    s = start_server("--slots", "1", "--drain-secs", "2", host="0.0.0.0", name="public")
+    warnings = [line for line in s.lines if "without an API key" in line]
+    assert len(warnings) == 1, s.log()
+    assert "0.0.0.0" in warnings[0] and "--api-key" in warnings[0]
 
 
 def test_health_and_metrics_need_no_key(auth_server):
@@ -182,6 +202,42 @@ def test_malformed_json_is_400(server):
     assert error_body(r)["type"] == "invalid_request_error"
 
 
+def test_anything_after_the_json_body_is_400(server):
+    body = json.dumps({"model": server.model_id, "messages": HI, "max_tokens": 1}).encode()
+    bodies = {
+        "/v1/chat/completions": body,
+        "/v1/completions": json.dumps({"model": server.model_id, "prompt": "x", "max_tokens": 1}).encode(),
+    }
+    json_type = {"content-type": "application/json"}
+    with server.http() as http:
+        for path, request in bodies.items():
+            for junk in (b"GARBAGE", b"{}", b" 1", b"\n]"):
+                r = http.post(path, content=request + junk, headers=json_type)
+                assert r.status_code == 400, (path, junk, r.text)
+                err = error_body(r)
+                assert err["type"] == "invalid_request_error"
+                assert "trailing characters" in err["message"], err
+        # Trailing whitespace is JSON.
+        r = http.post("/v1/chat/completions", content=body + b" \r\n\t\n", headers=json_type)
+        assert r.status_code == 200, r.text
+
+
+def test_a_text_part_without_text_names_the_field(server):
+    body = {"model": server.model_id, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    with server.http() as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = error_body(r)
+        assert err["param"] == "messages[0].content[0].text", err
+        assert "`text`" in err["message"] and "not supported" not in err["message"], err
+        # A part of another type is refused as unsupported, naming its type.
+        body["messages"][0]["content"] = [{"type": "text", "text": "Hi"}, {"type": "image_url"}]
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400
+        err = error_body(r)
+        assert err["param"] == "messages[0].content[1]" and "`image_url`" in err["message"], err
+
+
 # ---- 404, 405 -------------------------------------------------------------------------------
 
 
@@ -197,6 +253,16 @@ def test_unknown_model_is_404(server):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
+
+
+def test_a_model_path_that_does_not_decode_gets_an_openai_error(server):
+    with server.http() as http:
+        r = http.get("/v1/models/%ff%fe")
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = error_body(r)
+    assert err["type"] == "invalid_request_error" and err["param"] == "model", err
+    assert "UTF-8" in err["message"], err
 
 
 def test_unknown_route_is_404_and_wrong_method_405(server):

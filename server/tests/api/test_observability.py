@@ -42,6 +42,21 @@ def test_metrics_parse_and_name_the_server_metrics(server):
     assert 0.0 <= m.get("coli_expert_cache_hit_rate") <= 1.0
 
 
+def test_only_counters_are_named_total(server):
+    """Prometheus reserves `_total` for counters: the running totals are counters, and no
+    other family's name ends in `_total`."""
+    m = server.metrics()
+    # The parser names a counter's family without `_total`; a gauge keeps its name whole.
+    for family in ("coli_engine_steps", "coli_engine_rows", "coli_expert_cache_hits", "coli_expert_cache_misses",
+                   "coli_bytes_read", "coli_requests", "coli_generated_tokens"):
+        assert m.types.get(family) == "counter", (family, m.types.get(family), m.types.get(family + "_total"))
+    for family, kind in m.types.items():
+        assert not family.endswith("_total"), f"the {kind} {family} is named like a counter"
+    declared = dict(line.split()[2:4] for line in m.text.splitlines() if line.startswith("# TYPE "))
+    for name, kind in declared.items():
+        assert name.endswith("_total") == (kind == "counter"), f"{kind} {name}"
+
+
 def test_metrics_count_a_request(server):
     server.wait_idle()
     before = server.metrics()
