@@ -276,13 +276,18 @@ fn absurd_counts_and_sizes_in_config_json_are_refused_naming_the_field() {
     let mut tally = Tally::default();
     for fam in FAMILIES {
         let f = fam.fixture;
+        // `field` is named in backquotes; one given as `.field` may be nested (`a.b.field`).
         let mut case = |what: String, field: &str, edit: &dyn Fn(&mut serde_json::Value)| {
             let tmp = copy_fixture(f);
             edit_config(tmp.path(), edit);
+            let named = match field.strip_prefix('.') {
+                Some(nested) => format!("{nested}`"),
+                None => format!("`{field}`"),
+            };
             tally.refused(
                 &format!("{f}: {what}"),
                 tmp.path(),
-                &["config.json", &format!("`{field}`")],
+                &["config.json", &named],
             );
         };
         for n in ABSURD_COUNTS {
@@ -317,11 +322,18 @@ fn absurd_counts_and_sizes_in_config_json_are_refused_naming_the_field() {
         }
         case(
             "partial_rotary_factor = 1e30".into(),
-            "partial_rotary_factor",
+            ".partial_rotary_factor",
             &|c| {
+                // Wherever the config says it: at the top, in `rope_parameters`, or in
+                // DeepSeek-V4's nested `rope_parameters.{main,compress}`.
                 c["partial_rotary_factor"] = 1e30.into();
                 if let Some(p) = c.get_mut("rope_parameters").and_then(|p| p.as_object_mut()) {
                     p.remove("partial_rotary_factor");
+                    for sub in p.values_mut().filter_map(|v| v.as_object_mut()) {
+                        if sub.contains_key("partial_rotary_factor") {
+                            sub.insert("partial_rotary_factor".into(), 1e30.into());
+                        }
+                    }
                 }
             },
         );

@@ -699,7 +699,19 @@ fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
             "max_position_embeddings": cfg.usize_or("max_position_embeddings", 4096)?,
         }),
     );
-    let mut params = view.rope(10000.0)?;
+    // Errors name the field where the file has it: `rope_parameters.{kind}.…`.
+    let mut params = view.rope(10000.0).map_err(|e| match e {
+        Error::Config {
+            path,
+            field,
+            message,
+        } => Error::Config {
+            path,
+            field: field.replacen("rope_parameters.", &format!("rope_parameters.{kind}."), 1),
+            message,
+        },
+        other => other,
+    })?;
     params.interleaved = true;
     Ok(Rope::new(&params, head_dim))
 }
