@@ -291,17 +291,26 @@ fn config_sizes_and_counts_are_bounded_and_name_the_field() {
     assert_eq!(cfg.dim("max").unwrap(), MAX_DIM);
     for field in ["big", "zero"] {
         let e = cfg.dim(field).unwrap_err().to_string();
-        assert!(e.contains("config.json") && e.contains(&format!("`{field}`")), "{e}");
+        assert!(
+            e.contains("config.json") && e.contains(&format!("`{field}`")),
+            "{e}"
+        );
     }
     assert_eq!(cfg.dim_or("absent", 7).unwrap(), 7);
     assert_eq!(cfg.count("num_hidden_layers", 3, "layers").unwrap(), 3);
-    let e = cfg.count("num_hidden_layers", 2, "layers").unwrap_err().to_string();
+    let e = cfg
+        .count("num_hidden_layers", 2, "layers")
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("`num_hidden_layers`") && e.contains("is 3") && e.contains("only 2 layers"),
         "{e}"
     );
     // A field read through its alias is named as the file spells it.
-    let e = cfg.count("num_experts", 8, "routed experts").unwrap_err().to_string();
+    let e = cfg
+        .count("num_experts", 8, "routed experts")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("`num_local_experts`"), "{e}");
 }
 
@@ -394,7 +403,10 @@ fn a_budget_below_the_resident_weights_prints_sizes_that_show_and_suffice() {
     // The minimum it names is enough, and is no more than 0.1 KiB above what is needed.
     let min = parse_size(at_least).unwrap();
     assert!(model::load_with(tmp.path(), &opts(min)).is_ok(), "{e}");
-    assert!(model::load_with(tmp.path(), &opts(min - 103)).is_err(), "{e}");
+    assert!(
+        model::load_with(tmp.path(), &opts(min - 103)).is_err(),
+        "{e}"
+    );
 }
 
 #[test]
@@ -410,7 +422,10 @@ fn a_tensor_shape_whose_element_count_overflows_is_refused() {
         .err()
         .expect("must fail")
         .to_string();
-    assert!(e.contains("model.safetensors") && e.contains("overflows"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("overflows"),
+        "{e}"
+    );
 
     use colibri::format::gguf::{GgmlType, GgufFile, GgufTensorSpec, GgufWriter};
     let g = tmp.path().join("zero.gguf");
@@ -423,6 +438,6 @@ fn a_tensor_shape_whose_element_count_overflows_is_refused() {
         .unwrap()
         .finish()
         .unwrap();
-    let e = GgufFile::open(&g).err().expect("must fail").to_string();
+    let e = GgufFile::open(&g).expect_err("must fail").to_string();
     assert!(e.contains("zero.gguf") && e.contains("do not fit"), "{e}");
 }

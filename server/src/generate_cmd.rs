@@ -278,7 +278,6 @@ fn restore(
     Ok((fingerprint, Some(conv)))
 }
 
-
 fn random_seed() -> u64 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -178,8 +178,14 @@ fn coli_info(model: &Path) -> Run {
         ))
         .arg(env!("CARGO_BIN_EXE_coli"))
         .arg(model)
-        .env("COLI_CACHE_DIR", std::env::temp_dir().join("coli-test-cache-unused"))
-        .env("COLI_STATE_DIR", std::env::temp_dir().join("coli-test-state"))
+        .env(
+            "COLI_CACHE_DIR",
+            std::env::temp_dir().join("coli-test-cache-unused"),
+        )
+        .env(
+            "COLI_STATE_DIR",
+            std::env::temp_dir().join("coli-test-state"),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -221,7 +227,11 @@ impl Tally {
         let run = coli_info(model);
         let stderr = String::from_utf8_lossy(&run.out.stderr);
         let status = run.out.status;
-        assert_ne!(status.code(), Some(99), "{case}: ulimit -v failed: {stderr}");
+        assert_ne!(
+            status.code(),
+            Some(99),
+            "{case}: ulimit -v failed: {stderr}"
+        );
         assert!(
             status.signal().is_none(),
             "{case}: killed by signal {:?} after {:?}: {stderr}",
@@ -348,7 +358,8 @@ fn a_tokenizer_json_the_tokenizers_crate_panics_on_is_refused_naming_the_file() 
     let broken_decoders = [
         (
             "a syntax error in \"decoder\"",
-            r#"{"type": "ByteLevel", "add_prefix_space": false,, "trim_offsets": true}"#.to_string(),
+            r#"{"type": "ByteLevel", "add_prefix_space": false,, "trim_offsets": true}"#
+                .to_string(),
             "line",
         ),
         (

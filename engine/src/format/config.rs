@@ -125,7 +125,12 @@ impl ModelConfig {
 
     /// A required integer in `range`; `bound` says in words what the range is (for the
     /// message when the value is outside it).
-    pub fn usize_in(&self, field: &str, range: RangeInclusive<usize>, bound: &str) -> Result<usize> {
+    pub fn usize_in(
+        &self,
+        field: &str,
+        range: RangeInclusive<usize>,
+        bound: &str,
+    ) -> Result<usize> {
         let v = self.usize(field)?;
         self.check_in(field, v, range, bound)
     }
@@ -244,11 +249,11 @@ impl ModelConfig {
         let id = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
         match self.get("eos_token_id") {
             None => Ok(Vec::new()),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(id)
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| self.error("eos_token_id", "expected token ids (integers below 2^32)")),
+            Some(Value::Array(a)) => {
+                a.iter().map(id).collect::<Option<Vec<_>>>().ok_or_else(|| {
+                    self.error("eos_token_id", "expected token ids (integers below 2^32)")
+                })
+            }
             Some(v) => id(v).map(|n| vec![n]).ok_or_else(|| {
                 self.error(
                     "eos_token_id",
@@ -373,7 +378,9 @@ impl ModelConfig {
                         })?,
                 ),
                 Some(v) => {
-                    return Err(self.error("rope_freq_factors", format!("expected a list, found {v}")))
+                    return Err(
+                        self.error("rope_freq_factors", format!("expected a list, found {v}"))
+                    )
                 }
             },
         })

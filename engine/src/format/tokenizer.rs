@@ -65,7 +65,9 @@ impl Tokenizer {
                     .unwrap_or("no message");
                 return Err(Error::corrupt(
                     path,
-                    format!("not a usable tokenizer.json: the tokenizers crate failed on it ({why})"),
+                    format!(
+                        "not a usable tokenizer.json: the tokenizers crate failed on it ({why})"
+                    ),
                 ));
             }
         };

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::experts_per_token;
+use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;

@@ -44,7 +44,12 @@ pub fn format_size_up(bytes: u64) -> String {
 }
 
 fn format_size_rounded(bytes: u64, round: fn(f64) -> f64) -> String {
-    const UNITS: [(&str, u32, i32); 4] = [("KiB", 10, 1), ("MiB", 20, 1), ("GiB", 30, 2), ("TiB", 40, 2)];
+    const UNITS: [(&str, u32, i32); 4] = [
+        ("KiB", 10, 1),
+        ("MiB", 20, 1),
+        ("GiB", 30, 2),
+        ("TiB", 40, 2),
+    ];
     if bytes < 1 << 10 {
         return format!("{bytes} B");
     }

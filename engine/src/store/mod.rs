@@ -65,7 +65,9 @@ pub fn expert_table(
         if experts == 0 {
             return Err(cfg.error(field, "is 0, but MoE layers route to at least one expert"));
         }
-        let needed = experts.checked_mul(moe_layers).and_then(|n| n.checked_mul(3));
+        let needed = experts
+            .checked_mul(moe_layers)
+            .and_then(|n| n.checked_mul(3));
         let have = ckpt.tensors().len();
         if needed.is_none_or(|n| n > have) {
             return Err(cfg.error(
