@@ -119,6 +119,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         }
     }
     let used_count = || -> Result<u64> {
+        let experts = need("expert_count")?;
         let used = need("expert_used_count")?;
         if used == 0 || used > experts {
             return Err(Error::config(
