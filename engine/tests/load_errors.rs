@@ -297,6 +297,13 @@ fn config_sizes_and_counts_are_bounded_and_name_the_field() {
         );
     }
     assert_eq!(cfg.dim_or("absent", 7).unwrap(), 7);
+    // A token id does not fit in u32: refused, not truncated into another id.
+    let big_eos = ModelConfig::from_value(
+        "config.json".into(),
+        serde_json::json!({"eos_token_id": [2, 4294967298u64]}),
+    );
+    let e = big_eos.eos_token_ids().unwrap_err().to_string();
+    assert!(e.contains("`eos_token_id`"), "{e}");
     assert_eq!(cfg.count("num_hidden_layers", 3, "layers").unwrap(), 3);
     let e = cfg
         .count("num_hidden_layers", 2, "layers")
@@ -440,4 +447,69 @@ fn a_tensor_shape_whose_element_count_overflows_is_refused() {
         .unwrap();
     let e = GgufFile::open(&g).expect_err("must fail").to_string();
     assert!(e.contains("zero.gguf") && e.contains("do not fit"), "{e}");
+}
+
+/// The mixtral fixture as an f32 GGUF file, with its tensor `name` replaced by one of ggml
+/// dimensions `dims` (zero bytes).
+fn gguf_with_tensor(dir: &Path, name: &str, dims: Vec<u64>) -> std::path::PathBuf {
+    use colibri::format::gguf::{GgufFile, GgufTensorSpec, GgufWriter};
+    use colibri::format::gguf_convert::{convert, ConvertType};
+    let good = dir.join("good.gguf");
+    if !good.exists() {
+        convert(&fixture("mixtral"), &good, ConvertType::F32, |_, _| {}).unwrap();
+    }
+    let g = GgufFile::open(&good).unwrap();
+    let md: Vec<_> = g
+        .metadata_keys()
+        .iter()
+        .map(|k| (k.clone(), g.metadata()[k].clone()))
+        .collect();
+    let mut parts = Vec::new();
+    for t in g.tensors() {
+        let (dims, bytes) = if t.name == name {
+            let spec = GgufTensorSpec {
+                name: t.name.clone(),
+                dims_ggml: dims.clone(),
+                ggml_type: t.ggml_type,
+            };
+            let n = spec.nbytes().unwrap();
+            (dims.clone(), vec![0u8; n])
+        } else {
+            (t.dims_ggml.clone(), g.read_tensor(t).unwrap())
+        };
+        let spec = GgufTensorSpec {
+            name: t.name.clone(),
+            dims_ggml: dims,
+            ggml_type: t.ggml_type,
+        };
+        parts.push((spec, bytes));
+    }
+    let out = dir.join("bad.gguf");
+    let mut w = GgufWriter::create(&out, &md, parts.iter().map(|p| p.0.clone()).collect()).unwrap();
+    for (_, b) in &parts {
+        w.write(b).unwrap();
+    }
+    w.finish().unwrap();
+    out
+}
+
+#[test]
+fn fused_gguf_experts_that_are_empty_or_too_many_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fused = "blk.0.ffn_up_exps.weight";
+    // Empty experts: their count would be bounded by nothing.
+    let bad = gguf_with_tensor(tmp.path(), fused, vec![64, 0, 8]);
+    let e = load_err(&bad);
+    assert!(
+        e.contains("bad.gguf") && e.contains(fused) && e.contains("empty"),
+        "{e}"
+    );
+    // 2^21 one-element experts (8 MiB of data) would split into more descriptions than a
+    // file may have tensors.
+    let bad = gguf_with_tensor(tmp.path(), fused, vec![1, 1, 1 << 21]);
+    let e = load_err(&bad);
+    assert!(
+        e.contains("bad.gguf") && e.contains(fused) && e.contains("more than"),
+        "{e}"
+    );
 }
