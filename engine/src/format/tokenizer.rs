@@ -378,6 +378,31 @@ mod tests {
     }
 
     #[test]
+    fn a_file_the_tokenizers_crate_panics_on_is_an_error() {
+        // Well-formed JSON that the crate's normalizer deserializer `expect`s to be a
+        // charsmap: it panics inside the crate, and the load returns an error instead.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&trained().inner().to_string(false).unwrap()).unwrap();
+        json["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": 5});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains("Precompiled"),
+            "{msg}"
+        );
+        // Nesting beyond serde_json's limit is a JSON error naming the file and the place.
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        std::fs::write(&path, deep).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Json { .. }), "{err}");
+        assert!(err.to_string().contains("recursion limit"), "{err}");
+    }
+
+    #[test]
     fn text_stream_emits_multibyte_characters_whole() {
         let tok = trained();
         let text = "hi ✓ wörld 🐦!";
