@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use colibri::model::telemetry::Times;
 use colibri::model::Logits;
 use colibri::runtime::sampling::{Sampler, SamplingParams};
+use colibri::store::budget::format_size;
 use colibri::store::StoreSnapshot;
 use serde::Serialize;
 
@@ -225,6 +226,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// A size the report keeps in (decimal) GB, printed like every other size.
+fn gb_size(gb: f64) -> String {
+    format_size((gb * 1e9).round() as u64)
+}
+
 fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
     println!("model:    {}", r.model);
     println!(
@@ -240,27 +246,27 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
     );
     if let Some(s) = &r.decode_store {
         println!(
-            "experts:  hit rate {:.1} % ({:.1} % of bytes), {:.3} GB missed and {:.3} GB read per token, {:.1} ms I/O wait per token, prefetch recall {:.0} % (useful {:.0} % of prefetched bytes)",
+            "experts:  hit rate {:.1} % ({:.1} % of bytes), {} missed and {} read per token, {:.1} ms I/O wait per token, prefetch recall {:.0} % (useful {:.0} % of prefetched bytes)",
             100.0 * r.decode_hit_rate,
             100.0 * r.decode_byte_hit_rate,
-            r.decode_miss_gb_per_token,
-            r.decode_gb_read_per_token,
+            gb_size(r.decode_miss_gb_per_token),
+            gb_size(r.decode_gb_read_per_token),
             1e3 * r.decode_io_wait_seconds_per_token,
             100.0 * r.prefetch_recall,
             100.0 * r.prefetch_useful_fraction,
         );
         println!(
-            "cache:    {:.2} GB capacity, {:.2} GB used, {:.2} GB pinned; reader: {}",
-            s.cache_capacity as f64 / 1e9,
-            s.cache_used as f64 / 1e9,
-            s.pinned_bytes as f64 / 1e9,
+            "cache:    {} capacity, {} used, {} pinned; reader: {}",
+            format_size(s.cache_capacity),
+            format_size(s.cache_used),
+            format_size(s.pinned_bytes),
             s.reader
         );
         if !s.drives.is_empty() {
             let parts: Vec<String> = s
                 .drives
                 .iter()
-                .map(|(d, b)| format!("{d}: {:.2} GB", *b as f64 / 1e9))
+                .map(|(d, b)| format!("{d}: {}", format_size(*b)))
                 .collect();
             println!("drives:   {}", parts.join(", "));
         }
@@ -271,7 +277,7 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         t.attention, t.experts, t.dense_mlp, t.lm_head
     );
     println!(
-        "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reads at {:.0} % of disk bandwidth{} and streams {:.0} % of memory bandwidth ({:.2} GB active weights per token)",
+        "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reads at {:.0} % of disk bandwidth{} and streams {:.0} % of memory bandwidth ({} active weights per token)",
         m.disk_gb_per_s,
         m.disk_source,
         m.memory_gb_per_s,
@@ -281,7 +287,7 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             _ => String::new(),
         },
         100.0 * r.memory_bandwidth_fraction,
-        r.active_gb_per_token
+        gb_size(r.active_gb_per_token)
     );
     println!(
         "kv cache: {} bytes per token ({} with per-head K/V: {:.1}× smaller)",
@@ -291,12 +297,12 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
     );
     if let Some(d) = &r.draft {
         println!(
-            "mtp:      {:.2} tok/s with drafts vs {:.2} without ({} drafted, {:.0} % accepted, {:.3} GB read per token); tokens identical: {}; drafting {}",
+            "mtp:      {:.2} tok/s with drafts vs {:.2} without ({} drafted, {:.0} % accepted, {} read per token); tokens identical: {}; drafting {}",
             d.decode_tok_per_s,
             r.decode_tok_per_s,
             d.drafted,
             100.0 * d.acceptance,
-            d.decode_gb_read_per_token,
+            gb_size(d.decode_gb_read_per_token),
             d.tokens_identical,
             if d.pays { "pays here" } else { "does not pay here (--draft mtp turns itself off)" }
         );

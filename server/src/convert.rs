@@ -63,12 +63,12 @@ pub fn run(a: ConvertArgs) -> Result<()> {
         .map(|(t, n)| format!("{n} {t}"))
         .collect();
     eprintln!(
-        "coli: wrote {} ({} tensors: {}; {:.2} GB from {:.2} GB) in {:.1} s",
+        "coli: wrote {} ({} tensors: {}; {} from {}) in {:.1} s",
         a.out.display(),
         report.tensors,
         types.join(", "),
-        report.bytes_out as f64 / 1e9,
-        report.bytes_in as f64 / 1e9,
+        colibri::store::budget::format_size(report.bytes_out as u64),
+        colibri::store::budget::format_size(report.bytes_in as u64),
         t0.elapsed().as_secs_f64()
     );
     Ok(())

@@ -10,6 +10,7 @@ use colibri::runtime::generate::{generate_continue, Conversation, GenerateParams
 use colibri::runtime::kv_file;
 use colibri::runtime::loaded::LoadedModel;
 use colibri::runtime::sampling::SamplingParams;
+use colibri::store::budget::format_size;
 
 use crate::model_arg::ModelArgs;
 
@@ -201,7 +202,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             path.display(),
             conv.tokens.len(),
             conv.cache.len,
-            size_text(bytes)
+            format_size(bytes)
         );
     }
     if let Some(d) = &draft_stats {
@@ -217,10 +218,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     if let Some(s) = loaded.model.store_stats() {
         eprintln!(
-            "experts: hit rate {:.1} % ({:.1} % of bytes), {:.2} GB read from disk, {:.2} s waiting for reads, prefetch recall {:.0} %",
+            "experts: hit rate {:.1} % ({:.1} % of bytes), {} read from disk, {:.2} s waiting for reads, prefetch recall {:.0} %",
             100.0 * s.hit_rate(),
             100.0 * s.byte_hit_rate(),
-            s.bytes_read as f64 / 1e9,
+            format_size(s.bytes_read),
             s.io_wait_seconds,
             100.0 * s.prefetch_recall(),
         );
@@ -274,17 +275,9 @@ fn restore(
         conv.cache.len,
         conv.pending().len(),
         path.display(),
-        size_text(bytes)
+        format_size(bytes)
     );
     Ok((fingerprint, Some(conv)))
-}
-
-fn size_text(bytes: u64) -> String {
-    if bytes >= 1 << 20 {
-        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-    } else {
-        format!("{bytes} bytes")
-    }
 }
 
 fn random_seed() -> u64 {

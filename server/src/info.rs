@@ -14,18 +14,8 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// Human-readable byte count.
-pub fn bytes(n: usize) -> String {
-    let n = n as f64;
-    if n >= 1e9 {
-        format!("{:.2} GB", n / 1e9)
-    } else if n >= 1e6 {
-        format!("{:.1} MB", n / 1e6)
-    } else if n >= 1e3 {
-        format!("{:.1} kB", n / 1e3)
-    } else {
-        format!("{n} B")
-    }
+fn bytes(n: usize) -> String {
+    colibri::store::budget::format_size(n as u64)
 }
 
 fn count(n: usize) -> String {

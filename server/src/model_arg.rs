@@ -184,21 +184,21 @@ impl ModelArgs {
 /// One line on stderr saying where the weights live.
 pub fn report_placement(loaded: &LoadedModel, opts: &StoreOptions, default_budget: bool) {
     let i = loaded.model.info();
-    let gb = |b: u64| b as f64 / 1e9;
+    let size = colibri::store::budget::format_size;
     match (opts.ram_budget, loaded.model.store_stats()) {
         (Some(b), Some(s)) => eprintln!(
-            "coli: RAM budget {:.2} GB{}: {:.2} GB resident + {:.2} GB expert cache for {:.2} GB of routed experts; reader: {}; prefetch {}",
-            gb(b),
+            "coli: RAM budget {}{}: {} resident + {} expert cache for {} of routed experts; reader: {}; prefetch {}",
+            size(b),
             if default_budget { " (default)" } else { "" },
-            gb(i.dense_bytes as u64),
-            gb(s.cache_capacity),
-            gb(i.routed_expert_bytes as u64),
+            size(i.dense_bytes as u64),
+            size(s.cache_capacity),
+            size(i.routed_expert_bytes as u64),
             s.reader,
             if opts.prefetch { "on" } else { "off" },
         ),
         _ => eprintln!(
-            "coli: all {:.2} GB of weights memory-mapped",
-            gb((i.dense_bytes + i.routed_expert_bytes) as u64)
+            "coli: all {} of weights memory-mapped",
+            size((i.dense_bytes + i.routed_expert_bytes) as u64)
         ),
     }
 }

@@ -4,14 +4,31 @@
 //! Both RoPE forms are understood: transformers v5's `rope_parameters` and the older
 //! top-level `rope_theta` / `rope_scaling` / `partial_rotary_factor`.
 
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::{Error, Result};
 
+/// The largest dimension [`ModelConfig::dim`] accepts: 2^24 (16,777,216), far above any real
+/// width, head count, rank or vocabulary, and small enough that a product of three fits in
+/// 64 bits.
+pub const MAX_DIM: usize = 1 << 24;
+
+const DIM_BOUND: &str = "a dimension must be positive and at most 2^24";
+
 /// Config fields that transformers' `attribute_map`s make synonyms.
 const ALIASES: &[(&str, &str)] = &[("num_experts", "num_local_experts")];
+
+/// The other name of a field that has one.
+fn alias_of(field: &str) -> Option<&'static str> {
+    ALIASES.iter().find_map(|&(a, b)| match field {
+        f if f == a => Some(b),
+        f if f == b => Some(a),
+        _ => None,
+    })
+}
 
 /// A parsed `config.json`.
 #[derive(Debug, Clone)]
@@ -54,8 +71,16 @@ impl ModelConfig {
         self.str("model_type")
     }
 
-    fn err(&self, field: &str, message: impl Into<String>) -> Error {
-        Error::config(&self.path, field, message)
+    /// An error about `field`, named as the file spells it (a field read through its
+    /// `attribute_map` alias is named by the key the file has).
+    pub fn error(&self, field: &str, message: impl Into<String>) -> Error {
+        let named = match self.json.get(field).filter(|v| !v.is_null()) {
+            Some(_) => field,
+            None => alias_of(field)
+                .filter(|alias| self.json.get(*alias).is_some_and(|v| !v.is_null()))
+                .unwrap_or(field),
+        };
+        Error::config(&self.path, named, message)
     }
 
     /// A field's raw value, treating JSON null as absent. Fields that transformers maps to
@@ -64,14 +89,7 @@ impl ModelConfig {
     pub fn get(&self, field: &str) -> Option<&Value> {
         let direct = self.json.get(field).filter(|v| !v.is_null());
         direct.or_else(|| {
-            ALIASES
-                .iter()
-                .find_map(|&(a, b)| match field {
-                    f if f == a => Some(b),
-                    f if f == b => Some(a),
-                    _ => None,
-                })
-                .and_then(|alias| self.json.get(alias).filter(|v| !v.is_null()))
+            alias_of(field).and_then(|alias| self.json.get(alias).filter(|v| !v.is_null()))
         })
     }
 
@@ -79,15 +97,15 @@ impl ModelConfig {
     pub fn str(&self, field: &str) -> Result<String> {
         match self.get(field) {
             Some(Value::String(s)) => Ok(s.clone()),
-            Some(other) => Err(self.err(field, format!("expected a string, found {other}"))),
-            None => Err(self.err(field, "missing")),
+            Some(other) => Err(self.error(field, format!("expected a string, found {other}"))),
+            None => Err(self.error(field, "missing")),
         }
     }
 
     /// A required non-negative integer.
     pub fn usize(&self, field: &str) -> Result<usize> {
         self.opt_usize(field)?
-            .ok_or_else(|| self.err(field, "missing (expected a non-negative integer)"))
+            .ok_or_else(|| self.error(field, "missing (expected a non-negative integer)"))
     }
 
     /// An optional non-negative integer.
@@ -95,7 +113,7 @@ impl ModelConfig {
         match self.get(field) {
             None => Ok(None),
             Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-                self.err(field, format!("expected a non-negative integer, found {v}"))
+                self.error(field, format!("expected a non-negative integer, found {v}"))
             }),
         }
     }
@@ -105,6 +123,88 @@ impl ModelConfig {
         Ok(self.opt_usize(field)?.unwrap_or(default))
     }
 
+    /// A required integer in `range`; `bound` says in words what the range is (for the
+    /// message when the value is outside it).
+    pub fn usize_in(
+        &self,
+        field: &str,
+        range: RangeInclusive<usize>,
+        bound: &str,
+    ) -> Result<usize> {
+        let v = self.usize(field)?;
+        self.check_in(field, v, range, bound)
+    }
+
+    /// [`Self::usize_in`] with a default for a missing field (the default is not checked).
+    pub fn usize_in_or(
+        &self,
+        field: &str,
+        range: RangeInclusive<usize>,
+        bound: &str,
+        default: usize,
+    ) -> Result<usize> {
+        match self.opt_usize(field)? {
+            None => Ok(default),
+            Some(v) => self.check_in(field, v, range, bound),
+        }
+    }
+
+    fn check_in(
+        &self,
+        field: &str,
+        v: usize,
+        range: RangeInclusive<usize>,
+        bound: &str,
+    ) -> Result<usize> {
+        if range.contains(&v) {
+            return Ok(v);
+        }
+        Err(self.error(
+            field,
+            format!(
+                "is {v}, outside {}..={} ({bound})",
+                range.start(),
+                range.end()
+            ),
+        ))
+    }
+
+    /// A required dimension (a width, a head count, a rank, the vocabulary size): a positive
+    /// integer of at most [`MAX_DIM`], so that products of a few of them neither overflow
+    /// nor ask for absurd allocations before the tensors are checked against them.
+    pub fn dim(&self, field: &str) -> Result<usize> {
+        self.usize_in(field, 1..=MAX_DIM, DIM_BOUND)
+    }
+
+    /// An optional dimension (see [`Self::dim`]).
+    pub fn opt_dim(&self, field: &str) -> Result<Option<usize>> {
+        match self.opt_usize(field)? {
+            None => Ok(None),
+            Some(v) => self.check_in(field, v, 1..=MAX_DIM, DIM_BOUND).map(Some),
+        }
+    }
+
+    /// A dimension with a default (see [`Self::dim`]).
+    pub fn dim_or(&self, field: &str, default: usize) -> Result<usize> {
+        Ok(self.opt_dim(field)?.unwrap_or(default))
+    }
+
+    /// A required count of numbered parts that each have their own tensors in the checkpoint
+    /// (`num_hidden_layers`: `…layers.{L}.…`): at most `present`, how many such parts the
+    /// checkpoint's tensor names number ([`crate::format::safetensors::numbered_parts`]).
+    /// Checked before anything is allocated or looped over per part, so a config claiming
+    /// 2^62 layers is refused at once.
+    pub fn count(&self, field: &str, present: usize, parts: &str) -> Result<usize> {
+        let v = self.usize(field)?;
+        if v > present {
+            return Err(self.error(
+                field,
+                format!("is {v}, but the checkpoint has tensors for only {present} {parts}"),
+            ));
+        }
+        Ok(v)
+    }
+
     /// An optional number.
     pub fn opt_f64(&self, field: &str) -> Result<Option<f64>> {
         match self.get(field) {
@@ -112,7 +212,7 @@ impl ModelConfig {
             Some(v) => v
                 .as_f64()
                 .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+                .ok_or_else(|| self.error(field, format!("expected a number, found {v}"))),
         }
     }
 
@@ -126,7 +226,7 @@ impl ModelConfig {
         match self.get(field) {
             None => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(self.err(field, format!("expected true or false, found {v}"))),
+            Some(v) => Err(self.error(field, format!("expected true or false, found {v}"))),
         }
     }
 
@@ -138,24 +238,28 @@ impl ModelConfig {
                 .iter()
                 .map(|v| v.as_u64().map(|n| n as usize))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| self.err(field, "expected a list of non-negative integers")),
-            Some(v) => Err(self.err(field, format!("expected a list, found {v}"))),
+                .ok_or_else(|| self.error(field, "expected a list of non-negative integers")),
+            Some(v) => Err(self.error(field, format!("expected a list, found {v}"))),
         }
     }
 
     /// Token ids that end generation: `eos_token_id` as an integer or a list.
     pub fn eos_token_ids(&self) -> Result<Vec<u32>> {
+        // Token ids are u32: a larger number is refused, not truncated into another id.
+        let id = |v: &Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
         match self.get("eos_token_id") {
             None => Ok(Vec::new()),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_u64().map(|n| n as u32))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| self.err("eos_token_id", "expected integers")),
-            Some(v) => v
-                .as_u64()
-                .map(|n| vec![n as u32])
-                .ok_or_else(|| self.err("eos_token_id", format!("expected an integer, found {v}"))),
+            Some(Value::Array(a)) => {
+                a.iter().map(id).collect::<Option<Vec<_>>>().ok_or_else(|| {
+                    self.error("eos_token_id", "expected token ids (integers below 2^32)")
+                })
+            }
+            Some(v) => id(v).map(|n| vec![n]).ok_or_else(|| {
+                self.error(
+                    "eos_token_id",
+                    format!("expected a token id (an integer below 2^32), found {v}"),
+                )
+            }),
         }
     }
 
@@ -174,7 +278,7 @@ impl ModelConfig {
             match obj.and_then(|o| o.get(key)).filter(|v| !v.is_null()) {
                 None => Ok(None),
                 Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-                    self.err(
+                    self.error(
                         &format!("{field}.{key}"),
                         format!("expected a number, found {v}"),
                     )
@@ -183,15 +287,28 @@ impl ModelConfig {
         };
         if let Some(p) = params {
             if !p.is_object() {
-                return Err(self.err(field, format!("expected an object, found {p}")));
+                return Err(self.error(field, format!("expected an object, found {p}")));
             }
         }
         let theta = num(params, "rope_theta")?
             .or(self.opt_f64("rope_theta")?)
             .unwrap_or(default_theta);
-        let partial = num(params, "partial_rotary_factor")?
+        let nested_partial = num(params, "partial_rotary_factor")?;
+        let partial = nested_partial
             .or(self.opt_f64("partial_rotary_factor")?)
             .unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&partial) {
+            // The rotated width is head_dim × partial: more than the head is no rotation
+            // anyone defines, and a huge factor would size the frequency table by it.
+            let name = match nested_partial {
+                Some(_) => format!("{field}.partial_rotary_factor"),
+                None => "partial_rotary_factor".to_string(),
+            };
+            return Err(self.error(
+                &name,
+                format!("is {partial}, expected a fraction of the head between 0 and 1"),
+            ));
+        }
         let kind_name = params
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(|v| v.as_str())
@@ -199,7 +316,7 @@ impl ModelConfig {
             .to_string();
         let need = |key: &str| -> Result<f64> {
             num(params, key)?.ok_or_else(|| {
-                self.err(
+                self.error(
                     &format!("{field}.{key}"),
                     format!("missing (required by rope_type `{kind_name}`)"),
                 )
@@ -209,7 +326,7 @@ impl ModelConfig {
             Ok(match num(params, "original_max_position_embeddings")? {
                 Some(v) => v,
                 None => self.opt_f64("max_position_embeddings")?.ok_or_else(|| {
-                    self.err(
+                    self.error(
                         &format!("{field}.original_max_position_embeddings"),
                         "missing",
                     )
@@ -239,7 +356,7 @@ impl ModelConfig {
                     .unwrap_or(true),
             },
             other => {
-                return Err(self.err(
+                return Err(self.error(
                     &format!("{field}.rope_type"),
                     format!("rope type `{other}` is not supported (supported: default, linear, llama3, yarn)"),
                 ))
@@ -257,11 +374,13 @@ impl ModelConfig {
                         .map(|v| v.as_f64())
                         .collect::<Option<Vec<_>>>()
                         .ok_or_else(|| {
-                            self.err("rope_freq_factors", "expected a list of numbers")
+                            self.error("rope_freq_factors", "expected a list of numbers")
                         })?,
                 ),
                 Some(v) => {
-                    return Err(self.err("rope_freq_factors", format!("expected a list, found {v}")))
+                    return Err(
+                        self.error("rope_freq_factors", format!("expected a list, found {v}"))
+                    )
                 }
             },
         })

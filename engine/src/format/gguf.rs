@@ -45,8 +45,9 @@ pub const MAX_NAME_LEN: usize = 64;
 const MAX_STRING_LEN: u64 = 1 << 20;
 /// Most elements in one metadata array.
 const MAX_ARRAY_LEN: u64 = 64 << 20;
-/// Most tensors in one file.
-const MAX_TENSORS: u64 = 1 << 20;
+/// Most tensors in one file (and most tensor descriptions a GGUF checkpoint's fused experts
+/// are split into).
+pub const MAX_TENSORS: u64 = 1 << 20;
 /// Most metadata pairs in one file.
 const MAX_KV: u64 = 1 << 20;
 /// Deepest nesting of arrays in metadata.
@@ -992,12 +993,19 @@ impl GgufFile {
                     )))
                 }
             };
+            // The element count fits too, even where a zero dimension makes the size 0.
+            let fits = dims
+                .iter()
+                .filter(|&&d| d != 0)
+                .try_fold(1usize, |n, &d| usize::try_from(d).ok()?.checked_mul(n));
             let shape = dims
                 .iter()
                 .rev()
                 .map(|&d| usize::try_from(d))
                 .collect::<std::result::Result<Vec<_>, _>>()
-                .map_err(|_| bad(format!("dimensions {dims:?} do not fit in memory")))?;
+                .ok()
+                .filter(|_| fits.is_some())
+                .ok_or_else(|| bad(format!("dimensions {dims:?} do not fit in memory")))?;
             tensors.push(GgufTensor {
                 name,
                 dims_ggml: dims,

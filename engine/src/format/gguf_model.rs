@@ -48,8 +48,8 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 
 use super::config::ModelConfig;
-use super::gguf::{GgufFile, GgufTensor};
-use super::safetensors::{Access, Checkpoint, TensorDesc};
+use super::gguf::{GgufFile, GgufTensor, MAX_TENSORS};
+use super::safetensors::{numbered_parts, Access, Checkpoint, TensorDesc};
 use crate::tensor::quant::QuantType;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
@@ -105,7 +105,34 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         .get_tensor("token_embd.weight")
         .ok_or_else(|| Error::tensor(&path, "token_embd.weight", "missing from the GGUF file"))?;
     let vocab = embd.shape[0];
+    // Counts are checked against the tensors the file holds before anything is built per
+    // block or per expert.
     let experts = opt_u("expert_count")?.unwrap_or(0);
+    if experts > 0 {
+        let present = experts_in_file(g);
+        if experts > present as u64 {
+            return Err(Error::config(
+                &path,
+                key("expert_count"),
+                format!("is {experts}, but the file has tensors for only {present} experts"),
+            ));
+        }
+    }
+    let used_count = || -> Result<u64> {
+        let experts = need("expert_count")?;
+        let used = need("expert_used_count")?;
+        if used == 0 || used > experts {
+            return Err(Error::config(
+                &path,
+                key("expert_used_count"),
+                format!(
+                    "is {used}, but each token is routed to at least one and at most all of the \
+                     {experts} experts (expert_count)"
+                ),
+            ));
+        }
+        Ok(used)
+    };
     let model_type = match (arch.as_str(), experts) {
         ("llama", 0) | ("qwen2", _) => "llama",
         ("llama", _) => "mixtral",
@@ -133,6 +160,14 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let hidden = need("embedding_length")?;
     // MTP ("nextn") blocks are counted in block_count and come last.
     let blocks = need("block_count")?;
+    let present = numbered_parts(g.tensors().iter().map(|t| t.name.as_str()), "blk");
+    if blocks > present as u64 {
+        return Err(Error::config(
+            &path,
+            key("block_count"),
+            format!("is {blocks}, but the file has tensors for only {present} blocks (blk.N)"),
+        ));
+    }
     let nextn = opt_u("nextn_predict_layers")?.unwrap_or(0);
     if nextn >= blocks {
         return Err(Error::config(
@@ -196,9 +231,9 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         c.insert("rope_interleaved".into(), json!(true));
     }
     if deepseek_family {
-        deepseek_family_config(g, &arch, &mut c, layers, vocab)?;
+        deepseek_family_config(g, &arch, &mut c, layers, vocab, used_count()?)?;
     } else if experts > 0 {
-        let used = need("expert_used_count")?;
+        let used = used_count()?;
         c.insert("num_experts".into(), json!(experts));
         c.insert("num_local_experts".into(), json!(experts));
         c.insert("num_experts_per_tok".into(), json!(used));
@@ -312,6 +347,7 @@ fn deepseek_family_config(
     c: &mut Map<String, Value>,
     layers: u64,
     vocab: usize,
+    experts_used: u64,
 ) -> Result<()> {
     let path = g.path().to_path_buf();
     let key = |k: &str| format!("{arch}.{k}");
@@ -350,10 +386,7 @@ fn deepseek_family_config(
     }
     let experts = need("expert_count")?;
     c.insert("n_routed_experts".into(), json!(experts));
-    c.insert(
-        "num_experts_per_tok".into(),
-        json!(need("expert_used_count")?),
-    );
+    c.insert("num_experts_per_tok".into(), json!(experts_used));
     c.insert(
         "moe_intermediate_size".into(),
         json!(need("expert_feed_forward_length")?),
@@ -429,10 +462,13 @@ fn deepseek_family_config(
         }
         c.insert("rope_interleave".into(), json!(true));
     } else {
-        let hd = c
-            .get("head_dim")
-            .and_then(|v| v.as_u64())
-            .unwrap_or(c["hidden_size"].as_u64().unwrap_or(0) / need("attention.head_count")?);
+        let hidden = c["hidden_size"].as_u64().unwrap_or(0);
+        let hd = match c.get("head_dim").and_then(|v| v.as_u64()) {
+            Some(hd) => hd,
+            None => hidden
+                .checked_div(need("attention.head_count")?)
+                .ok_or_else(|| Error::config(&path, key("attention.head_count"), "is 0"))?,
+        };
         let rot = opt_u("rope.dimension_count")?.unwrap_or(hd);
         let partial = rot as f64 / hd.max(1) as f64;
         if rot > hd || rot % 2 != 0 || (hd as f64 * partial) as u64 != rot {
@@ -453,6 +489,24 @@ fn deepseek_family_config(
         );
     }
     Ok(())
+}
+
+/// How many experts the file's tensors hold: the most of a fused `ffn_*_exps` tensor
+/// (`[experts, rows, cols]`), or of the numbered per-expert tensors of older Mixtral files
+/// (`blk.N.ffn_gate.E.weight`).
+fn experts_in_file(g: &GgufFile) -> usize {
+    let names = || g.tensors().iter().map(|t| t.name.as_str());
+    let fused = g
+        .tensors()
+        .iter()
+        .filter(|t| t.name.ends_with("_exps.weight") && t.shape.len() == 3)
+        .map(|t| t.shape[0])
+        .max()
+        .unwrap_or(0);
+    ["ffn_gate", "ffn_up", "ffn_down"]
+        .iter()
+        .map(|s| numbered_parts(names(), s))
+        .fold(fused, usize::max)
 }
 
 /// The HF name of a llama.cpp per-layer tensor suffix (`attn_q.weight` → `self_attn.q_proj.weight`).
@@ -545,6 +599,7 @@ fn hf_tensors(
     // MLA's split kv_b per layer: (attn_k_b, attn_v_b).
     type Split<'a> = (Option<&'a GgufTensor>, Option<&'a GgufTensor>);
     let mut split: BTreeMap<usize, Split> = BTreeMap::new();
+    let mut split_descs = 0usize;
     for t in g.tensors() {
         let desc =
             |name: &str, shape: Vec<usize>, offset: usize, len: usize| -> Result<TensorDesc> {
@@ -589,18 +644,30 @@ fn hf_tensors(
             .strip_suffix("_exps.weight")
             .and_then(|b| b.strip_prefix("ffn_"))
         {
-            if t.shape.len() != 3 || t.shape[0] == 0 || t.len % t.shape[0] != 0 {
+            if t.shape.len() != 3 || t.shape[0] == 0 || t.len % t.shape[0] != 0 || t.len == 0 {
                 return Err(Error::tensor(
                     g.path(),
                     &t.name,
                     format!(
-                        "fused experts must be [experts, rows, cols], got {:?}",
+                        "fused experts must be [experts, rows, cols] with no empty dimension, got {:?}",
                         t.shape
                     ),
                 ));
             }
             let n = t.shape[0];
             let per = t.len / n;
+            // One description per expert (two for fused gate/up): bounded like a file's own
+            // tensor count, so a few bytes of tiny experts cannot make millions of them.
+            split_descs += n * if which == "gate_up" { 2 } else { 1 };
+            if split_descs > MAX_TENSORS as usize {
+                return Err(Error::tensor(
+                    g.path(),
+                    &t.name,
+                    format!(
+                        "the fused experts split into more than {MAX_TENSORS} tensors ({n} experts here)"
+                    ),
+                ));
+            }
             if which == "gate_up" {
                 // Gate and up fused along the rows: the first half of each expert's rows is
                 // its gate, the second its up (llama.cpp's `ffn_gate_up_exps`).

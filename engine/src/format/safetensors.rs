@@ -258,6 +258,13 @@ impl Checkpoint {
         &self.files[file].path
     }
 
+    /// How many distinct numbers follow the name component `segment` in this checkpoint's
+    /// tensor names (`numbered("layers")` counts the `N` of `model.layers.{N}.…`): see
+    /// [`numbered_parts`].
+    pub fn numbered(&self, segment: &str) -> usize {
+        numbered_parts(self.tensors.keys().map(String::as_str), segment)
+    }
+
     /// Whether a tensor exists.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
@@ -618,6 +625,25 @@ fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(found)
 }
 
+/// How many distinct numbers `N` follow the dotted component `segment` in `names`
+/// (`….{segment}.{N}.…` or `{segment}.{N}.…`). Every numbered part a model has (a layer, an
+/// expert) has tensors of its own, so this bounds what a configuration may claim by what the
+/// file holds, and it is itself bounded by the number of tensors.
+pub fn numbered_parts<'a>(names: impl IntoIterator<Item = &'a str>, segment: &str) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    for name in names {
+        let mut parts = name.split('.').peekable();
+        while let Some(p) = parts.next() {
+            if p == segment {
+                if let Some(n) = parts.peek().and_then(|n| n.parse::<usize>().ok()) {
+                    seen.insert(n);
+                }
+            }
+        }
+    }
+    seen.len()
+}
+
 /// Map one shard and validate its header.
 fn read_shard(
     path: &Path,
@@ -701,7 +727,14 @@ fn read_shard(
                 ),
             ));
         }
-        let want = shape.iter().product::<usize>() * dtype.size();
+        // Every product of the dimensions fits, whatever order it is taken in (one of 0
+        // elements included: [2^62, 2^62, 0] is refused, not multiplied out later).
+        let want = shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+            .map(|n| if shape.contains(&0) { 0 } else { n })
+            .ok_or_else(|| bad(format!("shape {shape:?} of {dtype} overflows")))?;
         if end - begin != want {
             return Err(bad(format!(
                 "has {} bytes but shape {shape:?} of {dtype} needs {want}",

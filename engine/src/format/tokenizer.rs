@@ -11,7 +11,7 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::AddedToken;
 
-use crate::error::{read_file, Error, Result};
+use crate::error::{Error, Result};
 
 /// The replacement character a byte-level decoder emits for an incomplete UTF-8 sequence.
 const REPLACEMENT: char = '\u{FFFD}';
@@ -36,12 +36,41 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Load a `tokenizer.json`. A missing or unreadable file is [`Error::Io`]; a file that
-    /// does not parse as a tokenizer is [`Error::Corrupt`]; both name the path.
+    /// Load a `tokenizer.json`. A missing or unreadable file is [`Error::Io`]; a file that is
+    /// not JSON (a syntax error, nesting deeper than serde_json's 128 levels) is
+    /// [`Error::Json`]; one that does not describe a tokenizer is [`Error::Corrupt`]; all
+    /// name the path.
+    ///
+    /// The `tokenizers` crate panics on some such files (its decoder and normalizer
+    /// deserializers `expect` success), so the JSON is parsed here first, and what the crate
+    /// builds from it is built under `catch_unwind`: a panic in there becomes an error too.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
-        let bytes = read_file(path)?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::corrupt(path, format!("not a usable tokenizer.json: {e}")))?;
+        let json = crate::error::read_json(path)?;
+        let built = std::panic::catch_unwind(move || {
+            <tokenizers::Tokenizer as serde::Deserialize>::deserialize(json)
+        });
+        let inner = match built {
+            Ok(Ok(inner)) => inner,
+            Ok(Err(e)) => {
+                return Err(Error::corrupt(
+                    path,
+                    format!("not a usable tokenizer.json: {e}"),
+                ))
+            }
+            Err(panic) => {
+                let why = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("no message");
+                return Err(Error::corrupt(
+                    path,
+                    format!(
+                        "not a usable tokenizer.json: the tokenizers crate failed on it ({why})"
+                    ),
+                ));
+            }
+        };
         Ok(Tokenizer {
             inner,
             origin: path.to_path_buf(),
@@ -346,6 +375,31 @@ mod tests {
         let err = Tokenizer::from_file(&path).unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");
         assert!(err.to_string().contains(&path.display().to_string()));
+    }
+
+    #[test]
+    fn a_file_the_tokenizers_crate_panics_on_is_an_error() {
+        // Well-formed JSON that the crate's normalizer deserializer `expect`s to be a
+        // charsmap: it panics inside the crate, and the load returns an error instead.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&trained().inner().to_string(false).unwrap()).unwrap();
+        json["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": 5});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains("Precompiled"),
+            "{msg}"
+        );
+        // Nesting beyond serde_json's limit is a JSON error naming the file and the place.
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        std::fs::write(&path, deep).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Json { .. }), "{err}");
+        assert!(err.to_string().contains("recursion limit"), "{err}");
     }
 
     #[test]

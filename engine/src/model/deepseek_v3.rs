@@ -14,11 +14,11 @@ use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
-use super::olmoe::qwen_style_expert_names_under;
+use super::olmoe::qwen_style_expert_names;
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
 };
-use crate::format::config::{ModelConfig, RopeKind};
+use crate::format::config::{ModelConfig, RopeKind, MAX_DIM};
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore, StoreOptions};
 use crate::{Error, Result};
@@ -94,8 +94,8 @@ pub struct DeepseekMoe {
 impl DeepseekMoe {
     /// Read the MoE keys: `mlp_layer_types` ("dense"/"sparse") if present, else the first
     /// `first_k_dense_replace` layers dense.
-    pub fn read(cfg: &ModelConfig, layers: usize) -> Result<DeepseekMoe> {
-        let experts = cfg.usize("n_routed_experts")?;
+    pub fn read(cfg: &ModelConfig, ckpt: &Checkpoint, layers: usize) -> Result<DeepseekMoe> {
+        let experts = super::expert_count(cfg, ckpt, "n_routed_experts")?;
         let n_group = cfg.usize_or("n_group", 1)?.max(1);
         let topk_group = cfg.usize_or("topk_group", n_group)?;
         if experts % n_group != 0 || experts / n_group < 2 || topk_group > n_group {
@@ -145,9 +145,14 @@ impl DeepseekMoe {
         };
         Ok(DeepseekMoe {
             experts,
-            top_k: cfg.usize("num_experts_per_tok")?,
-            intermediate: cfg.usize("moe_intermediate_size")?,
-            shared: cfg.usize_or("n_shared_experts", 0)?,
+            top_k: super::experts_per_token(cfg, experts)?,
+            intermediate: cfg.dim("moe_intermediate_size")?,
+            shared: cfg.usize_in_or(
+                "n_shared_experts",
+                0..=MAX_DIM,
+                "shared experts are at most 2^24",
+                0,
+            )?,
             router: Router::SigmoidGrouped {
                 n_group,
                 topk_group,
@@ -174,7 +179,7 @@ impl DeepseekMoe {
                 ckpt,
                 &format!("{p}.mlp"),
                 d,
-                cfg.usize("intermediate_size")?,
+                cfg.dim("intermediate_size")?,
                 false,
             )?));
         }
@@ -220,21 +225,21 @@ pub fn load_mla_stack(
     interleave: bool,
     mut sparse: impl FnMut(usize) -> Result<Sparse>,
 ) -> Result<Transformer> {
-    let d = cfg.usize("hidden_size")?;
-    let layers = cfg.usize("num_hidden_layers")?;
-    let heads = cfg.usize("num_attention_heads")?;
-    let vocab = cfg.usize("vocab_size")?;
-    let q_lora = cfg.opt_usize("q_lora_rank")?;
-    let kv_lora = cfg.usize("kv_lora_rank")?;
-    let nope = cfg.usize("qk_nope_head_dim")?;
-    let rope_dim = cfg.usize("qk_rope_head_dim")?;
-    let v_dim = cfg.usize("v_head_dim")?;
+    let d = cfg.dim("hidden_size")?;
+    let layers = super::layer_count(cfg, ckpt)?;
+    let heads = cfg.dim("num_attention_heads")?;
+    let vocab = cfg.dim("vocab_size")?;
+    let q_lora = cfg.opt_dim("q_lora_rank")?;
+    let kv_lora = cfg.dim("kv_lora_rank")?;
+    let nope = cfg.dim("qk_nope_head_dim")?;
+    let rope_dim = cfg.dim("qk_rope_head_dim")?;
+    let v_dim = cfg.dim("v_head_dim")?;
     let eps = cfg.f64_or("rms_norm_eps", 1e-6)?;
-    if heads == 0 || rope_dim % 2 != 0 || kv_lora == 0 {
+    if rope_dim % 2 != 0 {
         return Err(Error::config(
             cfg.path(),
             "qk_rope_head_dim",
-            "MLA needs heads > 0, an even qk_rope_head_dim and kv_lora_rank > 0",
+            format!("is {rope_dim}; MLA rotates pairs, so it must be even"),
         ));
     }
     let mut rope_params = cfg.rope(10000.0)?;
@@ -254,7 +259,7 @@ pub fn load_mla_stack(
         }
     }
     let form = opts.mla_form;
-    let mut moe = DeepseekMoe::read(cfg, layers)?;
+    let mut moe = DeepseekMoe::read(cfg, ckpt, layers)?;
     let m = &names.model;
     let mtp_name = format!("{m}.layers.{layers}.eh_proj.weight");
     if opts.mtp {
@@ -271,7 +276,14 @@ pub fn load_mla_stack(
         // The MTP block is a MoE layer; its experts join the store as layer `layers`.
         moe.is_moe.push(true);
     }
-    let expert_names = qwen_style_expert_names_under(&names.model, &moe.is_moe, moe.experts);
+    let expert_names = qwen_style_expert_names(
+        ckpt,
+        cfg,
+        "n_routed_experts",
+        &names.model,
+        &moe.is_moe,
+        moe.experts,
+    )?;
     // What is never loaded: tensors outside the text model (Kimi's vision tower) and an MTP
     // block left out.
     let mtp_prefix = format!("{m}.layers.{layers}.");

@@ -706,31 +706,49 @@ fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
             "max_position_embeddings": cfg.usize_or("max_position_embeddings", 4096)?,
         }),
     );
-    let mut params = view.rope(10000.0)?;
+    // Errors name the field where the file has it: `rope_parameters.{kind}.…`.
+    let mut params = view.rope(10000.0).map_err(|e| match e {
+        Error::Config {
+            path,
+            field,
+            message,
+        } => Error::Config {
+            path,
+            field: field.replacen("rope_parameters.", &format!("rope_parameters.{kind}."), 1),
+            message,
+        },
+        other => other,
+    })?;
     params.interleaved = true;
     Ok(Rope::new(&params, head_dim))
 }
 
 /// Build a DeepSeek-V4 model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<DeepseekV4> {
+    // The layer count first: normalising builds per-layer lists.
+    let layers_n = super::layer_count(cfg, ckpt)?;
     let normalized = normalize_config(cfg)?;
     let cfg = &normalized;
-    let d = cfg.usize("hidden_size")?;
-    let layers_n = cfg.usize("num_hidden_layers")?;
-    let heads = cfg.usize("num_attention_heads")?;
-    let hd = cfg.usize("head_dim")?;
-    let vocab = cfg.usize("vocab_size")?;
-    let q_lora = cfg.usize("q_lora_rank")?;
+    let d = cfg.dim("hidden_size")?;
+    let heads = cfg.dim("num_attention_heads")?;
+    let hd = cfg.dim("head_dim")?;
+    let vocab = cfg.dim("vocab_size")?;
+    let q_lora = cfg.dim("q_lora_rank")?;
     let eps = cfg.f64_or("rms_norm_eps", 1e-6)?;
-    let hc = cfg.usize_or("hc_mult", 4)?;
+    let hc = cfg.dim_or("hc_mult", 4)?;
     let c = V4Config {
         eps,
         hc_eps: cfg.f64_or("hc_eps", 1e-6)? as f32,
-        sinkhorn_iters: cfg.usize_or("hc_sinkhorn_iters", 20)?,
+        sinkhorn_iters: cfg.usize_in_or(
+            "hc_sinkhorn_iters",
+            0..=1000,
+            "DeepSeek-V4 normalises with 20 iterations",
+            20,
+        )?,
     };
-    let experts = cfg.usize("n_routed_experts")?;
-    let top_k = cfg.usize("num_experts_per_tok")?;
-    let inter = cfg.usize("moe_intermediate_size")?;
+    let experts = super::expert_count(cfg, ckpt, "n_routed_experts")?;
+    let top_k = super::experts_per_token(cfg, experts)?;
+    let inter = cfg.dim("moe_intermediate_size")?;
     let limit = cfg.opt_f64("swiglu_limit")?.map(|l| l as f32);
     let scaling = cfg.f64_or("routed_scaling_factor", 1.0)? as f32;
     if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
@@ -782,28 +800,23 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     } else {
         ("", "embed.weight", "norm.weight", "hc_head_")
     };
-    let names: Vec<Vec<ExpertNames>> = (0..layers_n)
-        .map(|l| {
-            (0..experts)
-                .map(|e| {
-                    let p = format!("{m}layers.{l}.ffn.experts.{e}");
-                    ExpertNames {
-                        gate: format!("{p}.w1.weight"),
-                        up: format!("{p}.w3.weight"),
-                        down: format!("{p}.w2.weight"),
-                    }
-                })
-                .collect()
-        })
-        .collect();
+    let all = vec![true; layers_n];
+    let names = store::expert_table(ckpt, cfg, "n_routed_experts", &all, experts, |l, e| {
+        let p = format!("{m}layers.{l}.ffn.experts.{e}");
+        ExpertNames {
+            gate: format!("{p}.w1.weight"),
+            up: format!("{p}.w3.weight"),
+            down: format!("{p}.w2.weight"),
+        }
+    })?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
     let embed = ckpt.weight(embed_name, &[vocab, d])?;
     let mut layers = Vec::with_capacity(layers_n);
     for l in 0..layers_n {
         let p = format!("{m}layers.{l}");
         let a = format!("{p}.attn");
-        let groups = cfg.usize("o_groups")?;
-        let o_rank = cfg.usize("o_lora_rank")?;
+        let groups = cfg.dim("o_groups")?;
+        let o_rank = cfg.dim("o_lora_rank")?;
         let compression = match layer_types[l].as_str() {
             "sliding_attention" => Compression::Sliding,
             "heavily_compressed_attention" => Compression::Hca(Compressor::load(
@@ -817,7 +830,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             )?),
             "compressed_sparse_attention" => {
                 let rate = rate_of("compressed_sparse_attention")?;
-                let (nh, dim) = (cfg.usize("index_n_heads")?, cfg.usize("index_head_dim")?);
+                let (nh, dim) = (cfg.dim("index_n_heads")?, cfg.dim("index_head_dim")?);
                 Compression::Csa(
                     Compressor::load(ckpt, &format!("{a}.compressor"), d, hd, rate, true, eps)?,
                     Box::new(V4Indexer {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::deepseek_v3::DeepseekMoe;
 use super::layers::{QkNorm, RmsNorm};
-use super::olmoe::qwen_style_expert_names_under;
+use super::olmoe::qwen_style_expert_names;
 use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
@@ -17,7 +17,7 @@ use crate::Result;
 
 /// Build a GLM-4 MoE model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
-    let mut sc = StandardConfig::read(cfg, 1e-5, 10000.0)?;
+    let mut sc = StandardConfig::read(cfg, ckpt, 1e-5, 10000.0)?;
     let given = cfg.get("partial_rotary_factor").is_some()
         || cfg
             .get("rope_parameters")
@@ -26,8 +26,15 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     if !given {
         sc.rope.partial_rotary_factor = 0.5;
     }
-    let moe = DeepseekMoe::read(cfg, sc.layers)?;
-    let names = qwen_style_expert_names_under("model", &moe.is_moe, moe.experts);
+    let moe = DeepseekMoe::read(cfg, ckpt, sc.layers)?;
+    let names = qwen_style_expert_names(
+        ckpt,
+        cfg,
+        "n_routed_experts",
+        "model",
+        &moe.is_moe,
+        moe.experts,
+    )?;
     let store: Arc<dyn ExpertStore> =
         store::open(ckpt, &names, sc.hidden_size, moe.intermediate, opts)?;
     let qk_norm = cfg.bool_or("use_qk_norm", false)?;

@@ -61,13 +61,13 @@ pub fn indexer_types(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {
 
 /// Build a GLM-5 model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
-    let layers = cfg.usize("num_hidden_layers")?;
+    let layers = super::layer_count(cfg, ckpt)?;
     let full = indexer_types(cfg, layers)?;
-    let d = cfg.usize("hidden_size")?;
-    let q_lora = cfg.usize("q_lora_rank")?;
-    let heads = cfg.usize("index_n_heads")?;
-    let head_dim = cfg.usize("index_head_dim")?;
-    let rope_dim = cfg.usize("qk_rope_head_dim")?;
+    let d = cfg.dim("hidden_size")?;
+    let q_lora = cfg.dim("q_lora_rank")?;
+    let heads = cfg.dim("index_n_heads")?;
+    let head_dim = cfg.dim("index_head_dim")?;
+    let rope_dim = cfg.dim("qk_rope_head_dim")?;
     let top_k = cfg.usize("index_topk")?;
     if rope_dim > head_dim || top_k == 0 {
         return Err(Error::config(

@@ -10,8 +10,8 @@ use crate::Result;
 
 /// Build a Llama model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &StoreOptions) -> Result<Transformer> {
-    let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
-    let inter = cfg.usize("intermediate_size")?;
+    let sc = StandardConfig::read(cfg, ckpt, 1e-6, 10000.0)?;
+    let inter = cfg.dim("intermediate_size")?;
     let mlp_bias = cfg.bool_or("mlp_bias", false)?;
     let d = sc.hidden_size;
     load_standard(ckpt, cfg, &sc, None, |l| {

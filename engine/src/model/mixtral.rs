@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use super::experts_per_token;
 use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use crate::format::config::ModelConfig;
@@ -13,26 +14,21 @@ use crate::Result;
 
 /// Build a Mixtral model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
-    let sc = StandardConfig::read(cfg, 1e-5, 1e6)?;
-    let experts = cfg.usize("num_local_experts")?;
-    let top_k = cfg.usize("num_experts_per_tok")?;
-    let inter = cfg.usize("intermediate_size")?;
+    let sc = StandardConfig::read(cfg, ckpt, 1e-5, 1e6)?;
+    let experts = super::expert_count(cfg, ckpt, "num_local_experts")?;
+    let top_k = experts_per_token(cfg, experts)?;
+    let inter = cfg.dim("intermediate_size")?;
     let window = cfg.opt_usize("sliding_window")?;
     let d = sc.hidden_size;
-    let names: Vec<Vec<ExpertNames>> = (0..sc.layers)
-        .map(|l| {
-            (0..experts)
-                .map(|e| {
-                    let p = format!("model.layers.{l}.block_sparse_moe.experts.{e}");
-                    ExpertNames {
-                        gate: format!("{p}.w1.weight"),
-                        up: format!("{p}.w3.weight"),
-                        down: format!("{p}.w2.weight"),
-                    }
-                })
-                .collect()
-        })
-        .collect();
+    let all = vec![true; sc.layers];
+    let names = store::expert_table(ckpt, cfg, "num_local_experts", &all, experts, |l, e| {
+        let p = format!("model.layers.{l}.block_sparse_moe.experts.{e}");
+        ExpertNames {
+            gate: format!("{p}.w1.weight"),
+            up: format!("{p}.w3.weight"),
+            down: format!("{p}.w2.weight"),
+        }
+    })?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         Ok(LayerParts {

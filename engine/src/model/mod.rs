@@ -171,6 +171,29 @@ pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
     load_family(&ckpt, &cfg, opts)
 }
 
+/// `num_hidden_layers`, checked against the layers the checkpoint has tensors for
+/// ([`ModelConfig::count`]) before any family builds anything per layer.
+pub fn layer_count(cfg: &ModelConfig, ckpt: &Checkpoint) -> Result<usize> {
+    cfg.count("num_hidden_layers", ckpt.numbered("layers"), "layers")
+}
+
+/// The routed-expert count in `field`, checked against the experts the checkpoint has
+/// tensors for (`…experts.{E}.…`, [`ModelConfig::count`]) before anything is built per
+/// expert.
+pub fn expert_count(cfg: &ModelConfig, ckpt: &Checkpoint, field: &str) -> Result<usize> {
+    cfg.count(field, ckpt.numbered("experts"), "routed experts")
+}
+
+/// `num_experts_per_tok`: how many of the `experts` routed experts each token uses, at
+/// least one and at most all of them.
+pub fn experts_per_token(cfg: &ModelConfig, experts: usize) -> Result<usize> {
+    cfg.usize_in(
+        "num_experts_per_tok",
+        1..=experts.max(1),
+        &format!("each token is routed to at least one of the {experts} routed experts"),
+    )
+}
+
 /// Build the family `cfg` names from an opened checkpoint.
 fn load_family(
     ckpt: &Checkpoint,

@@ -11,55 +11,39 @@ use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
 use crate::Result;
 
-/// Per-expert tensor names of the qwen2_moe layout: `{prefix}.experts.{e}.{gate,up,down}_proj`
-/// under `model.layers.{L}.mlp` for the layers in `layers`.
+/// Per-expert tensor names of the qwen2_moe layout,
+/// `{prefix}.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj`, for the layers whose `moe` entry
+/// is set (`prefix` is `model`, or `language_model.model` for Kimi's text model); `experts`
+/// is the value of the config's `field`, checked by [`store::expert_table`].
 pub fn qwen_style_expert_names(
-    layers: &[usize],
-    total_layers: usize,
-    experts: usize,
-) -> Vec<Vec<ExpertNames>> {
-    let moe: Vec<bool> = (0..total_layers).map(|l| layers.contains(&l)).collect();
-    qwen_style_expert_names_under("model", &moe, experts)
-}
-
-/// [`qwen_style_expert_names`] under `{prefix}.layers.{L}.mlp.experts.{e}` for the layers whose
-/// `moe` entry is set (Kimi's text model lives under `language_model.model`).
-pub fn qwen_style_expert_names_under(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    field: &str,
     prefix: &str,
     moe: &[bool],
     experts: usize,
-) -> Vec<Vec<ExpertNames>> {
-    moe.iter()
-        .enumerate()
-        .map(|(l, &is_moe)| {
-            if !is_moe {
-                return Vec::new();
-            }
-            (0..experts)
-                .map(|e| {
-                    let p = format!("{prefix}.layers.{l}.mlp.experts.{e}");
-                    ExpertNames {
-                        gate: format!("{p}.gate_proj.weight"),
-                        up: format!("{p}.up_proj.weight"),
-                        down: format!("{p}.down_proj.weight"),
-                    }
-                })
-                .collect()
-        })
-        .collect()
+) -> Result<Vec<Vec<ExpertNames>>> {
+    store::expert_table(ckpt, cfg, field, moe, experts, |l, e| {
+        let p = format!("{prefix}.layers.{l}.mlp.experts.{e}");
+        ExpertNames {
+            gate: format!("{p}.gate_proj.weight"),
+            up: format!("{p}.up_proj.weight"),
+            down: format!("{p}.down_proj.weight"),
+        }
+    })
 }
 
 /// Build an OLMoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
-    let sc = StandardConfig::read(cfg, 1e-5, 10000.0)?;
-    let experts = cfg.usize("num_experts")?;
-    let top_k = cfg.usize("num_experts_per_tok")?;
-    let inter = cfg.usize("intermediate_size")?;
+    let sc = StandardConfig::read(cfg, ckpt, 1e-5, 10000.0)?;
+    let experts = super::expert_count(cfg, ckpt, "num_experts")?;
+    let top_k = super::experts_per_token(cfg, experts)?;
+    let inter = cfg.dim("intermediate_size")?;
     let renormalize = cfg.bool_or("norm_topk_prob", false)?;
     let clip_qkv = cfg.opt_f64("clip_qkv")?.map(|c| c as f32);
     let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let all: Vec<usize> = (0..sc.layers).collect();
-    let names = qwen_style_expert_names(&all, sc.layers, experts);
+    let all = vec![true; sc.layers];
+    let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &all, experts)?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");

@@ -15,23 +15,29 @@ use crate::Result;
 
 /// Build a Qwen3-MoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
-    let sc = StandardConfig::read(cfg, 1e-6, 10000.0)?;
+    let sc = StandardConfig::read(cfg, ckpt, 1e-6, 10000.0)?;
     let experts = cfg.usize_or("num_experts", 0)?;
-    let top_k = cfg.usize("num_experts_per_tok")?;
-    let moe_inter = cfg.usize("moe_intermediate_size")?;
-    let renormalize = cfg.bool_or("norm_topk_prob", false)?;
     let sparse_step = cfg.usize_or("decoder_sparse_step", 1)?.max(1);
     let mlp_only = cfg.usize_list("mlp_only_layers")?;
+    let is_moe =
+        |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1).is_multiple_of(sparse_step);
+    let moe: Vec<bool> = (0..sc.layers).map(is_moe).collect();
+    // Without MoE layers the expert count and top-k are never used.
+    let top_k = if moe.contains(&true) {
+        super::expert_count(cfg, ckpt, "num_experts")?;
+        super::experts_per_token(cfg, experts)?
+    } else {
+        cfg.usize("num_experts_per_tok")?
+    };
+    let moe_inter = cfg.dim("moe_intermediate_size")?;
+    let renormalize = cfg.bool_or("norm_topk_prob", false)?;
     let window = if cfg.bool_or("use_sliding_window", false)? {
         cfg.opt_usize("sliding_window")?
     } else {
         None
     };
     let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let is_moe =
-        |l: usize| experts > 0 && !mlp_only.contains(&l) && (l + 1).is_multiple_of(sparse_step);
-    let moe_layers: Vec<usize> = (0..sc.layers).filter(|&l| is_moe(l)).collect();
-    let names = qwen_style_expert_names(&moe_layers, sc.layers, experts);
+    let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &moe, experts)?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, opts)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
@@ -53,7 +59,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
                 ckpt,
                 &format!("{p}.mlp"),
                 d,
-                cfg.usize("intermediate_size")?,
+                cfg.dim("intermediate_size")?,
                 false,
             )?)
         };

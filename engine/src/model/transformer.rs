@@ -422,34 +422,39 @@ pub struct StandardConfig {
 }
 
 impl StandardConfig {
-    /// Read the common fields; `default_eps` and `default_theta` are the family's defaults.
+    /// Read the common fields (sizes bounded, the layer count checked against `ckpt`);
+    /// `default_eps` and `default_theta` are the family's defaults.
     pub fn read(
         cfg: &crate::format::config::ModelConfig,
+        ckpt: &crate::format::safetensors::Checkpoint,
         default_eps: f64,
         default_theta: f64,
     ) -> Result<Self> {
-        let hidden_size = cfg.usize("hidden_size")?;
-        let heads = cfg.usize("num_attention_heads")?;
-        if heads == 0 || hidden_size == 0 {
-            return Err(Error::config(
-                cfg.path(),
-                "num_attention_heads",
-                "must be positive",
-            ));
-        }
-        let kv_heads = cfg.usize_or("num_key_value_heads", heads)?;
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        let hidden_size = cfg.dim("hidden_size")?;
+        let heads = cfg.dim("num_attention_heads")?;
+        let kv_heads = cfg.dim_or("num_key_value_heads", heads)?;
+        if heads % kv_heads != 0 {
             return Err(Error::config(
                 cfg.path(),
                 "num_key_value_heads",
                 format!("{kv_heads} does not divide num_attention_heads = {heads}"),
             ));
         }
-        let head_dim = cfg.usize_or("head_dim", hidden_size / heads)?;
+        let head_dim = match cfg.opt_dim("head_dim")? {
+            Some(hd) => hd,
+            None if hidden_size >= heads => hidden_size / heads,
+            None => {
+                return Err(Error::config(
+                    cfg.path(),
+                    "num_attention_heads",
+                    format!("{heads} heads do not fit hidden_size = {hidden_size}"),
+                ))
+            }
+        };
         Ok(StandardConfig {
-            vocab_size: cfg.usize("vocab_size")?,
+            vocab_size: cfg.dim("vocab_size")?,
             hidden_size,
-            layers: cfg.usize("num_hidden_layers")?,
+            layers: super::layer_count(cfg, ckpt)?,
             heads,
             kv_heads,
             head_dim,

@@ -29,6 +29,41 @@ pub fn parse_size(s: &str) -> Result<u64> {
     Ok((v * mult as f64) as u64)
 }
 
+/// A byte count for people: bytes below 1 KiB, then KiB and MiB with one decimal, GiB and
+/// TiB with two (powers of 1024, the units [`parse_size`] reads), so that small sizes show
+/// their number instead of `0.00 GB`. Rounded to nearest; see [`format_size_up`] for a
+/// minimum someone is told to give.
+pub fn format_size(bytes: u64) -> String {
+    format_size_rounded(bytes, f64::round)
+}
+
+/// [`format_size`] rounded up at the precision shown, for a size to give at least ("raise
+/// --ram to at least …"): [`parse_size`] of it is never below `bytes`.
+pub fn format_size_up(bytes: u64) -> String {
+    format_size_rounded(bytes, f64::ceil)
+}
+
+fn format_size_rounded(bytes: u64, round: fn(f64) -> f64) -> String {
+    const UNITS: [(&str, u32, i32); 4] = [
+        ("KiB", 10, 1),
+        ("MiB", 20, 1),
+        ("GiB", 30, 2),
+        ("TiB", 40, 2),
+    ];
+    if bytes < 1 << 10 {
+        return format!("{bytes} B");
+    }
+    // The largest unit the size reaches (TiB beyond).
+    let &(name, shift, decimals) = UNITS
+        .iter()
+        .rev()
+        .find(|&&(_, shift, _)| bytes >> shift > 0)
+        .unwrap_or(&UNITS[0]);
+    let scale = 10f64.powi(decimals);
+    let v = round(bytes as f64 / (1u64 << shift) as f64 * scale) / scale;
+    format!("{v:.prec$} {name}", prec = decimals as usize)
+}
+
 /// Memory available to new allocations (`MemAvailable` of /proc/meminfo), if known.
 pub fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -82,6 +117,31 @@ mod tests {
             budget_from(Some(8 * G), None)
         );
         assert_eq!(budget_from(Some(8 * G), Some(G)), 256 << 20);
+    }
+
+    #[test]
+    fn sizes_print_in_the_unit_that_shows_them() {
+        assert_eq!(format_size(0), "0 B");
+        assert_eq!(format_size(1023), "1023 B");
+        assert_eq!(format_size(1536), "1.5 KiB");
+        assert_eq!(format_size(5 << 20), "5.0 MiB");
+        assert_eq!(format_size((3 << 30) + (1 << 29)), "3.50 GiB");
+        assert_eq!(format_size(2 << 40), "2.00 TiB");
+        // The case of the report: a few MiB is not "0.00 GB".
+        assert_eq!(format_size(2_500_000), "2.4 MiB");
+        // Nearest for what is, up for what is needed.
+        assert_eq!(format_size((1 << 20) + 1), "1.0 MiB");
+        assert_eq!(format_size_up((1 << 20) + 1), "1.1 MiB");
+        assert_eq!(format_size_up(1 << 20), "1.0 MiB");
+        // A minimum printed this way, given back as --ram, is enough.
+        let mut b = 1u64;
+        while b < 1 << 44 {
+            for x in [b, b + 1, b * 3 / 2, b * 2 - 1] {
+                let shown = format_size_up(x);
+                assert!(parse_size(&shown).unwrap() >= x, "{x} shown as {shown}");
+            }
+            b *= 2;
+        }
     }
 
     #[test]

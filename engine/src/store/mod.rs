@@ -18,6 +18,7 @@ pub mod tiered;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
+use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -43,6 +44,53 @@ pub struct ExpertNames {
     pub gate: String,
     pub up: String,
     pub down: String,
+}
+
+/// The expert-name table `names[layer][expert]`: `experts` routed experts (the value of the
+/// config's `field`, already checked against the experts the checkpoint numbers by
+/// `model::expert_count`), named by `name(layer, expert)`, in each layer `moe` marks (the
+/// others get an empty list). The whole table is checked against the checkpoint's tensor
+/// count before it is built (every expert has three matrices), so no combination of counts
+/// builds more names than the checkpoint has tensors.
+pub fn expert_table(
+    ckpt: &Checkpoint,
+    cfg: &ModelConfig,
+    field: &str,
+    moe: &[bool],
+    experts: usize,
+    name: impl Fn(usize, usize) -> ExpertNames,
+) -> Result<Vec<Vec<ExpertNames>>> {
+    let moe_layers = moe.iter().filter(|&&m| m).count();
+    if moe_layers > 0 {
+        if experts == 0 {
+            return Err(cfg.error(field, "is 0, but MoE layers route to at least one expert"));
+        }
+        let needed = experts
+            .checked_mul(moe_layers)
+            .and_then(|n| n.checked_mul(3));
+        let have = ckpt.tensors().len();
+        if needed.is_none_or(|n| n > have) {
+            return Err(cfg.error(
+                field,
+                format!(
+                    "{experts} routed experts in each of {moe_layers} MoE layers need {} expert \
+                     matrices, but the checkpoint has only {have} tensors",
+                    needed.map_or("more".to_string(), |n| n.to_string())
+                ),
+            ));
+        }
+    }
+    Ok(moe
+        .iter()
+        .enumerate()
+        .map(|(l, &is_moe)| {
+            if is_moe {
+                (0..experts).map(|e| name(l, e)).collect()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect())
 }
 
 /// Experts of one layer, handed out as they become ready (cached ones at once, misses as

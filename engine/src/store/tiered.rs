@@ -298,10 +298,10 @@ impl TieredStore {
             .saturating_sub(total_bytes + opts.unused_bytes) as u64;
         if resident > budget {
             return Err(Error::Invalid(format!(
-                "the resident weights alone ({:.2} GB: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {:.2} GB; raise --ram to at least {:.2} GB",
-                resident as f64 / 1e9,
-                budget as f64 / 1e9,
-                resident as f64 / 1e9
+                "the resident weights alone ({}: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {}; raise --ram to at least {}",
+                super::budget::format_size(resident),
+                super::budget::format_size(budget),
+                super::budget::format_size_up(resident)
             )));
         }
         let expert_bytes = locations
