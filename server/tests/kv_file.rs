@@ -144,7 +144,7 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
                 "restored {} tokens ({} cached, 1 pending)",
                 prompt_len + n,
                 prompt_len + n - 1
-            )) && err_b2.contains(&format!("({size} bytes)")),
+            )) && err_b2.contains(&format!("({})", human_size(size))),
             "{arch}: restore report: {err_b2}"
         );
         assert!(
@@ -241,4 +241,13 @@ fn damaged_or_foreign_kv_files_are_refused() {
         arch,
         "is NaN, but a KV cache holds finite numbers only",
     );
+}
+
+/// A file size as the binary prints it: bytes below 1 KiB, else KiB or MiB with one decimal.
+fn human_size(bytes: u64) -> String {
+    match bytes {
+        0..1024 => format!("{bytes} B"),
+        1024..1048576 => format!("{:.1} KiB", bytes as f64 / 1024.0),
+        _ => format!("{:.1} MiB", bytes as f64 / 1048576.0),
+    }
 }
