@@ -6,10 +6,13 @@
 //! and say which file and which field.
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+mod support;
+use support::fixture;
 
 use colibri::format::gguf::{GgufFile, GgufTensorSpec, GgufValue, GgufWriter};
 use colibri::format::gguf_convert::{convert, ConvertType};
@@ -133,12 +136,6 @@ const FAMILIES: &[Family] = &[
     },
 ];
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/fixtures")
-        .join(name)
-}
-
 /// A copy of a fixture directory to break.
 fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
@@ -171,21 +168,14 @@ struct Run {
 /// `coli info --model <model>` under the address-space limit, waited for up to the
 /// deadline (a run past it is killed and fails the test).
 fn coli_info(model: &Path) -> Run {
-    let child = Command::new("sh")
-        .arg("-c")
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
         .arg(format!(
             "ulimit -v {ADDRESS_SPACE_KIB} || exit 99; exec \"$0\" info --model \"$1\""
         ))
         .arg(env!("CARGO_BIN_EXE_coli"))
-        .arg(model)
-        .env(
-            "COLI_CACHE_DIR",
-            std::env::temp_dir().join("coli-test-cache-unused"),
-        )
-        .env(
-            "COLI_STATE_DIR",
-            std::env::temp_dir().join("coli-test-state"),
-        )
+        .arg(model);
+    let child = support::isolated(&mut cmd)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -2,36 +2,13 @@
 //! reproduces the reference greedy continuation, `logits` matches the reference logits, the
 //! thread count and a seed make runs reproducible, and bad input gets a clear error.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
+mod support;
+use support::{coli, fixture, reference};
+
 const FAMILIES: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
-
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/fixtures")
-        .join(arch)
-}
-
-fn reference(arch: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap())
-        .unwrap()
-}
-
-fn coli(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_coli"))
-        .args(args)
-        .env(
-            "COLI_CACHE_DIR",
-            std::env::temp_dir().join("coli-test-cache-unused"),
-        )
-        .env(
-            "COLI_STATE_DIR",
-            std::env::temp_dir().join("coli-test-state"),
-        )
-        .output()
-        .expect("coli runs")
-}
 
 fn ok_stdout(out: &Output) -> String {
     assert!(

@@ -3,37 +3,13 @@
 //! uninterrupted run, and damaged or foreign KV files (a bad checksum, a truncation, another
 //! model, values that are not finite behind a valid checksum) are refused with a clear error.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 use colibri::runtime::generate::Conversation;
 use colibri::runtime::kv_file;
 
-fn fixture(arch: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/fixtures")
-        .join(arch)
-}
-
-fn reference(arch: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(arch).join("reference.json")).unwrap())
-        .unwrap()
-}
-
-fn coli(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_coli"))
-        .args(args)
-        .env(
-            "COLI_CACHE_DIR",
-            std::env::temp_dir().join("coli-test-cache-unused"),
-        )
-        .env(
-            "COLI_STATE_DIR",
-            std::env::temp_dir().join("coli-test-state"),
-        )
-        .output()
-        .expect("coli runs")
-}
+mod support;
+use support::{coli, fixture, reference};
 
 /// Greedy `coli run` on `arch`'s fixture; returns (text without the final newline, stderr).
 fn run(arch: &str, prompt: &str, max_tokens: usize, kv: Option<&Path>) -> (String, String) {
