@@ -34,7 +34,7 @@ use super::cache::{KvCache, LayerKv};
 use super::layers::{
     embed, softmax_inplace, weights_of, Linear, Mlp, MoeBlock, RmsNorm, Rope, Router,
 };
-use super::torch_topk::torch_topk;
+use super::torch_topk::torch_topk_set;
 use super::{CausalLm, Logits, ModelInfo};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
@@ -488,7 +488,7 @@ impl V4Attention {
     /// The indexer's picks: for each query, the best `top_k` entries it may see, ascending.
     /// Ties are broken as transformers' `torch.topk` breaks them over the row it scores in
     /// the same forward call: every entry complete by the call's last token, the ones the
-    /// query may not see yet masked ([`torch_topk`](super::torch_topk)).
+    /// query may not see yet masked ([`torch_topk_set`](super::torch_topk::torch_topk_set)).
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -534,7 +534,7 @@ impl V4Attention {
                     })
                     .collect();
                 scores.resize(entries, f32::NEG_INFINITY);
-                let mut p: Vec<usize> = torch_topk(&scores, ix.top_k)
+                let mut p: Vec<usize> = torch_topk_set(&scores, ix.top_k)
                     .into_iter()
                     .filter(|&e| e < visible)
                     .collect();

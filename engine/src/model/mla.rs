@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use super::cache::LayerKv;
 use super::layers::{softmax_inplace, Linear, RmsNorm, Rope};
-use super::torch_topk::torch_topk;
+use super::torch_topk::torch_topk_set;
 use crate::tensor::kernels::{dot, Isa};
 use crate::tensor::WeightData;
 
@@ -327,7 +327,7 @@ impl Mla {
     /// `top_k` of them (all while fewer), in ascending order. Ties are broken as
     /// transformers' `torch.topk` breaks them over the row it scores in the same forward
     /// call: every key up to the call's last token, the not-yet-causal ones masked
-    /// ([`torch_topk`](super::torch_topk)); scores tie exactly whenever every head's ReLU is 0.
+    /// ([`torch_topk_set`](super::torch_topk::torch_topk_set)); scores tie exactly whenever every head's ReLU is 0.
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -375,7 +375,7 @@ impl Mla {
                     })
                     .collect();
                 scores.resize(end, f32::NEG_INFINITY);
-                let mut picked: Vec<u32> = torch_topk(&scores, top_k)
+                let mut picked: Vec<u32> = torch_topk_set(&scores, top_k)
                     .into_iter()
                     .filter(|&s| s <= pos)
                     .map(|s| s as u32)

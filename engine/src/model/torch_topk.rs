@@ -24,6 +24,16 @@ fn before(x: &Elem, y: &Elem) -> bool {
 /// them on the CPU (largest first where it sorts, in its order where ties are involved).
 /// `k` is clamped to the row's length.
 pub fn torch_topk(values: &[f32], k: usize) -> Vec<usize> {
+    select(values, k, true)
+}
+
+/// The same indices as [`torch_topk`], in no particular order: for callers that only need
+/// which entries were picked (the indexers sort them ascending), it skips torch's final sort.
+pub fn torch_topk_set(values: &[f32], k: usize) -> Vec<usize> {
+    select(values, k, false)
+}
+
+fn select(values: &[f32], k: usize, sorted: bool) -> Vec<usize> {
     let n = values.len();
     let k = k.min(n);
     if k == 0 {
@@ -33,12 +43,16 @@ pub fn torch_topk(values: &[f32], k: usize) -> Vec<usize> {
     if k * 64 <= n {
         // std::partial_sort = __heap_select + __sort_heap.
         heap_select(&mut q, k);
-        sort_heap(&mut q[..k]);
+        if sorted {
+            sort_heap(&mut q[..k]);
+        }
     } else {
         nth_element(&mut q, k - 1);
         // std::sort(first, first + k - 1): only the order of the first k - 1 changes, not
         // which elements are in the first k.
-        sort_range(&mut q[..k - 1]);
+        if sorted {
+            sort_range(&mut q[..k - 1]);
+        }
     }
     q[..k].iter().map(|e| e.1).collect()
 }
@@ -312,6 +326,14 @@ mod tests {
                 .map(|x| x.as_u64().unwrap() as usize)
                 .collect();
             let got = torch_topk(&values, k);
+            let mut set = super::torch_topk_set(&values, k);
+            let mut sorted_got = got.clone();
+            set.sort_unstable();
+            sorted_got.sort_unstable();
+            assert_eq!(
+                set, sorted_got,
+                "case {i}: the set differs from the sorted pick"
+            );
             if got != want {
                 differ.push(format!(
                     "case {i} (n {}, k {k}): {got:?} vs torch {want:?}",
