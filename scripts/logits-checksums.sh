@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Checksums of what `coli` computes on every committed fixture of a supported family, one line
+# each: `<sha256>  <what>`. Recorded in server/tests/fixtures/logits.sha256 at the commit before
+# the restructure of issue 14; server/tests/logits_checksums.rs runs this script with the `coli`
+# under test and compares, so a refactor that changes one bit of output fails.
+#
+#   bash scripts/logits-checksums.sh target/release/coli > server/tests/fixtures/logits.sha256
+#
+# Per fixture: `coli logits` over the prompt followed by the greedy tokens (memory-mapped, and
+# streamed under a RAM budget for the MoE families), then the fixture converted to GGUF q8_0
+# (`coli convert`: the file's bytes, and `coli logits` on it) for the families GGUF has.
+set -euo pipefail
+coli=$(realpath "$1")
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root/engine/tests/fixtures"
+work=$(mktemp -d)
+export COLI_STATE_DIR="$work/state" COLI_CACHE_DIR="$work/cache" COLI_LOG=error
+# The commands' progress lines go to a log, shown only if something fails.
+exec 3>&2 2>"$work/stderr"
+trap 'rc=$?; [ $rc = 0 ] || cat "$work/stderr" >&3; rm -rf "$work"' EXIT
+
+fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_dsa deepseek_v4)
+for v in variants/*/; do fixtures+=("${v%/}"); done
+
+sum() { sha256sum | cut -d' ' -f1; }
+for f in "${fixtures[@]}"; do
+  tokens=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(",".join(map(str, r["prompt_ids"] + r["greedy_ids"])))' "$f/reference.json")
+  echo "$("$coli" logits --model "$f" --mmap --tokens "$tokens" | sum)  logits $f"
+  if [ "$f" != llama ]; then
+    echo "$("$coli" logits --model "$f" --ram 64M --no-learn --tokens "$tokens" | sum)  logits --ram 64M $f"
+  fi
+  case "$f" in
+    glm_moe_dsa|deepseek_v4|variants/*) continue ;;  # no GGUF layout for these (llama.cpp has none)
+  esac
+  gguf="$work/$(echo "$f" | tr / _).gguf"
+  "$coli" convert --model "$f" --out "$gguf" --type q8_0 >/dev/null 2>&1
+  echo "$(sum < "$gguf")  convert q8_0 $f"
+  echo "$("$coli" logits --model "$gguf" --mmap --tokens "$tokens" | sum)  logits gguf q8_0 $f"
+done
