@@ -6,7 +6,10 @@
 //! - [`store`]: where weights live; the expert store the MoE blocks acquire experts from.
 //! - [`model`]: shared layers and one file per architecture.
 //! - [`runtime`]: sequences, sampling and the generation loop.
+//! - [`convert`]: Hugging Face → GGUF (it quantizes, and uses the model's own RoPE, so it sits
+//!   above `model`; `format` only describes).
 
+pub mod convert;
 pub mod error;
 pub mod format;
 pub mod model;

@@ -541,7 +541,14 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
     // so the request is certainly still running: meanwhile the background saver writes the
     // steps before it (the prompt's rows and the first decode row).
     let state = tempfile::tempdir().unwrap();
-    let loaded = Arc::new(LoadedModel::open_with(&dir, false, &learning(state.path())).unwrap());
+    let loaded = Arc::new(
+        LoadedModel::open_with(
+            &dir,
+            false,
+            &colibri::model::LoadOptions::from(learning(state.path())),
+        )
+        .unwrap(),
+    );
     let scheduler = Scheduler::start(loaded.clone(), config(Duration::ZERO));
     let seen = Arc::new(std::sync::Mutex::new(None));
     let (during, watched) = (seen.clone(), state.path().to_path_buf());
@@ -563,7 +570,14 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
     // Saves due only every minute: none while the request runs, one when the engine goes
     // idle, holding every row the engine ran.
     let state = tempfile::tempdir().unwrap();
-    let loaded = Arc::new(LoadedModel::open_with(&dir, false, &learning(state.path())).unwrap());
+    let loaded = Arc::new(
+        LoadedModel::open_with(
+            &dir,
+            false,
+            &colibri::model::LoadOptions::from(learning(state.path())),
+        )
+        .unwrap(),
+    );
     let scheduler = Scheduler::start(loaded.clone(), config(Duration::from_secs(60)));
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let (during, watched) = (seen.clone(), state.path().to_path_buf());

@@ -312,7 +312,8 @@ fn write_model(dir: &Path, tensors: Tensors, quantized: bool) {
 
 fn logits(dir: &Path, opts: &StoreOptions) -> (Vec<u32>, Option<u64>) {
     let ids = common::prompt("deepseek_v4");
-    let m = model::load_with(dir, opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let m = model::load_with(dir, &colibri::model::LoadOptions::from(opts.clone()))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let mut cache = m.new_cache(ids.len());
     let out = m.forward(&ids, &mut cache, Logits::All).unwrap();
     (common::bits(&out), m.store_stats().map(|s| s.bytes_read))
@@ -366,7 +367,8 @@ fn v4_fp4_and_fp8_checkpoint_equals_its_dequantization_resident_and_streamed() {
             learn: false,
             ..StoreOptions::default()
         };
-        let m = model::load_with(&quant_dir, &opts).unwrap();
+        let m =
+            model::load_with(&quant_dir, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
         assert_eq!(m.info().routed_expert_bytes, info.routed_expert_bytes);
         assert_eq!(m.info().dense_bytes, info.dense_bytes);
         drop(m);
@@ -399,7 +401,7 @@ fn keep(_: &str, d: DType, s: &[usize], b: &[u8]) -> Option<(DType, Vec<usize>, 
 }
 
 fn load_error(dir: &Path, opts: &StoreOptions) -> String {
-    model::load_with(dir, opts)
+    model::load_with(dir, &colibri::model::LoadOptions::from(opts.clone()))
         .err()
         .expect("loading must fail")
         .to_string()
@@ -471,7 +473,7 @@ fn missing_or_corrupt_scales_are_clear_errors() {
         e.contains("model.layers.2.ffn.experts.") && e.contains(".w1.scale") && e.contains("0xFF"),
         "{e}"
     );
-    let m = model::load_with(&dir, &streaming()).unwrap();
+    let m = model::load_with(&dir, &colibri::model::LoadOptions::from(streaming())).unwrap();
     let ids = common::prompt("deepseek_v4");
     let mut cache = m.new_cache(ids.len());
     let e = m

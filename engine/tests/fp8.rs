@@ -233,7 +233,7 @@ fn fp8_experts_stream_with_identical_bits() {
     write_fp8_and_dequantized(&fixture("mixtral"), &fp8, &deq);
     let ids = common::prompt("mixtral");
     let run = |opts: &StoreOptions| {
-        let m = model::load_with(&fp8, opts).unwrap();
+        let m = model::load_with(&fp8, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
         let mut cache = m.new_cache(ids.len());
         let logits = m.forward(&ids, &mut cache, Logits::All).unwrap();
         (common::bits(&logits), m.store_stats().map(|s| s.bytes_read))

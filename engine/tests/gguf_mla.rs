@@ -1,5 +1,5 @@
 //! GGUF files of the DeepSeek-V3 family (`deepseek2`: MLA) and of GLM-4.5 (`glm4moe`), as
-//! llama.cpp names and lays them out: the fixtures converted by `gguf_convert` (the code
+//! llama.cpp names and lays them out: the fixtures converted by `colibri::convert` (the code
 //! behind `coli convert`) load through the GGUF path into the same families and give the
 //! safetensors logits — bit for bit where the GGUF path computes the same way, and within the
 //! oracle tolerance of transformers. Both MLA layouts (`attn_kv_b`, and the split
@@ -11,9 +11,9 @@ use common::{argmax, bits, fixture, ids, reference_json};
 
 use std::path::Path;
 
+use colibri::convert::{convert, convert_with, ConvertOptions, ConvertType};
 use colibri::format::config::ModelConfig;
 use colibri::format::gguf::{GgmlType, GgufFile, GgufTensorSpec, GgufValue, GgufWriter};
-use colibri::format::gguf_convert::{convert, convert_with, ConvertOptions, ConvertType};
 use colibri::format::gguf_model;
 use colibri::format::safetensors::{Access, Checkpoint};
 use colibri::format::write::{SafetensorsWriter, TensorSpec};
@@ -270,7 +270,12 @@ fn glm4moe_gguf_matches_safetensors() {
     assert_eq!(json["partial_rotary_factor"], serde_json::json!(0.5));
     json["kv_f16"] = serde_json::json!(false);
     let cfg = ModelConfig::from_value(out.clone(), json);
-    let exact = model::glm4_moe::load(&ckpt, &cfg, &StoreOptions::default()).unwrap();
+    let exact = model::glm4_moe::load(
+        &ckpt,
+        &cfg,
+        &colibri::model::LoadOptions::from(StoreOptions::default()),
+    )
+    .unwrap();
     let got = prompt_logits(&exact, &prompt);
     assert_eq!(bits(&got), bits(&st), "glm4moe (f32 KV) GGUF ≠ safetensors");
 }
@@ -384,7 +389,8 @@ fn split_and_unsplit_kv_b_load_to_the_same_model() {
                 io_threads: 2,
                 ..StoreOptions::default()
             };
-            let streamed = model::load_with(file, &opts).unwrap();
+            let streamed =
+                model::load_with(file, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
             let got = prompt_logits(streamed.as_ref(), &prompt);
             assert_eq!(
                 bits(&got),

@@ -1,4 +1,4 @@
-//! GGUF models: each family's transformers fixture converted to GGUF (`gguf_convert`, the
+//! GGUF models: each family's transformers fixture converted to GGUF (`colibri::convert`, the
 //! code behind `coli convert`) loads through the GGUF path (llama.cpp names, fused experts,
 //! permuted Q/K with interleaved RoPE) and still matches transformers: f32 within the oracle
 //! tolerance and greedy-identical; quantized mixes load, run and stay close.
@@ -6,7 +6,7 @@
 mod common;
 use common::{argmax, fixture, ids, reference_json};
 
-use colibri::format::gguf_convert::{convert, ConvertType};
+use colibri::convert::{convert, ConvertType};
 use colibri::model::{self, Logits};
 
 fn reference_logits(arch: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {

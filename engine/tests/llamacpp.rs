@@ -99,7 +99,7 @@ fn llama_cpp_python() -> Option<String> {
 /// llama-cpp-python, which takes ~25 minutes to build); skipped with a message otherwise.
 #[test]
 fn converted_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
-    use colibri::format::gguf_convert::{convert, ConvertType};
+    use colibri::convert::{convert, ConvertType};
     let Some(py) = llama_cpp_python() else {
         eprintln!("skipped: set COLI_LLAMA_CPP_PYTHON to a python with llama-cpp-python");
         return;

@@ -395,7 +395,7 @@ fn a_budget_below_the_resident_weights_prints_sizes_that_show_and_suffice() {
         state_dir: Some(tmp.path().join("state")),
         ..StoreOptions::default()
     };
-    let e = match model::load_with(tmp.path(), &opts(1000)) {
+    let e = match model::load_with(tmp.path(), &colibri::model::LoadOptions::from(opts(1000))) {
         Ok(_) => panic!("1000 bytes cannot hold the resident weights"),
         Err(e) => e.to_string(),
     };
@@ -409,9 +409,16 @@ fn a_budget_below_the_resident_weights_prints_sizes_that_show_and_suffice() {
     assert!(e.contains("budget of 1000 B"), "{e}");
     // The minimum it names is enough, and is no more than 0.1 KiB above what is needed.
     let min = parse_size(at_least).unwrap();
-    assert!(model::load_with(tmp.path(), &opts(min)).is_ok(), "{e}");
     assert!(
-        model::load_with(tmp.path(), &opts(min - 103)).is_err(),
+        model::load_with(tmp.path(), &colibri::model::LoadOptions::from(opts(min))).is_ok(),
+        "{e}"
+    );
+    assert!(
+        model::load_with(
+            tmp.path(),
+            &colibri::model::LoadOptions::from(opts(min - 103))
+        )
+        .is_err(),
         "{e}"
     );
 }
@@ -452,8 +459,8 @@ fn a_tensor_shape_whose_element_count_overflows_is_refused() {
 /// The mixtral fixture as an f32 GGUF file, with its tensor `name` replaced by one of ggml
 /// dimensions `dims` (zero bytes).
 fn gguf_with_tensor(dir: &Path, name: &str, dims: Vec<u64>) -> std::path::PathBuf {
+    use colibri::convert::{convert, ConvertType};
     use colibri::format::gguf::{GgufFile, GgufTensorSpec, GgufWriter};
-    use colibri::format::gguf_convert::{convert, ConvertType};
     let good = dir.join("good.gguf");
     if !good.exists() {
         convert(&fixture("mixtral"), &good, ConvertType::F32, |_, _| {}).unwrap();

@@ -12,8 +12,8 @@ use common::{bits, fixture, prompt, reference_logits};
 use std::path::Path;
 
 use colibri::model::mla::MlaForm;
+use colibri::model::LoadOptions;
 use colibri::model::{self, CausalLm, Logits};
-use colibri::store::StoreOptions;
 
 fn prefill(model: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
     let mut cache = model.new_cache(ids.len());
@@ -36,9 +36,9 @@ fn absorbed_and_expanded_mla_agree() {
         let absorbed = model::load(&dir).unwrap();
         let expanded = model::load_with(
             &dir,
-            &StoreOptions {
-                mla_form: MlaForm::Expanded,
-                ..StoreOptions::default()
+            &LoadOptions {
+                mla_form: Some(MlaForm::Expanded),
+                ..LoadOptions::default()
             },
         )
         .unwrap();
@@ -146,9 +146,9 @@ fn a_bf16_latent_cache_halves_its_bytes_and_decodes_as_it_prefills() {
     use colibri::model::cache::KvDType;
     let dir = fixture("deepseek_v3");
     let ids = prompt("deepseek_v3");
-    let opts = StoreOptions {
-        kv_dtype: KvDType::Bf16,
-        ..StoreOptions::default()
+    let opts = LoadOptions {
+        kv_dtype: Some(KvDType::Bf16),
+        ..LoadOptions::default()
     };
     let m = model::load_with(&dir, &opts).unwrap();
     // 3 layers × (16 latent + 8 rope) values × 2 bytes.
@@ -179,9 +179,9 @@ fn a_bf16_cache_saved_to_a_kv_file_continues_exactly() {
     let ids = prompt("glm_moe_dsa");
     let m = model::load_with(
         &dir,
-        &StoreOptions {
-            kv_dtype: KvDType::Bf16,
-            ..StoreOptions::default()
+        &LoadOptions {
+            kv_dtype: Some(KvDType::Bf16),
+            ..LoadOptions::default()
         },
     )
     .unwrap();

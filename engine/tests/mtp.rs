@@ -14,6 +14,7 @@ use colibri::format::safetensors::Checkpoint;
 use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::cache::KvCache;
 use colibri::model::{self, CausalLm, Drafter, Logits, ModelInfo};
+use colibri::model::{Draft, LoadOptions};
 use colibri::runtime::generate::{generate, GenerateParams};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::runtime::speculative::{generate_with_drafts, DraftPolicy};
@@ -117,18 +118,21 @@ fn mtp_drafts_never_change_the_tokens() {
         plain_model.drafter().is_none(),
         "the head loads only on request"
     );
-    let resident = StoreOptions {
-        mtp: true,
-        ..StoreOptions::default()
+    let resident = LoadOptions {
+        draft: Draft::Mtp,
+        ..LoadOptions::default()
     };
     let info = model::load_with(dir.path(), &resident)
         .unwrap()
         .info()
         .clone();
     // Streamed: the MTP layer's experts go through the store like the others.
-    let streamed = StoreOptions {
-        ram_budget: Some(info.dense_bytes as u64 + 4096),
-        io_threads: 2,
+    let streamed = LoadOptions {
+        placement: StoreOptions {
+            ram_budget: Some(info.dense_bytes as u64 + 4096),
+            io_threads: 2,
+            ..StoreOptions::default()
+        },
         ..resident.clone()
     };
     for opts in [resident, streamed] {
@@ -215,9 +219,9 @@ fn accepted_and_rejected_drafts_keep_the_greedy_tokens() {
     let dir = tempfile::tempdir().unwrap();
     with_mtp(dir.path());
     let ids = prompt("deepseek_v3");
-    let opts = StoreOptions {
-        mtp: true,
-        ..StoreOptions::default()
+    let opts = LoadOptions {
+        draft: Draft::Mtp,
+        ..LoadOptions::default()
     };
     let p = params(SamplingParams::greedy(), 30);
     let plain = model::load(dir.path()).unwrap();

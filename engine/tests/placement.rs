@@ -73,7 +73,9 @@ fn every_budget_and_thread_count_gives_identical_bits() {
                     ..StoreOptions::default()
                 };
                 let got = pool.install(|| {
-                    let m = model::load_with(&dir, &opts).unwrap();
+                    let m =
+                        model::load_with(&dir, &colibri::model::LoadOptions::from(opts.clone()))
+                            .unwrap();
                     outputs(m.as_ref(), &ids)
                 });
                 assert!(
@@ -96,7 +98,7 @@ fn a_budget_below_the_resident_set_is_refused_with_numbers() {
         ram_budget: Some(1000),
         ..StoreOptions::default()
     };
-    let e = model::load_with(&dir, &opts)
+    let e = model::load_with(&dir, &colibri::model::LoadOptions::from(opts.clone()))
         .err()
         .expect("must fail")
         .to_string();
@@ -114,12 +116,12 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
     // Budget for no expert: every expert of every step is read.
     let m = model::load_with(
         &dir,
-        &StoreOptions {
+        &colibri::model::LoadOptions::from(StoreOptions {
             ram_budget: Some(resident),
             io_threads: 2,
             prefetch: true,
             ..StoreOptions::default()
-        },
+        }),
     )
     .unwrap();
     let _ = outputs(m.as_ref(), &ids);
@@ -134,12 +136,12 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
     let all = resident + m.info().routed_expert_bytes as u64;
     let m = model::load_with(
         &dir,
-        &StoreOptions {
+        &colibri::model::LoadOptions::from(StoreOptions {
             ram_budget: Some(all),
             io_threads: 2,
             prefetch: false,
             ..StoreOptions::default()
-        },
+        }),
     )
     .unwrap();
     let _ = outputs(m.as_ref(), &ids);
@@ -303,7 +305,8 @@ fn variants_never_change_bits(arch: &str) {
         ),
     ];
     for (what, opts) in &variants {
-        let m = model::load_with(&primary, opts).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let m = model::load_with(&primary, &colibri::model::LoadOptions::from(opts.clone()))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(outputs(m.as_ref(), &ids), reference, "{what}");
         m.flush().unwrap();
     }
@@ -314,7 +317,7 @@ fn variants_never_change_bits(arch: &str) {
         state_dir: Some(state.clone()),
         ..base.clone()
     };
-    let m = model::load_with(&primary, &opts).unwrap();
+    let m = model::load_with(&primary, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
     let s = m.store_stats().unwrap();
     assert!(s.pinned_bytes > 0, "learned pins were loaded: {s:?}");
     assert_eq!(outputs(m.as_ref(), &ids), reference, "with learned pins");
@@ -351,7 +354,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         }],
         ..StoreOptions::default()
     };
-    let m = model::load_with(&primary, &opts).unwrap();
+    let m = model::load_with(&primary, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
     // The mirror's files lose their data after validation: every mirror read fails.
     common::truncate_safetensors(&mirror);
     assert_eq!(
@@ -365,7 +368,11 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         mirrors: vec![],
         ..opts
     };
-    let m = model::load_with(&primary, &no_mirror).unwrap();
+    let m = model::load_with(
+        &primary,
+        &colibri::model::LoadOptions::from(no_mirror.clone()),
+    )
+    .unwrap();
     common::truncate_safetensors(&primary);
     let mut cache = m.new_cache(ids.len());
     let e = m
@@ -380,7 +387,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
 /// threads leave the bits alone.
 #[test]
 fn gguf_experts_stream_with_identical_bits() {
-    use colibri::format::gguf_convert::{convert, ConvertType};
+    use colibri::convert::{convert, ConvertType};
     let tmp = tempfile::tempdir().unwrap();
     for (arch, mix) in [
         ("mixtral", ConvertType::Q8_0),
@@ -414,7 +421,9 @@ fn gguf_experts_stream_with_identical_bits() {
                     ..StoreOptions::default()
                 };
                 let got = pool.install(|| {
-                    let m = model::load_with(&path, &opts).unwrap();
+                    let m =
+                        model::load_with(&path, &colibri::model::LoadOptions::from(opts.clone()))
+                            .unwrap();
                     let out = outputs(m.as_ref(), &ids);
                     (out, m.store_stats())
                 });

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use colibri::format::gguf_convert::{convert_with, ConvertOptions, ConvertType};
+use colibri::convert::{convert_with, ConvertOptions, ConvertType};
 
 /// Arguments of `coli convert`.
 #[derive(clap::Args, Debug)]

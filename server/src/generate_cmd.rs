@@ -91,7 +91,11 @@ pub fn run(args: RunArgs) -> Result<()> {
         Some(path) => {
             // Temporaries of saves of this file that a killed run left.
             colibri::format::write::remove_stale_temporaries_of(path);
-            let (fingerprint, conv) = restore(path, &loaded, &args.model.kv_dtype)?;
+            let (fingerprint, conv) = restore(
+                path,
+                &loaded,
+                args.model.kv_dtype.as_deref().unwrap_or("f32"),
+            )?;
             (Some(fingerprint), conv)
         }
         None => (None, None),

@@ -87,5 +87,8 @@ pub fn run(args: InfoArgs) -> Result<()> {
             .map(|t| t.source().display().to_string())
             .unwrap_or_else(|| "none".into())
     );
+    for what in &i.skipped {
+        println!("not loaded:   {what}");
+    }
     Ok(())
 }

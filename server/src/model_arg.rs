@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use colibri::model::LoadOptions;
 use colibri::runtime::loaded::LoadedModel;
 use colibri::store::budget::{default_budget, parse_size};
 use colibri::store::StoreOptions;
@@ -54,9 +55,10 @@ pub struct ModelArgs {
     #[arg(long, value_delimiter = ',')]
     pub mirror_weights: Vec<f64>,
     /// How latent-attention models (DeepSeek, Kimi, GLM-5) compute attention: absorbed (in
-    /// the latent space; default) or expanded (per-head keys and values, as transformers).
-    #[arg(long, default_value = "absorbed")]
-    pub mla_form: String,
+    /// the latent space; the default) or expanded (per-head keys and values, as transformers).
+    /// An error on a model without latent attention.
+    #[arg(long)]
+    pub mla_form: Option<String>,
     /// Draft tokens with the checkpoint's multi-token-prediction head (`mtp`; DeepSeek-V3,
     /// GLM-4.5+/5 checkpoints carry one) and verify them in one batched step: the output is
     /// identical, only the speed changes; drafting turns itself off when it does not pay.
@@ -65,9 +67,10 @@ pub struct ModelArgs {
     pub draft: String,
     /// Precision of the latent-attention KV cache (DeepSeek, Kimi, GLM-5): f32 (default) or
     /// bf16 (half the bytes per token; values rounded when stored, so outputs may differ
-    /// slightly from f32 — an explicit precision choice, never made for you).
-    #[arg(long, default_value = "f32")]
-    pub kv_dtype: String,
+    /// slightly from f32 — an explicit precision choice, never made for you). bf16 is an error
+    /// on a model without latent attention.
+    #[arg(long)]
+    pub kv_dtype: Option<String>,
 }
 
 impl ModelArgs {
@@ -84,7 +87,26 @@ impl ModelArgs {
         Ok(PathBuf::from(&self.model))
     }
 
-    /// The placement options these flags ask for (`demo_budget` overrides the default budget).
+    /// The load options these flags ask for (`default` overrides the default RAM budget).
+    pub fn load_options(&self, default: Option<u64>) -> Result<LoadOptions> {
+        Ok(LoadOptions {
+            placement: self.store_options(default)?,
+            mla_form: match &self.mla_form {
+                Some(s) => Some(s.parse().map_err(|e| anyhow::anyhow!("--mla-form: {e}"))?),
+                None => None,
+            },
+            kv_dtype: match &self.kv_dtype {
+                Some(s) => Some(s.parse().map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?),
+                None => None,
+            },
+            draft: self
+                .draft
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--draft: {e}"))?,
+        })
+    }
+
+    /// The placement options these flags ask for (`default` overrides the default budget).
     pub fn store_options(&self, default: Option<u64>) -> Result<StoreOptions> {
         let ram_budget = if self.mmap {
             None
@@ -132,20 +154,6 @@ impl ModelArgs {
                 .cache_policy
                 .parse()
                 .map_err(|e| anyhow::anyhow!("--cache-policy: {e}"))?,
-            mla_form: self
-                .mla_form
-                .parse()
-                .map_err(|e| anyhow::anyhow!("--mla-form: {e}"))?,
-            mtp: match self.draft.as_str() {
-                "none" => false,
-                "mtp" => true,
-                other => anyhow::bail!("--draft: unknown `{other}` (expected `none` or `mtp`)"),
-            },
-            unused_bytes: 0,
-            kv_dtype: self
-                .kv_dtype
-                .parse()
-                .map_err(|e| anyhow::anyhow!("--kv-dtype: {e}"))?,
         })
     }
 
@@ -157,10 +165,8 @@ impl ModelArgs {
         }
         let dir = self.prepare()?;
         // Everything mapped, with the model-shape options (--mla-form, --draft, --kv-dtype).
-        let opts = StoreOptions {
-            ram_budget: None,
-            ..self.store_options(None)?
-        };
+        let mut opts = self.load_options(None)?;
+        opts.placement.ram_budget = None;
         LoadedModel::open_with(&dir, needs_text, &opts)
             .with_context(|| format!("cannot load the model in {}", dir.display()))
     }
@@ -173,10 +179,10 @@ impl ModelArgs {
         } else {
             None
         };
-        let opts = self.store_options(default)?;
+        let opts = self.load_options(default)?;
         let loaded = LoadedModel::open_with(&dir, needs_text, &opts)
             .with_context(|| format!("cannot load the model in {}", dir.display()))?;
-        report_placement(&loaded, &opts, self.ram.is_none());
+        report_placement(&loaded, &opts.placement, self.ram.is_none());
         Ok(loaded)
     }
 }

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 mod support;
 use support::fixture;
 
+use colibri::convert::{convert, ConvertType};
 use colibri::format::gguf::{GgufFile, GgufTensorSpec, GgufValue, GgufWriter};
-use colibri::format::gguf_convert::{convert, ConvertType};
 
 /// How long one load may take.
 const DEADLINE: Duration = Duration::from_secs(10);

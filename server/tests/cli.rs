@@ -207,6 +207,73 @@ fn out_of_vocabulary_token_is_rejected() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
 }
 
+#[test]
+fn an_option_the_model_cannot_honour_is_an_error_that_says_why() {
+    // (command, model, option, value, what the message must name)
+    let cases = [
+        ("run", "llama", "--draft", "mtp", "multi-token-prediction"),
+        ("run", "olmoe", "--draft", "mtp", "multi-token-prediction"),
+        (
+            "logits",
+            "qwen3_moe",
+            "--mla-form",
+            "expanded",
+            "no multi-head latent attention",
+        ),
+        (
+            "run",
+            "mixtral",
+            "--mla-form",
+            "absorbed",
+            "no multi-head latent attention",
+        ),
+        (
+            "run",
+            "llama",
+            "--kv-dtype",
+            "bf16",
+            "no latent-attention cache",
+        ),
+        // The fixture has no MTP head (num_nextn_predict_layers 0).
+        ("run", "deepseek_v3", "--draft", "mtp", "MTP head"),
+    ];
+    for (command, arch, option, value, why) in cases {
+        let dir = fixture(arch);
+        let mut args = vec![command, "--model", dir.to_str().unwrap(), option, value];
+        args.extend(if command == "run" {
+            ["--prompt", "hello", "--max-tokens", "2"]
+        } else {
+            ["--tokens", "1,2", "--threads", "1"]
+        });
+        let out = coli(&args);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{command} {option} {value} on {arch} succeeded: {e}"
+        );
+        assert!(e.contains(why), "{arch} {option} {value}: {e}");
+        assert!(
+            e.contains(option.trim_start_matches("--").replace('-', "_").as_str())
+                || e.contains(option),
+            "the message names the option: {e}"
+        );
+    }
+    // The same options where they apply still run.
+    let dir = fixture("deepseek_v3");
+    for (option, value) in [("--mla-form", "expanded"), ("--kv-dtype", "bf16")] {
+        let out = coli(&[
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            option,
+            value,
+            "--tokens",
+            "1,2",
+        ]);
+        ok_stdout(&out);
+    }
+}
+
 /// A process id that is not running: a child that has exited and been reaped.
 fn dead_pid() -> u32 {
     let mut child = Command::new("true").spawn().unwrap();

@@ -18,9 +18,10 @@ use super::olmoe::qwen_style_expert_names;
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
 };
+use super::LoadOptions;
 use crate::format::config::{ModelConfig, RopeKind, MAX_DIM};
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertStore};
 use crate::{Error, Result};
 
 /// Where a family keeps its tensors.
@@ -42,7 +43,7 @@ impl Default for StackNames {
 }
 
 /// Build a DeepSeek-V3 model.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let interleave = cfg.bool_or("rope_interleave", true)?;
     load_mla_stack(ckpt, cfg, opts, &StackNames::default(), interleave, |_| {
         Ok(Sparse::None)
@@ -53,7 +54,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
 pub fn load_kimi_k25(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
-    opts: &StoreOptions,
+    opts: &LoadOptions,
 ) -> Result<Transformer> {
     let text = cfg.get("text_config").cloned().ok_or_else(|| {
         Error::config(
@@ -220,7 +221,7 @@ impl DeepseekMoe {
 pub fn load_mla_stack(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
-    opts: &StoreOptions,
+    opts: &LoadOptions,
     names: &StackNames,
     interleave: bool,
     mut sparse: impl FnMut(usize) -> Result<Sparse>,
@@ -258,11 +259,11 @@ pub fn load_mla_stack(
             scale *= ms * ms;
         }
     }
-    let form = opts.mla_form;
+    let form = opts.mla_form();
     let mut moe = DeepseekMoe::read(cfg, ckpt, layers)?;
     let m = &names.model;
     let mtp_name = format!("{m}.layers.{layers}.eh_proj.weight");
-    if opts.mtp {
+    if opts.mtp() {
         if !ckpt.contains(&mtp_name) {
             return Err(Error::config(
                 cfg.path(),
@@ -288,18 +289,43 @@ pub fn load_mla_stack(
     // block left out.
     let mtp_prefix = format!("{m}.layers.{layers}.");
     let (mut unused_bytes, mut unused_params) = (0, 0);
+    // (tensors, bytes) left out: outside the text model, and of the MTP block.
+    let (mut outside_text, mut mtp_left) = ((0, 0), (0, 0));
     for (name, t) in ckpt.tensors() {
         let outside = !name.starts_with(&format!("{m}.")) && !name.starts_with(&names.lm_head);
-        if outside || (!opts.mtp && name.starts_with(&mtp_prefix)) {
+        let mtp_block = !opts.mtp() && name.starts_with(&mtp_prefix);
+        if outside || mtp_block {
             unused_bytes += t.len;
             unused_params += t.shape.iter().product::<usize>();
+            let count = if outside {
+                &mut outside_text
+            } else {
+                &mut mtp_left
+            };
+            *count = (count.0 + 1, count.1 + t.len);
         }
     }
-    let opts = &StoreOptions {
-        unused_bytes: opts.unused_bytes + unused_bytes,
-        ..opts.clone()
-    };
-    let store: Arc<dyn ExpertStore> = store::open(ckpt, &expert_names, d, moe.intermediate, opts)?;
+    let mut skipped = Vec::new();
+    if outside_text.0 > 0 {
+        skipped.push(format!(
+            "{} tensors outside the text model (a vision tower; {} bytes)",
+            outside_text.0, outside_text.1
+        ));
+    }
+    if mtp_left.0 > 0 {
+        skipped.push(format!(
+            "the multi-token-prediction head (layer {layers}: {} tensors, {} bytes; --draft mtp loads it)",
+            mtp_left.0, mtp_left.1
+        ));
+    }
+    let store: Arc<dyn ExpertStore> = store::open(
+        ckpt,
+        &expert_names,
+        d,
+        moe.intermediate,
+        unused_bytes,
+        &opts.placement,
+    )?;
     let tie = cfg.bool_or("tie_word_embeddings", false)?;
     let embed = ckpt.weight(&format!("{m}.embed_tokens.weight"), &[vocab, d])?;
     let head_name = format!("{}.weight", names.lm_head);
@@ -369,7 +395,7 @@ pub fn load_mla_stack(
             scale: scale as f32,
             form,
             sparse,
-            kv_dtype: opts.kv_dtype,
+            kv_dtype: opts.kv_dtype(),
             w_uk_t,
         };
         Ok(Block {
@@ -388,7 +414,7 @@ pub fn load_mla_stack(
     for l in 0..layers {
         blocks.push(block(l)?);
     }
-    let mtp = if opts.mtp {
+    let mtp = if opts.mtp() {
         let p = format!("{m}.layers.{layers}");
         let head_name = format!("{p}.shared_head.head");
         Some(MtpHead {
@@ -426,6 +452,8 @@ pub fn load_mla_stack(
     info.dense_bytes -= unused_bytes;
     info.total_params -= unused_params;
     info.active_params -= unused_params;
+    info.unused_bytes = unused_bytes;
+    info.skipped = skipped;
     Ok(Transformer {
         embed,
         blocks,

@@ -35,10 +35,11 @@ use super::layers::{
     embed, softmax_inplace, weights_of, Linear, Mlp, MoeBlock, RmsNorm, Rope, Router,
 };
 use super::torch_topk::torch_topk_set;
+use super::LoadOptions;
 use super::{CausalLm, Logits, ModelInfo};
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertNames, ExpertStore};
 use crate::tensor::kernels::{dot, Isa};
 use crate::tensor::{Tensor, WeightData};
 use crate::{Error, Result};
@@ -724,7 +725,7 @@ fn rope_of(cfg: &ModelConfig, kind: &str, head_dim: usize) -> Result<Rope> {
 }
 
 /// Build a DeepSeek-V4 model.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<DeepseekV4> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<DeepseekV4> {
     // The layer count first: normalising builds per-layer lists.
     let layers_n = super::layer_count(cfg, ckpt)?;
     let normalized = normalize_config(cfg)?;
@@ -809,7 +810,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             down: format!("{p}.w2.weight"),
         }
     })?;
-    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, 0, &opts.placement)?;
     let embed = ckpt.weight(embed_name, &[vocab, d])?;
     let mut layers = Vec::with_capacity(layers_n);
     for l in 0..layers_n {
@@ -997,6 +998,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
         dtypes,
         max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
         kv_bytes_per_token: kv_per_token,
+        unused_bytes: 0,
+        skipped: Vec::new(),
         kv_bytes_per_token_full: layers_n * 2 * heads * hd * 4,
     };
     Ok(DeepseekV4 {

@@ -10,13 +10,14 @@ use super::deepseek_v3::DeepseekMoe;
 use super::layers::{QkNorm, RmsNorm};
 use super::olmoe::qwen_style_expert_names;
 use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertStore};
 use crate::Result;
 
 /// Build a GLM-4 MoE model.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let mut sc = StandardConfig::read(cfg, ckpt, 1e-5, 10000.0)?;
     let given = cfg.get("partial_rotary_factor").is_some()
         || cfg
@@ -35,8 +36,14 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
         &moe.is_moe,
         moe.experts,
     )?;
-    let store: Arc<dyn ExpertStore> =
-        store::open(ckpt, &names, sc.hidden_size, moe.intermediate, opts)?;
+    let store: Arc<dyn ExpertStore> = store::open(
+        ckpt,
+        &names,
+        sc.hidden_size,
+        moe.intermediate,
+        0,
+        &opts.placement,
+    )?;
     let qk_norm = cfg.bool_or("use_qk_norm", false)?;
     let (d, hd) = (sc.hidden_size, sc.head_dim);
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {

@@ -11,9 +11,9 @@ use super::deepseek_v3::{load_mla_stack, StackNames};
 use super::layers::Linear;
 use super::mla::{Indexer, LayerNorm, Sparse};
 use super::transformer::Transformer;
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::StoreOptions;
 use crate::{Error, Result};
 
 /// Whether each layer runs its own indexer (`true`) or shares the previous pick.
@@ -60,7 +60,7 @@ pub fn indexer_types(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {
 }
 
 /// Build a GLM-5 model.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let layers = super::layer_count(cfg, ckpt)?;
     let full = indexer_types(cfg, layers)?;
     let d = cfg.dim("hidden_size")?;

@@ -3,13 +3,13 @@
 
 use super::layers::{Mlp, QkNorm};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::StoreOptions;
 use crate::Result;
 
 /// Build a Llama model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &LoadOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, ckpt, 1e-6, 10000.0)?;
     let inter = cfg.dim("intermediate_size")?;
     let mlp_bias = cfg.bool_or("mlp_bias", false)?;

@@ -7,13 +7,14 @@ use std::sync::Arc;
 use super::experts_per_token;
 use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertNames, ExpertStore};
 use crate::Result;
 
 /// Build a Mixtral model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, ckpt, 1e-5, 1e6)?;
     let experts = super::expert_count(cfg, ckpt, "num_local_experts")?;
     let top_k = experts_per_token(cfg, experts)?;
@@ -29,7 +30,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
             down: format!("{p}.w2.weight"),
         }
     })?;
-    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         Ok(LayerParts {
             qk_norm: QkNorm::None,

@@ -24,7 +24,77 @@ use crate::format::config::ModelConfig;
 use crate::format::safetensors::{Access, Checkpoint};
 use crate::store::StoreOptions;
 use crate::{Error, Result};
-use cache::KvCache;
+use cache::{KvCache, KvDType};
+use mla::MlaForm;
+
+/// How to load a model: where its weights live (the store's placement) and the choices about
+/// the model itself that are made at load time. A choice the family cannot honour is an error
+/// from [`load_with`], never ignored.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Where routed experts live: RAM budget, I/O, cache, pins, mirrors.
+    pub placement: StoreOptions,
+    /// How multi-head latent attention is computed; `None`: the family's default (absorbed).
+    /// Set on a model without latent attention, it is an error.
+    pub mla_form: Option<MlaForm>,
+    /// Precision of the latent-attention cache; `None`: f32. bf16 on a model without latent
+    /// attention is an error.
+    pub kv_dtype: Option<KvDType>,
+    /// The drafter to load for speculative decoding.
+    pub draft: Draft,
+}
+
+impl LoadOptions {
+    /// The latent-attention form asked for, or the default.
+    pub fn mla_form(&self) -> MlaForm {
+        self.mla_form.unwrap_or_default()
+    }
+
+    /// The latent-attention cache precision asked for, or the default.
+    pub fn kv_dtype(&self) -> KvDType {
+        self.kv_dtype.unwrap_or_default()
+    }
+
+    /// Whether the checkpoint's multi-token-prediction head is to be loaded.
+    pub fn mtp(&self) -> bool {
+        self.draft == Draft::Mtp
+    }
+}
+
+impl From<StoreOptions> for LoadOptions {
+    /// Load with this placement and every model choice at its default.
+    fn from(placement: StoreOptions) -> LoadOptions {
+        LoadOptions {
+            placement,
+            ..LoadOptions::default()
+        }
+    }
+}
+
+/// Which drafter speculative decoding uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Draft {
+    /// No drafting.
+    #[default]
+    None,
+    /// The checkpoint's own multi-token-prediction head (DeepSeek-V3, GLM-5 checkpoints).
+    Mtp,
+}
+
+impl std::str::FromStr for Draft {
+    type Err = Error;
+
+    /// `none` or `mtp`.
+    fn from_str(s: &str) -> Result<Draft> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(Draft::None),
+            "mtp" => Ok(Draft::Mtp),
+            other => Err(Error::Invalid(format!(
+                "unknown drafter `{other}`; expected none or mtp"
+            ))),
+        }
+    }
+}
 
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +140,11 @@ pub struct ModelInfo {
     /// What per-head K/V attention of the same shape would store per token (equals
     /// `kv_bytes_per_token` except for latent attention).
     pub kv_bytes_per_token_full: usize,
+    /// Bytes of the checkpoint this model never loads (see `skipped`).
+    pub unused_bytes: usize,
+    /// What of the checkpoint was left out on purpose, e.g. "MTP head (layer 3)" or "vision
+    /// tower": said by `coli info`.
+    pub skipped: Vec<String>,
 }
 
 /// A causal language model: tokens in, next-token logits out.
@@ -93,7 +168,7 @@ pub trait CausalLm: Send + Sync {
             .collect()
     }
     /// The model's multi-token-prediction drafter, when its checkpoint has one and loading
-    /// asked for it ([`crate::store::StoreOptions::mtp`]).
+    /// asked for it ([`LoadOptions::draft`]).
     fn drafter(&self) -> Option<&dyn Drafter> {
         None
     }
@@ -139,13 +214,13 @@ pub const SUPPORTED: &[&str] = &[
 
 /// Load the model in `dir` with every weight resident.
 pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
-    load_with(dir, &StoreOptions::default())
+    load_with(dir, &LoadOptions::default())
 }
 
 /// Load the model in `dir`, placing routed experts as `opts` says.
-pub fn load_with(dir: &Path, opts: &StoreOptions) -> Result<Box<dyn CausalLm>> {
+pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     // Streaming mode never maps the files: dense weights are read once, experts on demand.
-    let access = if opts.ram_budget.is_some() {
+    let access = if opts.placement.ram_budget.is_some() {
         Access::Read
     } else {
         Access::Mapped
@@ -194,13 +269,59 @@ pub fn experts_per_token(cfg: &ModelConfig, experts: usize) -> Result<usize> {
     )
 }
 
+/// What a family can do beyond the plain forward pass, so an option it cannot honour is
+/// refused before any weight is read.
+struct Abilities {
+    /// Multi-head latent attention (`mla_form` and `kv_dtype` apply).
+    latent_attention: bool,
+    /// A multi-token-prediction drafter, when the checkpoint carries the head.
+    mtp: bool,
+}
+
+fn abilities(model_type: &str) -> Abilities {
+    let mla = matches!(
+        model_type,
+        "deepseek_v3" | "kimi_k2" | "kimi_k25" | "glm_moe_dsa"
+    );
+    Abilities {
+        latent_attention: mla,
+        mtp: mla,
+    }
+}
+
+/// Refuse the options `model_type` cannot honour, saying why.
+fn check_options(model_type: &str, opts: &LoadOptions) -> Result<()> {
+    let can = abilities(model_type);
+    if let (Some(form), false) = (opts.mla_form, can.latent_attention) {
+        return Err(Error::Invalid(format!(
+            "mla_form `{}` (--mla-form) cannot apply: `{model_type}` has no multi-head latent \
+             attention (only DeepSeek-V3/R1, Kimi K2/K2.5 and GLM-5 do); leave it unset",
+            format!("{form:?}").to_lowercase()
+        )));
+    }
+    if let (Some(KvDType::Bf16), false) = (opts.kv_dtype, can.latent_attention) {
+        return Err(Error::Invalid(format!(
+            "kv_dtype `bf16` (--kv-dtype) cannot apply: `{model_type}` has no latent-attention \
+             cache (its KV cache is f32); leave it unset"
+        )));
+    }
+    if opts.mtp() && !can.mtp {
+        return Err(Error::Invalid(format!(
+            "draft `mtp` (--draft mtp) cannot apply: colibri has no multi-token-prediction \
+             drafter for `{model_type}`; run without --draft mtp"
+        )));
+    }
+    Ok(())
+}
+
 /// Build the family `cfg` names from an opened checkpoint.
 fn load_family(
     ckpt: &Checkpoint,
     cfg: &ModelConfig,
-    opts: &StoreOptions,
+    opts: &LoadOptions,
 ) -> Result<Box<dyn CausalLm>> {
     let model_type = cfg.model_type()?;
+    check_options(&model_type, opts)?;
     let model: Box<dyn CausalLm> = match model_type.as_str() {
         "llama" => Box::new(llama::load(ckpt, cfg, opts)?),
         "mixtral" => Box::new(mixtral::load(ckpt, cfg, opts)?),
@@ -223,5 +344,11 @@ fn load_family(
             ))
         }
     };
+    if opts.mtp() && model.drafter().is_none() {
+        return Err(Error::Invalid(format!(
+            "draft `mtp` (--draft mtp): this `{model_type}` model loaded no \
+             multi-token-prediction drafter; run without --draft mtp"
+        )));
+    }
     Ok(model)
 }

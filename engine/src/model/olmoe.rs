@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use super::layers::{Linear, MoeBlock, QkNorm, RmsNorm, Router};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertNames, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertNames, ExpertStore};
 use crate::Result;
 
 /// Per-expert tensor names of the qwen2_moe layout,
@@ -34,7 +35,7 @@ pub fn qwen_style_expert_names(
 }
 
 /// Build an OLMoE model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, ckpt, 1e-5, 10000.0)?;
     let experts = super::expert_count(cfg, ckpt, "num_experts")?;
     let top_k = super::experts_per_token(cfg, experts)?;
@@ -44,7 +45,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     let (d, hd) = (sc.hidden_size, sc.head_dim);
     let all = vec![true; sc.layers];
     let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &all, experts)?;
-    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, opts)?;
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         Ok(LayerParts {

@@ -8,13 +8,14 @@ use std::sync::Arc;
 use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
 use super::olmoe::qwen_style_expert_names;
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
+use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
-use crate::store::{self, ExpertStore, StoreOptions};
+use crate::store::{self, ExpertStore};
 use crate::Result;
 
 /// Build a Qwen3-MoE model from its checkpoint.
-pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result<Transformer> {
+pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
     let sc = StandardConfig::read(cfg, ckpt, 1e-6, 10000.0)?;
     let experts = cfg.usize_or("num_experts", 0)?;
     let sparse_step = cfg.usize_or("decoder_sparse_step", 1)?.max(1);
@@ -38,7 +39,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &StoreOptions) -> Result
     };
     let (d, hd) = (sc.hidden_size, sc.head_dim);
     let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &moe, experts)?;
-    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, opts)?;
+    let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         let ffn = if is_moe(l) {

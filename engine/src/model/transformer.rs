@@ -649,6 +649,8 @@ pub(crate) fn standard_info(
         routed_expert_bytes,
         dtypes,
         max_position_embeddings: sc.max_position_embeddings,
+        unused_bytes: 0,
+        skipped: Vec::new(),
     })
 }
 

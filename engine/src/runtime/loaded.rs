@@ -8,8 +8,8 @@ use crate::format::chat_template::ChatTemplate;
 use crate::format::config::ModelConfig;
 use crate::format::generation_config::GenerationConfig;
 use crate::format::tokenizer::Tokenizer;
+use crate::model::LoadOptions;
 use crate::model::{self, CausalLm};
-use crate::store::StoreOptions;
 use crate::{Error, Result};
 
 /// A loaded model directory.
@@ -27,13 +27,13 @@ impl LoadedModel {
     /// Open `dir` with every weight resident. With `needs_text`, a missing or broken
     /// `tokenizer.json` is an error.
     pub fn open(dir: &Path, needs_text: bool) -> Result<LoadedModel> {
-        Self::open_with(dir, needs_text, &StoreOptions::default())
+        Self::open_with(dir, needs_text, &LoadOptions::default())
     }
 
-    /// Open `dir`, placing routed experts as `store` says.
-    pub fn open_with(dir: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
+    /// Open `dir`, loading the model as `opts` says.
+    pub fn open_with(dir: &Path, needs_text: bool, opts: &LoadOptions) -> Result<LoadedModel> {
         if crate::format::gguf_model::is_gguf(dir) {
-            return Self::open_gguf(dir, needs_text, store);
+            return Self::open_gguf(dir, needs_text, opts);
         }
         if dir.is_file() {
             return Err(Error::corrupt(
@@ -47,7 +47,7 @@ impl LoadedModel {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
             ));
         }
-        let model = model::load_with(dir, store)?;
+        let model = model::load_with(dir, opts)?;
         let tok_path = dir.join("tokenizer.json");
         let tokenizer = if tok_path.is_file() || needs_text {
             Some(Tokenizer::from_file(&tok_path)?)
@@ -71,10 +71,10 @@ impl LoadedModel {
     }
 
     /// Open a GGUF file: weights, tokenizer and chat template all come from the one file.
-    fn open_gguf(path: &Path, needs_text: bool, store: &StoreOptions) -> Result<LoadedModel> {
+    fn open_gguf(path: &Path, needs_text: bool, opts: &LoadOptions) -> Result<LoadedModel> {
         use crate::format::gguf::GgufFile;
         use crate::format::gguf_vocab;
-        let model = model::load_with(path, store)?;
+        let model = model::load_with(path, opts)?;
         let gguf = GgufFile::open(path)?;
         // A vocabulary we cannot build is an error only when text is needed.
         let tokenizer = match gguf_vocab::tokenizer_from_gguf(&gguf) {

@@ -349,17 +349,6 @@ pub struct StoreOptions {
     pub direct_io: bool,
     /// Which expert is evicted when the cache is full.
     pub policy: CachePolicy,
-    /// How multi-head latent attention is computed (not placement, but chosen at load time
-    /// like it, and like it never changes which tokens come out beyond rounding).
-    pub mla_form: crate::model::mla::MlaForm,
-    /// Load the checkpoint's multi-token-prediction head (layer `num_hidden_layers` of the
-    /// DeepSeek-style families) for drafting; its routed experts join the store.
-    pub mtp: bool,
-    /// Bytes of the checkpoint the model never loads (an MTP block left out, a vision
-    /// tower): not counted as resident. Set by the family loader.
-    pub unused_bytes: usize,
-    /// Precision of the latent-attention cache (`--kv-dtype`).
-    pub kv_dtype: crate::model::cache::KvDType,
 }
 
 /// Expert cache eviction policy.
@@ -390,11 +379,14 @@ impl std::str::FromStr for CachePolicy {
 
 /// The expert store for these experts under `opts`: all resident without a budget, tiered
 /// (read from disk into a cache of what the budget leaves after the resident set) with one.
+/// `unused_bytes` are bytes of the checkpoint the model never loads (an MTP block left out, a
+/// vision tower): not counted as resident.
 pub fn open(
     ckpt: &Checkpoint,
     names: &[Vec<ExpertNames>],
     hidden: usize,
     intermediate: usize,
+    unused_bytes: usize,
     opts: &StoreOptions,
 ) -> Result<Arc<dyn ExpertStore>> {
     match opts.ram_budget {
@@ -410,6 +402,7 @@ pub fn open(
             hidden,
             intermediate,
             budget,
+            unused_bytes,
             opts,
         )?)),
     }

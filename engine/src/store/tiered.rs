@@ -235,13 +235,15 @@ impl Saving {
 
 impl TieredStore {
     /// Describe the experts named by `names[layer][expert]` (shapes checked, nothing read)
-    /// and size the cache as `budget` less the checkpoint's resident (non-expert) bytes.
+    /// and size the cache as `budget` less the checkpoint's resident (non-expert) bytes;
+    /// `unused_bytes` of the checkpoint are never loaded, so not resident either.
     pub fn open(
         ckpt: &Checkpoint,
         names: &[Vec<ExpertNames>],
         hidden: usize,
         intermediate: usize,
         budget: u64,
+        unused_bytes: usize,
         opts: &StoreOptions,
     ) -> Result<TieredStore> {
         let locate = |name: &str, shape: [usize; 2]| -> Result<MatrixLocation> {
@@ -295,7 +297,7 @@ impl TieredStore {
             .collect::<Result<Vec<_>>>()?;
         let resident = ckpt
             .total_bytes()
-            .saturating_sub(total_bytes + opts.unused_bytes) as u64;
+            .saturating_sub(total_bytes + unused_bytes) as u64;
         if resident > budget {
             return Err(Error::Invalid(format!(
                 "the resident weights alone ({}: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {}; raise --ram to at least {}",
@@ -826,7 +828,7 @@ mod tests {
             prefetch: true,
             ..StoreOptions::default()
         };
-        let mut store = TieredStore::open(&ckpt, &names, 64, 32, u64::MAX / 4, &opts).unwrap();
+        let mut store = TieredStore::open(&ckpt, &names, 64, 32, u64::MAX / 4, 0, &opts).unwrap();
         store.reader = Arc::new(InlineReader {
             files: vec![File::open(ckpt.file_path(0)).unwrap()],
         });

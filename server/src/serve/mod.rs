@@ -329,9 +329,9 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
         direct_io: false,
         io: "auto".into(),
         mirror_weights: Vec::new(),
-        mla_form: "absorbed".into(),
+        mla_form: None,
         draft: "none".into(),
-        kv_dtype: "f32".into(),
+        kv_dtype: None,
     };
     let loaded = Arc::new(args.load(true)?);
     let max_ctx = loaded.model.info().max_position_embeddings.max(2);

@@ -27,9 +27,9 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::Value;
 
-use super::config::ModelConfig;
-use super::gguf::{GgmlType, GgufArray, GgufTensorSpec, GgufValue, GgufWriter};
-use super::safetensors::Checkpoint;
+use crate::format::config::ModelConfig;
+use crate::format::gguf::{GgmlType, GgufArray, GgufTensorSpec, GgufValue, GgufWriter};
+use crate::format::safetensors::Checkpoint;
 use crate::tensor::quant::{quantize_row, QuantType};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
