@@ -1336,6 +1336,89 @@ mod tests {
         }
     }
 
+    /// Rows that are their whole allocation (so the kernels' prefetches run past its end), for
+    /// every block count from one up, including 32-element rows whose count is not a multiple
+    /// of the kernels' 8-block groups: the SIMD kernels still give the scalar reference.
+    #[test]
+    fn kernels_on_exactly_allocated_rows_of_any_block_count() {
+        let isa = Isa::best_available();
+        for ty in TYPES {
+            let ks: &[usize] = match act_format(ty) {
+                Some(ActFormat::Q8K) => &[256, 512, 768],
+                _ => &[32, 64, 96, 256 + 32, 416, 544],
+            };
+            for &k in ks {
+                let bytes = quantized(ty, &values(k, 51 + k as u64), k);
+                let x = values(4 * k, 52 + k as u64);
+                let acts = QuantizedActs::quantize(act_format(ty).unwrap(), &x, k);
+                // One row, in a boxed slice of exactly its size.
+                let row: Box<[u8]> = bytes.clone().into_boxed_slice();
+                let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
+                let got4 = dot_rows::<4>(isa, ty, &row, four);
+                for (i, got) in got4.into_iter().enumerate() {
+                    let want = dot_ref(ty, &row, acts.row(i));
+                    let one = dot_rows::<1>(isa, ty, &row, [acts.row(i)])[0];
+                    assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
+                }
+                let mut out = vec![0.0f32; 4];
+                qmatmul(&x, ty, &row, 1, k, &mut out);
+                for (i, got) in out.into_iter().enumerate() {
+                    let want = dot_ref(ty, &row, acts.row(i));
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} qmatmul row {i}");
+                }
+            }
+        }
+    }
+
+    /// Prefetch addresses are formed with wrapping arithmetic: any offset past the end of the
+    /// row's allocation, even one that wraps the address space, is a defined pointer (with
+    /// `ptr::add` it would be undefined behaviour, which debug builds' precondition checks
+    /// report for the wrapping one), and prefetching it is harmless.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn prefetch_addresses_past_the_allocation_are_well_defined() {
+        let row: Box<[u8]> = vec![7u8; QuantType::Q4_K.block_bytes()].into_boxed_slice();
+        let p = row.as_ptr();
+        let len = row.len();
+        for off in [
+            0,
+            len - 1,
+            len,
+            2 * len + 128,
+            16 * len + 256,
+            1 << 40,
+            usize::MAX,
+        ] {
+            let a = avx2::prefetch_addr(p, off);
+            assert_eq!(a as usize, (p as usize).wrapping_add(off), "offset {off}");
+            avx2::prefetch(p, off);
+        }
+        assert!(row.iter().all(|&b| b == 7));
+    }
+
+    /// Activation rows that do not fit the weight row are refused before any kernel reads
+    /// them (the SIMD kernels would read past their ends).
+    #[test]
+    fn rows_that_do_not_fit_the_weight_row_are_refused() {
+        let k = 64;
+        let w = quantized(QuantType::Q4_1, &values(k, 61), k);
+        let no_sums = QuantizedActs::quantize(ActFormat::Q8_0, &values(k, 62), k);
+        let short = QuantizedActs::quantize(ActFormat::Q8_1, &values(k / 2, 63), k / 2);
+        assert!(row_fits(
+            QuantType::Q4_1,
+            &w,
+            &QuantizedActs::quantize(ActFormat::Q8_1, &values(k, 64), k).row(0)
+        ));
+        for x in [no_sums.row(0), short.row(0)] {
+            assert!(!row_fits(QuantType::Q4_1, &w, &x));
+            let run = std::panic::AssertUnwindSafe(|| {
+                dot_rows::<1>(Isa::best_available(), QuantType::Q4_1, &w, [x])
+            });
+            assert!(std::panic::catch_unwind(run).is_err());
+        }
+    }
+
     /// The integer path agrees with dequantize-then-f32 up to the activation quantization
     /// error (8-bit codes: relative error well under 1 %).
     #[test]
