@@ -1360,6 +1360,20 @@ mod tests {
                     let one = dot_rows::<1>(isa, ty, &row, [acts.row(i)])[0];
                     assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
                     assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx2 {
+                        // The AVX2-only kernels too, where dispatch picks the 512-bit ones.
+                        assert!(row_fits(ty, &row, &acts.row(i)));
+                        // SAFETY: AVX2, FMA and F16C were detected (`best_available`), the row
+                        // fits (asserted), and `wide` is off.
+                        let narrow =
+                            unsafe { avx2::dot_rows_with::<1>(ty, &row, [acts.row(i)], false) };
+                        assert_eq!(
+                            narrow[0].to_bits(),
+                            want.to_bits(),
+                            "{ty} avx2 k={k} row {i}"
+                        );
+                    }
                 }
                 let mut out = vec![0.0f32; 4];
                 qmatmul(&x, ty, &row, 1, k, &mut out);
