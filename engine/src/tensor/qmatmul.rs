@@ -314,9 +314,11 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
 /// whole number `nb` of blocks, and `x` has `nb` blocks of codes, one scale per block, and the
 /// sums its format has (Q8_1: one per block; Q8_K: 16 and 8 per super-block). The kernels
 /// read exactly these ranges.
+#[inline]
 fn row_fits(ty: QuantType, w: &[u8], x: &ActRow<'_>) -> bool {
     let (bb, bs) = (ty.block_bytes(), ty.block_size());
-    let nb = w.len() / bb;
+    // One scale per block: `nb` without a division (this runs for every row product).
+    let nb = x.d.len();
     let sums = match ty {
         QuantType::Q8_0 | QuantType::Q4_0 => true,
         QuantType::Q4_1 => x.sums.len() == nb,
@@ -324,7 +326,7 @@ fn row_fits(ty: QuantType, w: &[u8], x: &ActRow<'_>) -> bool {
         QuantType::Q6_K => x.bsums.len() == 16 * nb,
         _ => false,
     };
-    sums && w.len() == nb * bb && x.qs.len() == nb * bs && x.d.len() == nb
+    sums && w.len() == nb * bb && x.qs.len() == nb * bs
 }
 
 /// The unsigned 6-bit code (0..64) of element `e` of a Q6_K block.
