@@ -590,9 +590,22 @@ mod avx2 {
     /// which is defined for any offset (`add` there is undefined behaviour even though the
     /// address is never read).
     #[inline(always)]
-    pub(super) fn prefetch_addr(p: *const u8, off: usize) -> *const i8 {
+    pub(super) const fn prefetch_addr(p: *const u8, off: usize) -> *const i8 {
         p.wrapping_add(off).cast()
     }
+
+    // Checked by the compiler: constant evaluation rejects pointer arithmetic out of bounds of
+    // an allocation ("in-bounds pointer arithmetic failed") as the undefined behaviour it is,
+    // so this fails to build if `prefetch_addr` ever uses `ptr::add` again. The offsets are
+    // the kernels' (a Q4_K block's two-ahead lines; a Q8_0 group's sixteen-ahead ones), from
+    // the last block of an exactly-sized row, and one that wraps the address space.
+    const _: () = {
+        let row = [0u8; 144];
+        let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
+        let q8 = [0u8; 8 * 34];
+        let _ = prefetch_addr(q8.as_ptr(), 16 * 34 + 256);
+        let _ = prefetch_addr(row.as_ptr(), usize::MAX);
+    };
 
     /// Hint that the cache line `off` bytes past `p` will be read soon (any address).
     #[inline(always)]
@@ -1388,9 +1401,9 @@ mod tests {
     }
 
     /// Prefetch addresses are formed with wrapping arithmetic: any offset past the end of the
-    /// row's allocation, even one that wraps the address space, is a defined pointer (with
-    /// `ptr::add` it would be undefined behaviour, which debug builds' precondition checks
-    /// report for the wrapping one), and prefetching it is harmless.
+    /// row's allocation, even one that wraps the address space, is the plain address (with
+    /// `ptr::add` it would be undefined behaviour, which the compile-time check next to
+    /// `prefetch_addr` catches; at run time only Miri would), and prefetching it is harmless.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn prefetch_addresses_past_the_allocation_are_well_defined() {
