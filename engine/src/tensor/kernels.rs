@@ -42,10 +42,7 @@ impl Isa {
     pub fn best_available() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if avx2_fma_f16c() {
                 return Isa::Avx2;
             }
         }
@@ -57,6 +54,17 @@ impl Isa {
         }
         Isa::Scalar
     }
+}
+
+/// Whether this CPU has AVX2, FMA and F16C: what the x86-64 kernels need. The dispatchers
+/// check it next to each call into them (a cached bit test), so a caller that passes
+/// [`Isa::Avx2`] on another CPU gets the scalar reference, never an illegal instruction.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(crate) fn avx2_fma_f16c() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
 }
 
 /// Element types a weight row can hold, convertible to f32 exactly.
@@ -127,8 +135,10 @@ pub fn dot(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, w) => dot_block::<1, 1>(isa, [a], [w])[0][0],
         #[cfg(target_arch = "aarch64")]
-        // SAFETY: Isa::Neon is only chosen when NEON was detected.
-        (Isa::Neon, w) => unsafe { neon::dot(a, w) },
+        // SAFETY: NEON was just detected.
+        (Isa::Neon, w) if std::arch::is_aarch64_feature_detected!("neon") => unsafe {
+            neon::dot(a, w)
+        },
         (_, WeightData::F32(w)) => dot_scalar(a, w),
         (_, WeightData::BF16(w)) => dot_scalar(a, w),
         (_, WeightData::F16(w)) => dot_scalar(a, w),
@@ -161,82 +171,110 @@ mod avx2 {
 
     /// Load 8 weights as f32 from `p`.
     pub trait Load8: Copy + Default {
+        /// # Safety
+        /// Eight values must be readable at `p` (no alignment needed), and the CPU must have
+        /// AVX2 (and F16C for f16).
         unsafe fn load8(p: *const Self) -> __m256;
     }
     impl Load8 for f32 {
         #[inline(always)]
         unsafe fn load8(p: *const f32) -> __m256 {
-            _mm256_loadu_ps(p)
+            // SAFETY: the caller's contract: 8 readable f32, AVX available.
+            unsafe { _mm256_loadu_ps(p) }
         }
     }
     impl Load8 for bf16 {
         #[inline(always)]
         unsafe fn load8(p: *const bf16) -> __m256 {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            // SAFETY: the caller's contract: 8 readable bf16 (16 bytes), AVX2 available.
+            unsafe {
+                let h = _mm_loadu_si128(p as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            }
         }
     }
     impl Load8 for f16 {
         #[inline(always)]
         unsafe fn load8(p: *const f16) -> __m256 {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            // SAFETY: the caller's contract: 8 readable f16 (16 bytes), F16C available.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
         }
     }
 
     /// The canonical fold of 32 lanes held in 4 registers (lanes 0-7, 8-15, 16-23, 24-31):
     /// `l += l+16`, `l += l+8`, `l += l+4`, `l += l+2`, `l += l+1`, as vertical adds.
+    ///
+    /// # Safety
+    /// The CPU must have AVX.
     #[inline(always)]
     unsafe fn fold(acc: [__m256; 4]) -> f32 {
-        let lo = _mm256_add_ps(acc[0], acc[2]); // lanes 0-7 (+16)
-        let hi = _mm256_add_ps(acc[1], acc[3]); // lanes 8-15 (+16)
-        let v8 = _mm256_add_ps(lo, hi); // l += l+8
-        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1)); // l += l+4
-        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4)); // l += l+2
-        let v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 0b01)); // l += l+1
-        _mm_cvtss_f32(v1)
+        // SAFETY: register-only operations, on the AVX the caller guarantees.
+        unsafe {
+            let lo = _mm256_add_ps(acc[0], acc[2]); // lanes 0-7 (+16)
+            let hi = _mm256_add_ps(acc[1], acc[3]); // lanes 8-15 (+16)
+            let v8 = _mm256_add_ps(lo, hi); // l += l+8
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1)); // l += l+4
+            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4)); // l += l+2
+            let v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 0b01)); // l += l+1
+            _mm_cvtss_f32(v1)
+        }
     }
 
     /// One 32-element chunk of `R` activation rows against `C` weight rows.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA (and F16C for f16); 32 values must be readable at each
+    /// pointer.
     #[inline(always)]
     unsafe fn chunk<W: Load8, const R: usize, const C: usize>(
         a: &[*const f32; R],
         w: &[*const W; C],
         acc: &mut [[[__m256; 4]; C]; R],
     ) {
-        for g in 0..4 {
-            let mut wv = [_mm256_setzero_ps(); C];
-            for c in 0..C {
-                wv[c] = W::load8(w[c].add(8 * g));
-            }
-            for r in 0..R {
-                let av = _mm256_loadu_ps(a[r].add(8 * g));
+        // SAFETY: the caller's contract: the features, and elements 8g..8g + 8 (g < 4) of
+        // the 32 readable at each pointer.
+        unsafe {
+            for g in 0..4 {
+                let mut wv = [_mm256_setzero_ps(); C];
                 for c in 0..C {
-                    acc[r][c][g] = _mm256_fmadd_ps(av, wv[c], acc[r][c][g]);
+                    wv[c] = W::load8(w[c].add(8 * g));
+                }
+                for r in 0..R {
+                    let av = _mm256_loadu_ps(a[r].add(8 * g));
+                    for c in 0..C {
+                        acc[r][c][g] = _mm256_fmadd_ps(av, wv[c], acc[r][c][g]);
+                    }
                 }
             }
         }
     }
 
     /// `out[r][c] = dot(a[r], w[c])` in the canonical order.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA (and F16C for f16); all slices have the same length.
     #[inline(always)]
     pub unsafe fn block<W: Load8, const R: usize, const C: usize>(
         a: [&[f32]; R],
         w: [&[W]; C],
     ) -> [[f32; C]; R] {
         let n = a[0].len();
-        let mut acc = [[[_mm256_setzero_ps(); 4]; C]; R];
+        // SAFETY: a register-only operation, on the AVX the caller guarantees.
+        let mut acc = [[[unsafe { _mm256_setzero_ps() }; 4]; C]; R];
         let full = n / LANES * LANES;
         let mut ap = [std::ptr::null::<f32>(); R];
         let mut wp = [std::ptr::null::<W>(); C];
         let mut c0 = 0;
         while c0 < full {
             for r in 0..R {
-                ap[r] = a[r].as_ptr().add(c0);
+                ap[r] = a[r][c0..].as_ptr();
             }
             for c in 0..C {
-                wp[c] = w[c].as_ptr().add(c0);
+                wp[c] = w[c][c0..].as_ptr();
             }
-            chunk(&ap, &wp, &mut acc);
+            // SAFETY: the caller's features; every slice has n >= c0 + 32 elements (c0 + 32
+            // <= full <= n), so 32 are readable at each pointer.
+            unsafe { chunk(&ap, &wp, &mut acc) };
             c0 += LANES;
         }
         if full < n {
@@ -251,12 +289,15 @@ mod avx2 {
                 tw[c][..tail].copy_from_slice(&w[c][full..]);
                 wp[c] = tw[c].as_ptr();
             }
-            chunk(&ap, &wp, &mut acc);
+            // SAFETY: the caller's features; the pointers are to the 32-element arrays `ta`
+            // and `tw`.
+            unsafe { chunk(&ap, &wp, &mut acc) };
         }
         let mut out = [[0.0f32; C]; R];
         for r in 0..R {
             for c in 0..C {
-                out[r][c] = fold(acc[r][c]);
+                // SAFETY: the caller's contract includes AVX.
+                out[r][c] = unsafe { fold(acc[r][c]) };
             }
         }
         out
@@ -271,7 +312,8 @@ mod avx2 {
                 a: [&[f32]; R],
                 w: [&[$w]; C],
             ) -> [[f32; C]; R] {
-                block(a, w)
+                // SAFETY: the caller's contract is `block`'s.
+                unsafe { block(a, w) }
             }
         };
     }
@@ -289,7 +331,7 @@ pub fn dot_block<const R: usize, const C: usize>(
     w: [WeightData<'_>; C],
 ) -> [[f32; C]; R] {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa == Isa::Avx2 && avx2_fma_f16c() {
         let n = a[0].len();
         macro_rules! go {
             ($variant:ident, $f:ident) => {{
@@ -304,8 +346,8 @@ pub fn dot_block<const R: usize, const C: usize>(
                 for r in a.iter() {
                     assert_eq!(r.len(), n);
                 }
-                // SAFETY: Isa::Avx2 is only chosen when AVX2, FMA and F16C were detected,
-                // and every slice was checked to have length n.
+                // SAFETY: AVX2, FMA and F16C were detected just above, and every slice was
+                // checked to have length n.
                 return unsafe { avx2::$f(a, ws) };
             }};
         }
@@ -340,21 +382,30 @@ mod neon {
     use crate::tensor::WeightData;
     use std::arch::aarch64::*;
 
+    /// # Safety
+    /// The CPU must have NEON; `a` and `w` hold at least 32 elements.
     #[inline(always)]
     unsafe fn chunk<W: WeightElem>(a: &[f32], w: &[W], acc: &mut [float32x4_t; 8]) {
         let mut wf = [0.0f32; LANES];
         for l in 0..LANES {
             wf[l] = w[l].to_f32();
         }
+        let a = &a[..LANES];
         for (r, reg) in acc.iter_mut().enumerate() {
-            *reg = vfmaq_f32(
-                *reg,
-                vld1q_f32(a.as_ptr().add(4 * r)),
-                vld1q_f32(wf.as_ptr().add(4 * r)),
-            );
+            // SAFETY: NEON (the caller's contract); elements 4r..4r + 4 (r < 8) of the 32 in
+            // `a` and `wf`.
+            *reg = unsafe {
+                vfmaq_f32(
+                    *reg,
+                    vld1q_f32(a.as_ptr().add(4 * r)),
+                    vld1q_f32(wf.as_ptr().add(4 * r)),
+                )
+            };
         }
     }
 
+    /// # Safety
+    /// The CPU must have NEON.
     #[target_feature(enable = "neon")]
     unsafe fn dot_generic<W: WeightElem>(a: &[f32], w: &[W]) -> f32 {
         assert_eq!(a.len(), w.len());
@@ -362,7 +413,8 @@ mod neon {
         let full = a.len() / LANES * LANES;
         let mut c = 0;
         while c < full {
-            chunk(&a[c..c + LANES], &w[c..c + LANES], &mut acc);
+            // SAFETY: NEON (the caller's contract); both slices are 32 elements.
+            unsafe { chunk(&a[c..c + LANES], &w[c..c + LANES], &mut acc) };
             c += LANES;
         }
         if full < a.len() {
@@ -371,11 +423,13 @@ mod neon {
             let n = a.len() - full;
             ta[..n].copy_from_slice(&a[full..]);
             tw[..n].copy_from_slice(&w[full..]);
-            chunk(&ta, &tw, &mut acc);
+            // SAFETY: NEON (the caller's contract); both arrays are 32 elements.
+            unsafe { chunk(&ta, &tw, &mut acc) };
         }
         let mut lanes = [0.0f32; LANES];
         for (r, reg) in acc.iter().enumerate() {
-            vst1q_f32(lanes.as_mut_ptr().add(4 * r), *reg);
+            // SAFETY: elements 4r..4r + 4 (r < 8) of the 32 in `lanes`.
+            unsafe { vst1q_f32(lanes.as_mut_ptr().add(4 * r), *reg) };
         }
         fold_lanes(&mut lanes)
     }
@@ -383,12 +437,15 @@ mod neon {
     /// # Safety
     /// The CPU must support NEON.
     pub unsafe fn dot(a: &[f32], w: WeightData<'_>) -> f32 {
-        match w {
-            WeightData::F32(w) => dot_generic(a, w),
-            WeightData::BF16(w) => dot_generic(a, w),
-            WeightData::F16(w) => dot_generic(a, w),
-            WeightData::Quant(..) | WeightData::F8Block { .. } => {
-                unreachable!("block formats are dispatched before NEON")
+        // SAFETY: the caller's contract (NEON) is `dot_generic`'s.
+        unsafe {
+            match w {
+                WeightData::F32(w) => dot_generic(a, w),
+                WeightData::BF16(w) => dot_generic(a, w),
+                WeightData::F16(w) => dot_generic(a, w),
+                WeightData::Quant(..) | WeightData::F8Block { .. } => {
+                    unreachable!("block formats are dispatched before NEON")
+                }
             }
         }
     }

@@ -310,6 +310,25 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
     }
 }
 
+/// The SIMD kernels' contract between weight row `w` of `ty` and activation row `x`: `w` is a
+/// whole number `nb` of blocks, and `x` has `nb` blocks of codes, one scale per block, and the
+/// sums its format has (Q8_1: one per block; Q8_K: 16 and 8 per super-block). The kernels
+/// read exactly these ranges.
+#[inline]
+fn row_fits(ty: QuantType, w: &[u8], x: &ActRow<'_>) -> bool {
+    let (bb, bs) = (ty.block_bytes(), ty.block_size());
+    // One scale per block: `nb` without a division (this runs for every row product).
+    let nb = x.d.len();
+    let sums = match ty {
+        QuantType::Q8_0 | QuantType::Q4_0 => true,
+        QuantType::Q4_1 => x.sums.len() == nb,
+        QuantType::Q4_K => x.pairs.len() == 8 * nb,
+        QuantType::Q6_K => x.bsums.len() == 16 * nb,
+        _ => false,
+    };
+    sums && w.len() == nb * bb && x.qs.len() == nb * bs
+}
+
 /// The unsigned 6-bit code (0..64) of element `e` of a Q6_K block.
 #[inline]
 fn q6k_code(wb: &[u8], e: usize) -> i32 {
@@ -328,9 +347,13 @@ fn q6k_code(wb: &[u8], e: usize) -> i32 {
 #[inline]
 fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: Isa::Avx2 is only chosen when AVX2, FMA and F16C were detected; the rows
-        // have the lengths the weight row implies (checked by `qmatmul`).
+    if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
+        assert!(
+            x.iter().all(|x| row_fits(ty, w, x)),
+            "qmatmul: activation rows do not fit the {ty} weight row"
+        );
+        // SAFETY: AVX2, FMA and F16C were just detected, and every row fits `w` (asserted
+        // above): all the kernels read.
         return unsafe { avx2::dot_rows::<R>(ty, w, x) };
     }
     let _ = isa;
@@ -551,15 +574,51 @@ fn par_tasks(tasks: usize, work: usize, run: impl Fn(usize) + Sync + Send) {
 mod avx2 {
     //! AVX2 integer parts of the kernels. Integer sums are exact, so only the float steps
     //! need to follow the scalar reference, and they do so lane for lane.
+    //!
+    //! Memory safety: the kernels read weight row `w` and activation rows `x` only within the
+    //! ranges [`row_fits`](super::row_fits) describes, which their callers guarantee (the
+    //! dispatch asserts it). The register-only helpers are safe `#[target_feature]` functions,
+    //! so the compiler checks that only code with those features calls them.
 
     use std::arch::x86_64::*;
 
     use super::{f16_le, fold8, ActRow, QuantType, QK32, QK_K};
 
+    /// The address `off` bytes past `p`, for a prefetch hint. The kernels prefetch a few
+    /// blocks ahead, which near the end of a row lies past the row, and for the last row of a
+    /// matrix past the end of its allocation: the address is formed with `wrapping_add`,
+    /// which is defined for any offset (`add` there is undefined behaviour even though the
+    /// address is never read).
+    #[inline(always)]
+    pub(super) const fn prefetch_addr(p: *const u8, off: usize) -> *const i8 {
+        p.wrapping_add(off).cast()
+    }
+
+    // Checked by the compiler: constant evaluation rejects pointer arithmetic out of bounds of
+    // an allocation ("in-bounds pointer arithmetic failed") as the undefined behaviour it is,
+    // so this fails to build if `prefetch_addr` ever uses `ptr::add` again. The offsets are
+    // the kernels' (a Q4_K block's two-ahead lines; a Q8_0 group's sixteen-ahead ones), from
+    // the last block of an exactly-sized row, and one that wraps the address space.
+    const _: () = {
+        let row = [0u8; 144];
+        let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
+        let q8 = [0u8; 8 * 34];
+        let _ = prefetch_addr(q8.as_ptr(), 16 * 34 + 256);
+        let _ = prefetch_addr(row.as_ptr(), usize::MAX);
+    };
+
+    /// Hint that the cache line `off` bytes past `p` will be read soon (any address).
+    #[inline(always)]
+    pub(super) fn prefetch(p: *const u8, off: usize) {
+        // SAFETY: a prefetch is only a hint: it reads nothing the program can observe and
+        // never faults, whatever the address (and SSE, which has it, is baseline on x86_64).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(prefetch_addr(p, off)) }
+    }
+
     /// Sum of i8·i8 products of 32 bytes as 8 i32 lanes, with `|w|` already computed.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn mul_i8_abs(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    fn mul_i8_abs(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
         let sy = _mm256_sign_epi8(x, w);
         _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sy), _mm256_set1_epi16(1))
     }
@@ -567,14 +626,14 @@ mod avx2 {
     /// Sum of u8·i8 products of 32 bytes, as 8 i32 lanes.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn mul_u8(w: __m256i, x: __m256i) -> __m256i {
+    fn mul_u8(w: __m256i, x: __m256i) -> __m256i {
         _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
     }
 
     /// Lane `b` = the sum of the eight lanes of `v[b]`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn transpose_sum(v: &[__m256i; 8]) -> __m256i {
+    fn transpose_sum(v: &[__m256i; 8]) -> __m256i {
         let t0 = _mm256_hadd_epi32(v[0], v[1]);
         let t1 = _mm256_hadd_epi32(v[2], v[3]);
         let t2 = _mm256_hadd_epi32(v[4], v[5]);
@@ -588,14 +647,20 @@ mod avx2 {
 
     /// The 32 weight codes of a 32-element block as bytes (signed for Q8_0/Q4_0, unsigned
     /// for Q4_1).
+    ///
+    /// # Safety
+    /// `wb` must point to a whole block of `ty` (`ty.block_bytes()` readable bytes).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn codes32(ty: QuantType, wb: *const u8) -> __m256i {
         match ty {
-            QuantType::Q8_0 => _mm256_loadu_si256(wb.add(2) as *const __m256i),
+            // SAFETY: bytes 2..34 of a 34-byte Q8_0 block.
+            QuantType::Q8_0 => unsafe { _mm256_loadu_si256(wb.add(2) as *const __m256i) },
             _ => {
                 let off = if ty == QuantType::Q4_0 { 2 } else { 4 };
-                let packed = _mm_loadu_si128(wb.add(off) as *const __m128i);
+                // SAFETY: bytes 2..18 of an 18-byte Q4_0 block, or 4..20 of a 20-byte Q4_1
+                // block.
+                let packed = unsafe { _mm_loadu_si128(wb.add(off) as *const __m128i) };
                 let m = _mm_set1_epi8(0xf);
                 let lo = _mm_and_si128(packed, m);
                 let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), m);
@@ -610,15 +675,17 @@ mod avx2 {
     }
 
     /// # Safety
-    /// AVX2, FMA and F16C must be available; `w` must be a whole row whose length matches
-    /// every activation row.
+    /// AVX2, FMA and F16C must be available; every activation row must fit `w`
+    /// ([`row_fits`](super::row_fits)).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows<const R: usize>(
         ty: QuantType,
         w: &[u8],
         x: [ActRow<'_>; R],
     ) -> [f32; R] {
-        dot_rows_with::<R>(ty, w, x, super::avx512())
+        let wide = super::avx512();
+        // SAFETY: the caller's contract; `wide` only where `avx512` detected AVX-512 F and BW.
+        unsafe { dot_rows_with::<R>(ty, w, x, wide) }
     }
 
     /// [`dot_rows`], with the 512-bit kernels only if `wide`.
@@ -634,16 +701,25 @@ mod avx2 {
     ) -> [f32; R] {
         match ty {
             QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
-                dot32::<R>(ty, w, x, wide && super::vnni())
+                let vnni = wide && super::vnni();
+                // SAFETY: the caller's contract is the kernel's; VNNI only where `vnni`
+                // detected AVX-512 F, BW, VL and VNNI.
+                unsafe { dot32::<R>(ty, w, x, vnni) }
             }
-            QuantType::Q4_K if wide => dot_q4k_512::<R>(w, x),
-            QuantType::Q4_K => dot_q4k::<R>(w, x),
-            QuantType::Q6_K if wide => dot_q6k_512::<R>(w, x),
-            QuantType::Q6_K => dot_q6k::<R>(w, x),
+            // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
+            QuantType::Q4_K if wide => unsafe { dot_q4k_512::<R>(w, x) },
+            // SAFETY: the caller's contract is the kernel's.
+            QuantType::Q4_K => unsafe { dot_q4k::<R>(w, x) },
+            // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
+            QuantType::Q6_K if wide => unsafe { dot_q6k_512::<R>(w, x) },
+            // SAFETY: the caller's contract is the kernel's.
+            QuantType::Q6_K => unsafe { dot_q6k::<R>(w, x) },
             _ => unreachable!("no integer kernel for {ty}"),
         }
     }
 
+    /// # Safety
+    /// As [`dot_rows`]; with `vnni`, AVX-512 F, VL and VNNI must be available.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot32<const R: usize>(
         ty: QuantType,
@@ -651,21 +727,29 @@ mod avx2 {
         x: [ActRow<'_>; R],
         vnni: bool,
     ) -> [f32; R] {
-        match (ty, vnni) {
-            (QuantType::Q8_0, false) => dot32_t::<R, 0>(w, x),
-            (QuantType::Q4_0, false) => dot32_t::<R, 1>(w, x),
-            (_, false) => dot32_t::<R, 2>(w, x),
-            (QuantType::Q8_0, true) => dot32_t_vnni::<R, 0>(w, x),
-            (QuantType::Q4_0, true) => dot32_t_vnni::<R, 1>(w, x),
-            (_, true) => dot32_t_vnni::<R, 2>(w, x),
+        // SAFETY: the caller's contract (features, rows fitting `w`, VNNI where `vnni`) is
+        // each kernel's.
+        unsafe {
+            match (ty, vnni) {
+                (QuantType::Q8_0, false) => dot32_t::<R, 0>(w, x),
+                (QuantType::Q4_0, false) => dot32_t::<R, 1>(w, x),
+                (_, false) => dot32_t::<R, 2>(w, x),
+                (QuantType::Q8_0, true) => dot32_t_vnni::<R, 0>(w, x),
+                (QuantType::Q4_0, true) => dot32_t_vnni::<R, 1>(w, x),
+                (_, true) => dot32_t_vnni::<R, 2>(w, x),
+            }
         }
     }
 
     /// Eight f16 values at `p`, `p + stride`, ... as f32.
+    ///
+    /// # Safety
+    /// The two bytes at `p + k·stride` must be readable for each `k < 8`.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn f16x8(p: *const u8, stride: usize) -> __m256 {
-        let h = |k: usize| (p.add(k * stride) as *const u16).read_unaligned() as i16;
+        // SAFETY: readable by the caller's contract (`read_unaligned`: no alignment needed).
+        let h = |k: usize| unsafe { (p.add(k * stride) as *const u16).read_unaligned() } as i16;
         _mm256_cvtph_ps(_mm_setr_epi16(
             h(0),
             h(1),
@@ -680,6 +764,11 @@ mod avx2 {
 
     /// Defines a 32-element kernel for one format (`T` = 0 Q8_0, 1 Q4_0, 2 Q4_1) with the
     /// given byte-product steps; the integer sums, and so the results, are the same for all.
+    ///
+    /// Safety of the generated functions: as [`dot_rows`], with the features they enable.
+    /// With `nb` blocks in `w`, every block index `b0 + k` read below is `< nb`, so weight
+    /// bytes `(b0 + k)·bb..(b0 + k + 1)·bb`, activation codes `(b0 + k)·32..+32` and scales
+    /// (and Q4_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
     macro_rules! dot32_kernel {
         ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
             $(#[$attr])*
@@ -696,44 +785,54 @@ mod avx2 {
             let mut acc = [_mm256_setzero_ps(); R];
             let mut b0 = 0;
             while b0 < full {
-                let wp = w.as_ptr().add(b0 * bb);
-                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 64) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 128) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 192) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(wp.add(16 * bb + 256) as *const i8);
+                // SAFETY: b0 < full <= nb, so the offset is inside `w`.
+                let wp = unsafe { w.as_ptr().add(b0 * bb) };
+                // Sixteen blocks ahead: past the row's end for its last groups (formed with
+                // `wrapping_add`, see `prefetch_addr`).
+                prefetch(wp, 16 * bb);
+                prefetch(wp, 16 * bb + 64);
+                prefetch(wp, 16 * bb + 128);
+                prefetch(wp, 16 * bb + 192);
+                prefetch(wp, 16 * bb + 256);
                 let mut codes = [_mm256_setzero_si256(); 8];
                 let mut abs = [_mm256_setzero_si256(); 8];
                 for k in 0..8 {
-                    codes[k] = codes32(ty, wp.add(k * bb));
+                    // SAFETY: block b0 + k < full <= nb is whole inside `w`.
+                    codes[k] = unsafe { codes32(ty, wp.add(k * bb)) };
                     if signed {
                         abs[k] = _mm256_sign_epi8(codes[k], codes[k]);
                     }
                 }
-                let dw = f16x8(wp, bb);
+                // SAFETY: the f16 scale (bytes 0..2) of blocks b0..b0 + 8, all inside `w`.
+                let dw = unsafe { f16x8(wp, bb) };
                 let mw = if signed {
                     _mm256_setzero_ps()
                 } else {
-                    f16x8(wp.add(2), bb)
+                    // SAFETY: Q4_1's f16 min (bytes 2..4) of blocks b0..b0 + 8, inside `w`.
+                    unsafe { f16x8(wp.add(2), bb) }
                 };
                 for r in 0..R {
                     let xr = x[r];
-                    let xq = xr.qs.as_ptr().add(b0 * QK32);
-                    let mut prods = [_mm256_setzero_si256(); 8];
-                    for k in 0..8 {
-                        let xv = _mm256_loadu_si256(xq.add(k * QK32) as *const __m256i);
-                        prods[k] = if signed {
-                            $mul_abs(abs[k], codes[k], xv)
-                        } else {
-                            $mul_u8(codes[k], xv)
-                        };
-                    }
-                    let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
-                    let s = _mm256_mul_ps(dw, _mm256_loadu_ps(xr.d.as_ptr().add(b0)));
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, isums));
-                    if !signed {
-                        let m = _mm256_mul_ps(mw, _mm256_loadu_ps(xr.sums.as_ptr().add(b0)));
-                        acc[r] = _mm256_add_ps(acc[r], m);
+                    // SAFETY: the row fits `w`: codes (b0 + k)·32..+32 for k < 8 and scales
+                    // (and Q4_1 sums) b0..b0 + 8 lie inside it, as b0 + 8 <= full <= nb.
+                    unsafe {
+                        let xq = xr.qs.as_ptr().add(b0 * QK32);
+                        let mut prods = [_mm256_setzero_si256(); 8];
+                        for k in 0..8 {
+                            let xv = _mm256_loadu_si256(xq.add(k * QK32) as *const __m256i);
+                            prods[k] = if signed {
+                                $mul_abs(abs[k], codes[k], xv)
+                            } else {
+                                $mul_u8(codes[k], xv)
+                            };
+                        }
+                        let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
+                        let s = _mm256_mul_ps(dw, _mm256_loadu_ps(xr.d.as_ptr().add(b0)));
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(s, isums));
+                        if !signed {
+                            let m = _mm256_mul_ps(mw, _mm256_loadu_ps(xr.sums.as_ptr().add(b0)));
+                            acc[r] = _mm256_add_ps(acc[r], m);
+                        }
                     }
                 }
                 b0 += 8;
@@ -745,9 +844,9 @@ mod avx2 {
                 let mut dw = [0.0f32; 8];
                 let mut mw = [0.0f32; 8];
                 for k in 0..nblk {
-                    let wb = w.as_ptr().add((b0 + k) * bb);
-                    codes[k] = codes32(ty, wb);
-                    let blk = std::slice::from_raw_parts(wb, 4);
+                    let blk = &w[(b0 + k) * bb..(b0 + k + 1) * bb];
+                    // SAFETY: `blk` is one whole block.
+                    codes[k] = unsafe { codes32(ty, blk.as_ptr()) };
                     dw[k] = f16_le(blk, 0);
                     if !signed {
                         mw[k] = f16_le(blk, 2);
@@ -757,8 +856,11 @@ mod avx2 {
                     let xr = x[r];
                     let mut prods = [_mm256_setzero_si256(); 8];
                     for k in 0..nblk {
-                        let xv =
-                            _mm256_loadu_si256(xr.qs.as_ptr().add((b0 + k) * QK32) as *const __m256i);
+                        // SAFETY: the row fits `w`, so codes (b0 + k)·32..+32 of block
+                        // b0 + k < nb are inside it.
+                        let xv = unsafe {
+                            _mm256_loadu_si256(xr.qs.as_ptr().add((b0 + k) * QK32) as *const __m256i)
+                        };
                         prods[k] = if signed {
                             $mul_abs(_mm256_sign_epi8(codes[k], codes[k]), codes[k], xv)
                         } else {
@@ -774,20 +876,18 @@ mod avx2 {
                             mterm[k] = mw[k] * xr.sums[b0 + k];
                         }
                     }
-                    let p = _mm256_mul_ps(_mm256_loadu_ps(sv.as_ptr()), isums);
+                    // SAFETY: `sv` and `mterm` are arrays of 8 f32.
+                    let (sv, mterm) = unsafe {
+                        (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(mterm.as_ptr()))
+                    };
+                    let p = _mm256_mul_ps(sv, isums);
                     acc[r] = _mm256_add_ps(acc[r], p);
                     if !signed {
-                        acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(mterm.as_ptr()));
+                        acc[r] = _mm256_add_ps(acc[r], mterm);
                     }
                 }
             }
-            let mut out = [0.0f32; R];
-            for r in 0..R {
-                let mut lanes = [0.0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
-                out[r] = fold8(&lanes);
-            }
-            out
+            fold_rows(acc)
         }
         };
     }
@@ -810,14 +910,14 @@ mod avx2 {
     /// [`mul_i8_abs`] with VNNI.
     #[inline]
     #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-    unsafe fn mul_i8_abs_vnni(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    fn mul_i8_abs_vnni(aw: __m256i, w: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(x, w))
     }
 
     /// [`mul_u8`] with VNNI.
     #[inline]
     #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
-    unsafe fn mul_u8_vnni(w: __m256i, x: __m256i) -> __m256i {
+    fn mul_u8_vnni(w: __m256i, x: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
     }
 
@@ -826,13 +926,11 @@ mod avx2 {
     /// `hadd` pairs the 16 sums: [0+1, 2+3, 8+9, 10+11, 4+5, 6+7, 12+13, 14+15].
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn q4k_scales_mins(wb: &[u8]) -> ([u8; 16], __m256i) {
-        let q = wb.as_ptr().add(4) as *const u32;
-        let (q0, q1, q2) = (
-            q.read_unaligned(),
-            q.add(1).read_unaligned(),
-            q.add(2).read_unaligned(),
-        );
+    fn q4k_scales_mins(wb: &[u8]) -> ([u8; 16], __m256i) {
+        // The 12 scale bytes 4..16, as three little-endian words (as `read_unaligned` of
+        // u32 on x86_64).
+        let word = |i: usize| u32::from_le_bytes(wb[4 + 4 * i..8 + 4 * i].try_into().unwrap());
+        let (q0, q1, q2) = (word(0), word(1), word(2));
         const K1: u32 = 0x3f3f_3f3f;
         const K2: u32 = 0x0f0f_0f0f;
         const K3: u32 = 0x0303_0303;
@@ -842,21 +940,27 @@ mod avx2 {
             q1 & K1,
             ((q2 >> 4) & K2) | (((q1 >> 6) & K3) << 4),
         ];
-        let ub: [u8; 16] = std::mem::transmute(u);
-        let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i));
+        let ub: [u8; 16] = bytemuck::cast(u);
+        // SAFETY: bytes 8..16 of the 16-byte array `ub`.
+        let mins8 = unsafe { _mm_loadl_epi64(ub.as_ptr().add(8) as *const __m128i) };
+        let mins = _mm256_cvtepu8_epi32(mins8);
         let mv = _mm256_permutevar8x32_epi32(mins, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
         (ub, mv)
     }
 
+    /// # Safety
+    /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits
+    /// `w`: codes `b·256..+256`, `pairs[b·8..+8]` and `d[b]` exist for every block `b < nb`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q4k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
+            // Two blocks ahead: past the row's end for its last two blocks.
+            prefetch(wb.as_ptr(), 2 * bb);
+            prefetch(wb.as_ptr(), 2 * bb + 64);
+            prefetch(wb.as_ptr(), 2 * bb + 128);
             let (ub, mv) = q4k_scales_mins(wb);
             let mut scv = [_mm256_setzero_si256(); 8];
             for j in 0..8 {
@@ -864,26 +968,33 @@ mod avx2 {
             }
             let mut nib = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
-                let q = _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i);
+                // SAFETY: bytes 16 + 32c..48 + 32c (at most 144) of the 144-byte block.
+                let q =
+                    unsafe { _mm256_loadu_si256(wb.as_ptr().add(16 + 32 * c) as *const __m256i) };
                 nib[2 * c] = _mm256_and_si256(q, m4);
                 nib[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
             }
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
-                (wb.as_ptr() as *const i32).read_unaligned(),
-            ));
+            // SAFETY: bytes 0..4 of the block (d and dmin), no alignment needed.
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+                (wb.as_ptr() as *const i32).read_unaligned()
+            }));
             let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
             for r in 0..R {
                 let xr = x[r];
-                let y = xr.qs.as_ptr().add(b * QK_K);
-                let mut sum = _mm256_setzero_si256();
-                for j in 0..8 {
-                    let yv = _mm256_loadu_si256(y.add(32 * j) as *const __m256i);
-                    let p16 = _mm256_maddubs_epi16(nib[j], yv);
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[j]));
-                }
-                let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
+                // SAFETY: the row fits `w` and b < nb: codes b·256..+256, pairs b·8..+8 and
+                // d[b] are inside it.
+                let (sum, pairs, xd) = unsafe {
+                    let y = xr.qs.as_ptr().add(b * QK_K);
+                    let mut sum = _mm256_setzero_si256();
+                    for j in 0..8 {
+                        let yv = _mm256_loadu_si256(y.add(32 * j) as *const __m256i);
+                        let p16 = _mm256_maddubs_epi16(nib[j], yv);
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[j]));
+                    }
+                    let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
+                    (sum, pairs, *xr.d.get_unchecked(b))
+                };
                 let summ = _mm256_mullo_epi32(pairs, mv);
-                let xd = *xr.d.get_unchecked(b);
                 let t1 = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum));
                 let t2 = _mm256_mul_ps(_mm256_set1_ps(dmin * xd), _mm256_cvtepi32_ps(summ));
                 acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(t1, t2));
@@ -894,14 +1005,18 @@ mod avx2 {
 
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
     /// eight-lane integer sums, and so the results, are identical.
+    ///
+    /// # Safety
+    /// As [`dot_q4k`], and AVX-512 F and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
     unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
+            // Two blocks ahead: past the row's end for its last two blocks.
+            prefetch(wb.as_ptr(), 2 * bb);
+            prefetch(wb.as_ptr(), 2 * bb + 64);
+            prefetch(wb.as_ptr(), 2 * bb + 128);
             let (ub, mv) = q4k_scales_mins(wb);
             let mut scv = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
@@ -913,32 +1028,39 @@ mod avx2 {
             let m4z = _mm512_set1_epi8(0xf);
             let mut nib = [_mm512_setzero_si512(); 4];
             for h in 0..2 {
-                let q = _mm512_loadu_si512(wb.as_ptr().add(16 + 64 * h) as *const __m512i);
+                // SAFETY: bytes 16 + 64h..80 + 64h (at most 144) of the 144-byte block.
+                let q =
+                    unsafe { _mm512_loadu_si512(wb.as_ptr().add(16 + 64 * h) as *const __m512i) };
                 let lo = _mm512_and_si512(q, m4z);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4z);
                 nib[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
                 nib[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
             }
-            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(
-                (wb.as_ptr() as *const i32).read_unaligned(),
-            ));
+            // SAFETY: bytes 0..4 of the block (d and dmin), no alignment needed.
+            let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+                (wb.as_ptr() as *const i32).read_unaligned()
+            }));
             let (d, dmin) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 1)));
             for r in 0..R {
                 let xr = x[r];
-                let y = xr.qs.as_ptr().add(b * QK_K);
-                let mut sum5 = _mm512_setzero_si512();
-                for k in 0..4 {
-                    let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
-                    let p16 = _mm512_maddubs_epi16(nib[k], yv);
-                    sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, scv[k]));
-                }
+                // SAFETY: the row fits `w` and b < nb: codes b·256..+256, pairs b·8..+8 and
+                // d[b] are inside it.
+                let (sum5, pairs, xd) = unsafe {
+                    let y = xr.qs.as_ptr().add(b * QK_K);
+                    let mut sum5 = _mm512_setzero_si512();
+                    for k in 0..4 {
+                        let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
+                        let p16 = _mm512_maddubs_epi16(nib[k], yv);
+                        sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, scv[k]));
+                    }
+                    let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
+                    (sum5, pairs, *xr.d.get_unchecked(b))
+                };
                 let sum = _mm256_add_epi32(
                     _mm512_castsi512_si256(sum5),
                     _mm512_extracti64x4_epi64(sum5, 1),
                 );
-                let pairs = _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i);
                 let summ = _mm256_mullo_epi32(pairs, mv);
-                let xd = *xr.d.get_unchecked(b);
                 let t1 = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sum));
                 let t2 = _mm256_mul_ps(_mm256_set1_ps(dmin * xd), _mm256_cvtepi32_ps(summ));
                 acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(t1, t2));
@@ -950,11 +1072,12 @@ mod avx2 {
     /// Fold each row's eight lanes in the canonical order.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn fold_rows<const R: usize>(acc: [__m256; R]) -> [f32; R] {
+    fn fold_rows<const R: usize>(acc: [__m256; R]) -> [f32; R] {
         let mut out = [0.0f32; R];
         for r in 0..R {
             let mut lanes = [0.0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+            // SAFETY: `lanes` is an array of 8 f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
             out[r] = fold8(&lanes);
         }
         out
@@ -972,16 +1095,25 @@ mod avx2 {
         d: f32,
     }
 
+    /// Unpack the 210-byte Q6_K block `wb` (ql 0..128, qh 128..192, scales 192..208, d
+    /// 208..210).
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn q6k_block(wb: &[u8]) -> Q6kBlock {
+    fn q6k_block(wb: &[u8]) -> Q6kBlock {
+        let wb: &[u8; 210] = wb.try_into().expect("a Q6_K block is 210 bytes");
         let m4 = _mm256_set1_epi8(0xf);
         let m2 = _mm256_set1_epi8(3);
         let mut codes = [_mm256_setzero_si256(); 8];
         for h in 0..2 {
-            let ql0 = _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i);
-            let ql1 = _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i);
-            let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i);
+            // SAFETY: bytes 64h..64h + 64 (ql) and 128 + 32h..160 + 32h (qh), h < 2, of the
+            // 210-byte block.
+            let (ql0, ql1, qh) = unsafe {
+                (
+                    _mm256_loadu_si256(wb.as_ptr().add(64 * h) as *const __m256i),
+                    _mm256_loadu_si256(wb.as_ptr().add(64 * h + 32) as *const __m256i),
+                    _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i),
+                )
+            };
             let lows = [
                 _mm256_and_si256(ql0, m4),
                 _mm256_and_si256(ql1, m4),
@@ -998,35 +1130,43 @@ mod avx2 {
                 codes[4 * h + s] = _mm256_or_si256(lows[s], _mm256_slli_epi16(highs[s], 4));
             }
         }
-        let scp = wb.as_ptr().add(192);
+        let sc = &wb[192..208];
         let mut scv = [_mm256_setzero_si256(); 8];
         for k in 0..8 {
-            let (a, c) = (
-                *scp.add(2 * k) as i8 as i16,
-                *scp.add(2 * k + 1) as i8 as i16,
-            );
+            let (a, c) = (sc[2 * k] as i8 as i16, sc[2 * k + 1] as i8 as i16);
             scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
         }
+        // SAFETY: bytes 0..8 and 8..16 of the 16 scale bytes.
+        let (sc_lo, sc_hi) = unsafe {
+            (
+                _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
+                _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
+            )
+        };
         Q6kBlock {
             codes,
             scv,
-            sc_lo: _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp as *const __m128i)),
-            sc_hi: _mm256_cvtepi8_epi32(_mm_loadl_epi64(scp.add(8) as *const __m128i)),
+            sc_lo: _mm256_cvtepi8_epi32(sc_lo),
+            sc_hi: _mm256_cvtepi8_epi32(sc_hi),
             d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                (wb.as_ptr().add(208) as *const u16).read_unaligned() as i32,
+                u16::from_le_bytes([wb[208], wb[209]]) as i32,
             ))),
         }
     }
 
+    /// # Safety
+    /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits
+    /// `w`: codes `b·256..+256`, `bsums[b·16..+16]` and `d[b]` exist for every block `b < nb`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
+            // Two blocks ahead: past the row's end for its last two blocks.
+            prefetch(wb.as_ptr(), 2 * bb);
+            prefetch(wb.as_ptr(), 2 * bb + 64);
+            prefetch(wb.as_ptr(), 2 * bb + 128);
+            prefetch(wb.as_ptr(), 2 * bb + 192);
             let Q6kBlock {
                 codes,
                 scv,
@@ -1036,21 +1176,30 @@ mod avx2 {
             } = q6k_block(wb);
             for r in 0..R {
                 let xr = x[r];
-                let y = xr.qs.as_ptr().add(b * QK_K);
-                let mut sum = _mm256_setzero_si256();
-                for k in 0..8 {
-                    let yv = _mm256_loadu_si256(y.add(32 * k) as *const __m256i);
-                    let p16 = _mm256_maddubs_epi16(codes[k], yv);
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[k]));
-                }
-                let bs = xr.bsums.as_ptr().add(b * 16);
+                // SAFETY: the row fits `w` and b < nb: codes b·256..+256, bsums b·16..+16 and
+                // d[b] are inside it.
+                let (sum, bs_lo, bs_hi, xd) = unsafe {
+                    let y = xr.qs.as_ptr().add(b * QK_K);
+                    let mut sum = _mm256_setzero_si256();
+                    for k in 0..8 {
+                        let yv = _mm256_loadu_si256(y.add(32 * k) as *const __m256i);
+                        let p16 = _mm256_maddubs_epi16(codes[k], yv);
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, scv[k]));
+                    }
+                    let bs = xr.bsums.as_ptr().add(b * 16);
+                    (
+                        sum,
+                        _mm256_loadu_si256(bs as *const __m256i),
+                        _mm256_loadu_si256(bs.add(8) as *const __m256i),
+                        *xr.d.get_unchecked(b),
+                    )
+                };
                 let off = _mm256_add_epi32(
-                    _mm256_mullo_epi32(_mm256_loadu_si256(bs as *const __m256i), sc_lo),
-                    _mm256_mullo_epi32(_mm256_loadu_si256(bs.add(8) as *const __m256i), sc_hi),
+                    _mm256_mullo_epi32(bs_lo, sc_lo),
+                    _mm256_mullo_epi32(bs_hi, sc_hi),
                 );
                 // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
                 let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
-                let xd = *xr.d.get_unchecked(b);
                 let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
@@ -1059,15 +1208,19 @@ mod avx2 {
     }
 
     /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results.
+    ///
+    /// # Safety
+    /// As [`dot_q6k`], and AVX-512 F and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
     unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 64) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 128) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(wb.as_ptr().add(2 * bb + 192) as *const i8);
+            // Two blocks ahead: past the row's end for its last two blocks.
+            prefetch(wb.as_ptr(), 2 * bb);
+            prefetch(wb.as_ptr(), 2 * bb + 64);
+            prefetch(wb.as_ptr(), 2 * bb + 128);
+            prefetch(wb.as_ptr(), 2 * bb + 192);
             let Q6kBlock {
                 codes,
                 scv,
@@ -1084,25 +1237,34 @@ mod avx2 {
             }
             for r in 0..R {
                 let xr = x[r];
-                let y = xr.qs.as_ptr().add(b * QK_K);
-                let mut sum5 = _mm512_setzero_si512();
-                for k in 0..4 {
-                    let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
-                    let p16 = _mm512_maddubs_epi16(z[k], yv);
-                    sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, zs[k]));
-                }
+                // SAFETY: the row fits `w` and b < nb: codes b·256..+256, bsums b·16..+16 and
+                // d[b] are inside it.
+                let (sum5, bs_lo, bs_hi, xd) = unsafe {
+                    let y = xr.qs.as_ptr().add(b * QK_K);
+                    let mut sum5 = _mm512_setzero_si512();
+                    for k in 0..4 {
+                        let yv = _mm512_loadu_si512(y.add(64 * k) as *const __m512i);
+                        let p16 = _mm512_maddubs_epi16(z[k], yv);
+                        sum5 = _mm512_add_epi32(sum5, _mm512_madd_epi16(p16, zs[k]));
+                    }
+                    let bs = xr.bsums.as_ptr().add(b * 16);
+                    (
+                        sum5,
+                        _mm256_loadu_si256(bs as *const __m256i),
+                        _mm256_loadu_si256(bs.add(8) as *const __m256i),
+                        *xr.d.get_unchecked(b),
+                    )
+                };
                 let sum = _mm256_add_epi32(
                     _mm512_castsi512_si256(sum5),
                     _mm512_extracti64x4_epi64(sum5, 1),
                 );
-                let bs = xr.bsums.as_ptr().add(b * 16);
                 let off = _mm256_add_epi32(
-                    _mm256_mullo_epi32(_mm256_loadu_si256(bs as *const __m256i), sc_lo),
-                    _mm256_mullo_epi32(_mm256_loadu_si256(bs.add(8) as *const __m256i), sc_hi),
+                    _mm256_mullo_epi32(bs_lo, sc_lo),
+                    _mm256_mullo_epi32(bs_hi, sc_hi),
                 );
                 // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
                 let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
-                let xd = *xr.d.get_unchecked(b);
                 let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
@@ -1186,6 +1348,103 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Rows that are their whole allocation (so the kernels' prefetches run past its end), for
+    /// every block count from one up, including 32-element rows whose count is not a multiple
+    /// of the kernels' 8-block groups: the SIMD kernels still give the scalar reference.
+    #[test]
+    fn kernels_on_exactly_allocated_rows_of_any_block_count() {
+        let isa = Isa::best_available();
+        for ty in TYPES {
+            let ks: &[usize] = match act_format(ty) {
+                Some(ActFormat::Q8K) => &[256, 512, 768],
+                _ => &[32, 64, 96, 256 + 32, 416, 544],
+            };
+            for &k in ks {
+                let bytes = quantized(ty, &values(k, 51 + k as u64), k);
+                let x = values(4 * k, 52 + k as u64);
+                let acts = QuantizedActs::quantize(act_format(ty).unwrap(), &x, k);
+                // One row, in a boxed slice of exactly its size.
+                let row: Box<[u8]> = bytes.clone().into_boxed_slice();
+                let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
+                let got4 = dot_rows::<4>(isa, ty, &row, four);
+                for (i, got) in got4.into_iter().enumerate() {
+                    let want = dot_ref(ty, &row, acts.row(i));
+                    let one = dot_rows::<1>(isa, ty, &row, [acts.row(i)])[0];
+                    assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx2 {
+                        // The AVX2-only kernels too, where dispatch picks the 512-bit ones.
+                        assert!(row_fits(ty, &row, &acts.row(i)));
+                        // SAFETY: AVX2, FMA and F16C were detected (`best_available`), the row
+                        // fits (asserted), and `wide` is off.
+                        let narrow =
+                            unsafe { avx2::dot_rows_with::<1>(ty, &row, [acts.row(i)], false) };
+                        assert_eq!(
+                            narrow[0].to_bits(),
+                            want.to_bits(),
+                            "{ty} avx2 k={k} row {i}"
+                        );
+                    }
+                }
+                let mut out = vec![0.0f32; 4];
+                qmatmul(&x, ty, &row, 1, k, &mut out);
+                for (i, got) in out.into_iter().enumerate() {
+                    let want = dot_ref(ty, &row, acts.row(i));
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} qmatmul row {i}");
+                }
+            }
+        }
+    }
+
+    /// Prefetch addresses are formed with wrapping arithmetic: any offset past the end of the
+    /// row's allocation, even one that wraps the address space, is the plain address (with
+    /// `ptr::add` it would be undefined behaviour, which the compile-time check next to
+    /// `prefetch_addr` catches; at run time only Miri would), and prefetching it is harmless.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn prefetch_addresses_past_the_allocation_are_well_defined() {
+        let row: Box<[u8]> = vec![7u8; QuantType::Q4_K.block_bytes()].into_boxed_slice();
+        let p = row.as_ptr();
+        let len = row.len();
+        for off in [
+            0,
+            len - 1,
+            len,
+            2 * len + 128,
+            16 * len + 256,
+            1 << 40,
+            usize::MAX,
+        ] {
+            let a = avx2::prefetch_addr(p, off);
+            assert_eq!(a as usize, (p as usize).wrapping_add(off), "offset {off}");
+            avx2::prefetch(p, off);
+        }
+        assert!(row.iter().all(|&b| b == 7));
+    }
+
+    /// Activation rows that do not fit the weight row are refused before any kernel reads
+    /// them (the SIMD kernels would read past their ends).
+    #[test]
+    fn rows_that_do_not_fit_the_weight_row_are_refused() {
+        let k = 64;
+        let w = quantized(QuantType::Q4_1, &values(k, 61), k);
+        let no_sums = QuantizedActs::quantize(ActFormat::Q8_0, &values(k, 62), k);
+        let short = QuantizedActs::quantize(ActFormat::Q8_1, &values(k / 2, 63), k / 2);
+        assert!(row_fits(
+            QuantType::Q4_1,
+            &w,
+            &QuantizedActs::quantize(ActFormat::Q8_1, &values(k, 64), k).row(0)
+        ));
+        for x in [no_sums.row(0), short.row(0)] {
+            assert!(!row_fits(QuantType::Q4_1, &w, &x));
+            let run = std::panic::AssertUnwindSafe(|| {
+                dot_rows::<1>(Isa::best_available(), QuantType::Q4_1, &w, [x])
+            });
+            assert!(std::panic::catch_unwind(run).is_err());
         }
     }
 
