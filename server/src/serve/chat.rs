@@ -716,19 +716,20 @@ async fn chat_inner(
         grammar_param: grammar_param.to_string(),
     };
     let events = submit(&serving, job).await?;
-    let id = new_id(CHAT_ID_PREFIX);
+    let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
     let reading = Reading::Chat {
         thinking_started,
         tool_call_ids: (!matches!(mode, ToolMode::Off))
-            .then(|| format!("call_{}", &id[CHAT_ID_PREFIX.len() + 1..])),
+            .then(|| format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..])),
     };
-    let timing = Timing::new(state.clone(), "/v1/chat/completions", id.clone(), arrived);
+    let timing = Timing::new(
+        state.clone(),
+        "/v1/chat/completions",
+        answer_id.id.clone(),
+        arrived,
+    );
     let format = ChatFormat {
-        answer: AnswerId {
-            id,
-            model: state.model_id.clone(),
-            created: super::now_secs(),
-        },
+        answer: answer_id,
         forced_call: matches!(mode, ToolMode::Required(_)),
         warnings,
         vocab: serving,
@@ -852,13 +853,13 @@ async fn completions_inner(
         grammar_param: grammar_param(&req.grammar).to_string(),
     };
     let events = submit(&serving, job).await?;
-    let id = new_id("cmpl");
-    let timing = Timing::new(state.clone(), "/v1/completions", id.clone(), arrived);
-    let answer_id = AnswerId {
-        id,
-        model: state.model_id.clone(),
-        created: super::now_secs(),
-    };
+    let answer_id = AnswerId::new(new_id("cmpl"), &state.model_id);
+    let timing = Timing::new(
+        state.clone(),
+        "/v1/completions",
+        answer_id.id.clone(),
+        arrived,
+    );
     let format = CompletionFormat::new(answer_id, echo, serving);
     answer(
         events,

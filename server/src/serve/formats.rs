@@ -51,6 +51,17 @@ pub struct AnswerId {
     pub created: u64,
 }
 
+impl AnswerId {
+    /// The answer `id` of `model`, created now.
+    pub fn new(id: String, model: &str) -> AnswerId {
+        AnswerId {
+            id,
+            model: model.to_string(),
+            created: super::now_secs(),
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Chat completions
 // ---------------------------------------------------------------------------------------

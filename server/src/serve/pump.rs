@@ -734,11 +734,7 @@ mod tests {
     }
 
     fn answer_id(id: &str) -> AnswerId {
-        AnswerId {
-            id: id.into(),
-            model: "test-model".into(),
-            created: 0,
-        }
+        AnswerId::new(id.into(), "test-model")
     }
 
     fn chat_format() -> ChatFormat {
@@ -822,32 +818,52 @@ mod tests {
             .collect()
     }
 
-    async fn chat_stream(then: Vec<Event>, tools: bool, include_usage: bool) -> Vec<String> {
-        let delivery = Delivery::Sse { include_usage };
-        let response = answer(
-            events(then),
-            chat_reading(tools),
-            timing("/v1/chat/completions"),
-            chat_format(),
+    /// The answer to a chat request (tool calls parsed when `tools`) with these events.
+    async fn chat_answer(
+        events: Events,
+        tools: bool,
+        delivery: Delivery,
+    ) -> Result<Response, ApiError> {
+        let timing = timing("/v1/chat/completions");
+        answer(events, chat_reading(tools), timing, chat_format(), delivery).await
+    }
+
+    /// The answer to a text completion (`echo`: the prompt it echoes) with these events.
+    async fn completion_answer(
+        events: Events,
+        echo: Option<&str>,
+        delivery: Delivery,
+    ) -> Result<Response, ApiError> {
+        let format = completion_format(echo);
+        answer(
+            events,
+            Reading::Raw,
+            timing("/v1/completions"),
+            format,
             delivery,
         )
         .await
-        .expect("an admitted stream starts");
-        sse_data(response).await
+    }
+
+    fn sse(include_usage: bool) -> Delivery {
+        Delivery::Sse { include_usage }
+    }
+
+    async fn json_body(response: Response) -> Value {
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("the body");
+        serde_json::from_slice(&body).expect("a JSON body")
+    }
+
+    async fn chat_stream(then: Vec<Event>, tools: bool, include_usage: bool) -> Vec<String> {
+        let response = chat_answer(events(then), tools, sse(include_usage)).await;
+        sse_data(response.expect("an admitted stream starts")).await
     }
 
     async fn completion_stream(then: Vec<Event>, include_usage: bool) -> Vec<String> {
-        let delivery = Delivery::Sse { include_usage };
-        let response = answer(
-            events(then),
-            Reading::Raw,
-            timing("/v1/completions"),
-            completion_format(None),
-            delivery,
-        )
-        .await
-        .expect("an admitted stream starts");
-        sse_data(response).await
+        let response = completion_answer(events(then), None, sse(include_usage)).await;
+        sse_data(response.expect("an admitted stream starts")).await
     }
 
     /// The JSON events before `[DONE]`, checking that `[DONE]` is the last event and the only
@@ -1043,19 +1059,8 @@ mod tests {
             };
             let streamed = before_done(&chat_stream(then(), true, false).await);
             let (reasoning, content, calls, finish) = reassembled(&streamed);
-            let response = answer(
-                events(then()),
-                chat_reading(true),
-                timing("/v1/chat/completions"),
-                chat_format(),
-                Delivery::Json,
-            )
-            .await
-            .expect("a finished request answers 200");
-            let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-                .await
-                .expect("the body");
-            let body: Value = serde_json::from_slice(&body).expect("a JSON body");
+            let response = chat_answer(events(then()), true, Delivery::Json).await;
+            let body = json_body(response.expect("a finished request answers 200")).await;
             let message = &body["choices"][0]["message"];
             assert_eq!(message["reasoning_content"].as_str(), reasoning.as_deref());
             let want_content = (calls.is_empty() || !content.is_empty()).then_some(content);
@@ -1100,15 +1105,9 @@ mod tests {
             (vec![token("Hel"), failed], StatusCode::BAD_REQUEST),
             (vec![token("Hel")], StatusCode::INTERNAL_SERVER_ERROR),
         ] {
-            let error = answer(
-                events(then),
-                Reading::Raw,
-                timing("/v1/completions"),
-                completion_format(None),
-                Delivery::Json,
-            )
-            .await
-            .expect_err("a failed request is an error response");
+            let error = completion_answer(events(then), None, Delivery::Json)
+                .await
+                .expect_err("a failed request is an error response");
             assert_eq!(error.status, status);
         }
     }
@@ -1117,17 +1116,9 @@ mod tests {
     async fn a_stream_refused_before_admission_gets_its_status() {
         let (sink, events) = Events::channel();
         assert!(sink.send(Event::Failed(Failure::QueueTimeout)));
-        let error = answer(
-            events,
-            Reading::Raw,
-            timing("/v1/completions"),
-            completion_format(None),
-            Delivery::Sse {
-                include_usage: false,
-            },
-        )
-        .await
-        .expect_err("a request never admitted is not a 200");
+        let error = completion_answer(events, None, sse(false))
+            .await
+            .expect_err("a request never admitted is not a 200");
         assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
     }
 
@@ -1163,18 +1154,8 @@ mod tests {
         };
         // After an echoed prompt of 4 bytes: "ab" at 4, "" at 6, "c" at 6.
         let want = [4, 6, 6];
-        let response = answer(
-            events(then()),
-            Reading::Raw,
-            timing("/v1/completions"),
-            completion_format(Some("Say:")),
-            Delivery::Sse {
-                include_usage: false,
-            },
-        )
-        .await
-        .expect("a stream");
-        let streamed = before_done(&sse_data(response).await);
+        let response = completion_answer(events(then()), Some("Say:"), sse(false)).await;
+        let streamed = before_done(&sse_data(response.expect("a stream")).await);
         assert_eq!(completion_text(&streamed), "Say:abc");
         let offsets: Vec<u64> = streamed
             .iter()
@@ -1183,19 +1164,8 @@ mod tests {
             .filter_map(Value::as_u64)
             .collect();
         assert_eq!(offsets, want);
-        let response = answer(
-            events(then()),
-            Reading::Raw,
-            timing("/v1/completions"),
-            completion_format(Some("Say:")),
-            Delivery::Json,
-        )
-        .await
-        .expect("a body");
-        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .expect("the body");
-        let body: Value = serde_json::from_slice(&body).expect("JSON");
+        let response = completion_answer(events(then()), Some("Say:"), Delivery::Json).await;
+        let body = json_body(response.expect("a body")).await;
         assert_eq!(body["choices"][0]["text"], "Say:abc");
         assert_eq!(
             body["choices"][0]["logprobs"]["text_offset"],
@@ -1217,18 +1187,8 @@ mod tests {
         })
         .expect("the channel is open");
         let events = Events { rx, held: None };
-        let response = answer(
-            events,
-            chat_reading(false),
-            timing("/v1/chat/completions"),
-            chat_format(),
-            Delivery::Sse {
-                include_usage: false,
-            },
-        )
-        .await
-        .expect("a stream");
-        drop(response);
+        let response = chat_answer(events, false, sse(false)).await;
+        drop(response.expect("a stream"));
         // The scheduler sees the client gone (its sink's `is_closed`) without sending again.
         tokio::time::timeout(Duration::from_secs(30), tx.closed())
             .await
