@@ -363,10 +363,7 @@ impl Reader {
             Reader::Chat(chat) => {
                 let events = chat.reasoning.finish();
                 let mut pieces = chat.pieces(events);
-                if let Some(t) = chat.tools.as_mut() {
-                    let rest = tool_parts(t.finish(), &mut chat.calls);
-                    pieces.extend(with_logprobs(rest, &mut chat.pending));
-                }
+                pieces.extend(chat.finish_tools());
                 (pieces, chat.calls, std::mem::take(&mut chat.pending))
             }
         };
@@ -389,49 +386,57 @@ impl ChatReader {
         let mut parts = Vec::new();
         for e in events {
             match e {
-                ReasoningEvent::Reasoning(r) if r.is_empty() => {}
                 ReasoningEvent::Reasoning(r) => parts.push(Part::Reasoning(r)),
-                ReasoningEvent::Content(c) => {
-                    let events = match self.tools.as_mut() {
-                        Some(t) => t.push(&c),
-                        None => vec![ToolStreamEvent::Content(c)],
-                    };
-                    parts.extend(tool_parts(events, &mut self.calls));
+                ReasoningEvent::Content(c) => match self.tools.as_mut() {
+                    Some(tools) => {
+                        let events = tools.push(&c);
+                        self.add_tool_parts(events, &mut parts);
+                    }
+                    None => parts.push(Part::Content(c)),
+                },
+            }
+        }
+        self.with_logprobs(parts)
+    }
+
+    /// The pieces the tool-call parser held back until the end of the text.
+    fn finish_tools(&mut self) -> Vec<Piece> {
+        let mut parts = Vec::new();
+        if let Some(tools) = self.tools.as_mut() {
+            let events = tools.finish();
+            self.add_tool_parts(events, &mut parts);
+        }
+        self.with_logprobs(parts)
+    }
+
+    /// Add the parts of tool-call parser events to `parts`, numbering the calls.
+    fn add_tool_parts(&mut self, events: Vec<ToolStreamEvent>, parts: &mut Vec<Part>) {
+        for e in events {
+            parts.push(match e {
+                ToolStreamEvent::Content(c) => Part::Content(c),
+                ToolStreamEvent::Call(call) => {
+                    self.calls += 1;
+                    Part::ToolCall {
+                        index: self.calls - 1,
+                        call,
+                    }
                 }
-            }
-        }
-        with_logprobs(parts, &mut self.pending)
-    }
-}
-
-/// Parts of tool-call parser events (empty content dropped), numbering the calls.
-fn tool_parts(events: Vec<ToolStreamEvent>, calls: &mut u32) -> Vec<Part> {
-    let mut parts = Vec::new();
-    for e in events {
-        match e {
-            ToolStreamEvent::Content(c) if c.is_empty() => {}
-            ToolStreamEvent::Content(c) => parts.push(Part::Content(c)),
-            ToolStreamEvent::Call(call) => {
-                parts.push(Part::ToolCall {
-                    index: *calls,
-                    call,
-                });
-                *calls += 1;
-            }
+            });
         }
     }
-    parts
-}
 
-/// Pieces of parts: the pending log-probabilities ride on the first.
-fn with_logprobs(parts: Vec<Part>, pending: &mut Vec<EngineLogprob>) -> Vec<Piece> {
-    parts
-        .into_iter()
-        .map(|part| Piece::Part {
-            part,
-            logprobs: std::mem::take(pending),
-        })
-        .collect()
+    /// Pieces of `parts`, empty text left out; the pending log-probabilities ride on the
+    /// first.
+    fn with_logprobs(&mut self, parts: Vec<Part>) -> Vec<Piece> {
+        parts
+            .into_iter()
+            .filter(|part| !matches!(part, Part::Content(t) | Part::Reasoning(t) if t.is_empty()))
+            .map(|part| Piece::Part {
+                part,
+                logprobs: std::mem::take(&mut self.pending),
+            })
+            .collect()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
