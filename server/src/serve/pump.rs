@@ -9,7 +9,8 @@
 //!   with the usage, or an error;
 //! - the request's latency metrics and its "request finished" record ([`Timing`]);
 //! - the two sinks pieces go to: one JSON body ([`answer_json`]) or an SSE stream
-//!   ([`answer_sse`]), written in the endpoint's [`Format`];
+//!   ([`answer_sse`]), written in the endpoint's [`Format`] ([`super::formats`]); handlers call
+//!   [`answer`], which picks the sink the request's [`Delivery`] asks for;
 //! - how every stream ends (docs/api.md, "How a stream ends"): after a success, the chunk
 //!   with `finish_reason`, the usage chunk when `stream_options.include_usage` asks for it,
 //!   then `data: [DONE]`; after a failure, one `data: {"error": {...}}` event, then
