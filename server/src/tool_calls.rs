@@ -96,6 +96,9 @@ impl BodyScan {
 /// Invalid JSON inside a block is left as content (not a call), and so is a block with no
 /// closing tag; a `</tool_call>` inside a JSON string does not close the block. ids are
 /// `id_prefix` + `_` + a counter (e.g. id_prefix="call_abc" -> "call_abc_0", "call_abc_1").
+/// The server reads text with [`ToolCallStream`] only; this finished form is what the tests
+/// hold the streaming form to.
+#[cfg(test)]
 pub fn parse_tool_calls(text: &str, id_prefix: &str) -> (String, Vec<ToolCall>) {
     let mut content = String::new();
     let mut calls = Vec::new();
@@ -176,11 +179,11 @@ pub enum ToolStreamEvent {
     Call(ToolCall),
 }
 
-/// Incremental [`parse_tool_calls`] for streaming: feed text pieces as they are generated; it
+/// Incremental `parse_tool_calls` for streaming: feed text pieces as they are generated; it
 /// returns content text that is safe to show (never part of a `<tool_call>` tag: a suffix that
 /// could start the tag is held back) and each complete tool call as soon as its closing tag
 /// arrives (name and full arguments at once). The concatenated content equals
-/// [`parse_tool_calls`]'s content, and the calls are the same, with the same ids.
+/// `parse_tool_calls`'s content, and the calls are the same, with the same ids.
 #[derive(Debug)]
 pub struct ToolCallStream {
     id_prefix: String,
@@ -278,6 +281,9 @@ impl ToolCallStream {
 /// when there is none or it is blank. `started_inside` = the prompt already opened `<think>`,
 /// so the text is reasoning up to `</think>`; otherwise there is reasoning only when the text
 /// starts (after whitespace) with `<think>`. A thought that never closes is all reasoning.
+/// The server reads text with [`ReasoningStream`] only; this finished form is what the tests
+/// hold the streaming form to.
+#[cfg(test)]
 pub fn split_reasoning(text: &str, started_inside: bool) -> (Option<String>, String) {
     let inside = if started_inside {
         text
@@ -318,7 +324,7 @@ enum Phase {
     Answer,
 }
 
-/// Streaming [`split_reasoning`], holding back partial tags. The concatenated events of each
+/// Streaming `split_reasoning`, holding back partial tags. The concatenated events of each
 /// kind equal the finished split (no reasoning events when it returns `None`).
 #[derive(Debug)]
 pub struct ReasoningStream {

@@ -1,48 +1,32 @@
 //! `/v1/chat/completions` and `/v1/completions`: parse and validate the request, render the
 //! conversation through the model's chat template (with tools), build the sampling
-//! parameters and the output constraint, submit to the scheduler, and turn its events into a
-//! JSON response or an SSE stream (reasoning split off, tool calls parsed back).
+//! parameters and the output constraint, and submit to the scheduler; the answer is the
+//! pump's ([`super::pump`]), written in the endpoint's format ([`super::formats`]).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
-use colibri::runtime::generate::FinishReason;
 use colibri::runtime::grammar::{Constraint, ConstraintError, Grammar};
 use colibri::runtime::sampling::SamplingParams;
-use colibri::runtime::scheduler::{
-    Event, EventSink, Failure, Request as EngineRequest, SubmitError,
-    TokenLogprob as EngineLogprob, Usage as EngineUsage,
-};
+use colibri::runtime::scheduler::{Request as EngineRequest, SubmitError};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use super::errors::ApiError;
+use super::formats::{AnswerId, ChatFormat, CompletionFormat};
 use super::openai::*;
+use super::pump::{answer, Delivery, Events, Reading, Timing};
 use super::{AppState, Serving};
-use crate::tool_calls::{
-    parse_tool_calls, required_tool_call_grammar, split_reasoning, ReasoningEvent, ReasoningStream,
-    ToolCallStream, ToolStreamEvent,
-};
+use crate::tool_calls::required_tool_call_grammar;
 
-/// Sends scheduler events into a tokio channel; a dropped receiver is a departed client.
-struct ChannelSink(mpsc::UnboundedSender<Event>);
-
-impl EventSink for ChannelSink {
-    fn send(&self, event: Event) -> bool {
-        self.0.send(event).is_ok()
-    }
-    fn is_closed(&self) -> bool {
-        self.0.is_closed()
-    }
-}
+/// The prefix of chat completion ids (`chatcmpl-…`); tool call ids are `call_…` with the same
+/// suffix.
+const CHAT_ID_PREFIX: &str = "chatcmpl";
 
 /// Parse a JSON body, naming the field that is wrong.
 fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
@@ -345,16 +329,13 @@ fn grammar_param(grammar: &Option<String>) -> &'static str {
     }
 }
 
-/// Submit a job; returns the receiver of its events.
-async fn submit(
-    serving: &Arc<Serving>,
-    job: Job,
-) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+/// Submit a job; returns its events.
+async fn submit(serving: &Arc<Serving>, job: Job) -> Result<Events, ApiError> {
     let constraint = match &job.grammar {
         None => None,
         Some(g) => Some(compile_constraint(serving, g, &job.grammar_param).await?),
     };
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (sink, events) = Events::channel();
     let request = EngineRequest {
         prompt: job.prompt,
         max_tokens: job.max_tokens,
@@ -367,7 +348,7 @@ async fn submit(
         sampling: job.sampling,
         logprobs: job.logprobs,
         constraint,
-        sink: Box::new(ChannelSink(tx)),
+        sink,
     };
     serving.scheduler.submit(request).map_err(|e| match e {
         SubmitError::QueueFull { limit } => ApiError::new(
@@ -384,199 +365,7 @@ async fn submit(
         )
         .retry_after(5),
     })?;
-    Ok(rx)
-}
-
-fn failure_error(f: Failure) -> ApiError {
-    match f {
-        Failure::QueueTimeout => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "timed out waiting for a free slot; retry later",
-        )
-        .retry_after(1),
-        Failure::ShuttingDown => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the server is shutting down",
-        ),
-        Failure::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, m),
-        Failure::Engine(m) => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("engine error: {m}"),
-        ),
-    }
-}
-
-/// Hold a stream's response until a slot takes the request, so a request that is never
-/// admitted (queue timeout, shutdown, invalid) gets a real HTTP status rather than a 200 with an
-/// error event. Once admitted, the prefill runs with the stream open (keep-alive comments).
-async fn await_admission(
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    timing: &mut Timing,
-) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
-    match rx.recv().await {
-        Some(Event::Admitted { slot, .. }) => {
-            timing.slot = Some(slot);
-            Ok(rx)
-        }
-        Some(Event::Failed(f)) => Err(failure_error(f)),
-        Some(other) => {
-            // Not expected before admission; hand it back in front of the rest.
-            let (tx, new_rx) = mpsc::unbounded_channel();
-            let _ = tx.send(other);
-            tokio::spawn(async move {
-                while let Some(e) = rx.recv().await {
-                    if tx.send(e).is_err() {
-                        break;
-                    }
-                }
-            });
-            Ok(new_rx)
-        }
-        None => Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "the engine stopped before admitting the request",
-        )),
-    }
-}
-
-/// Timing of one request's tokens, for the latency metrics.
-struct Timing {
-    /// `/v1/chat/completions` or `/v1/completions`.
-    endpoint: &'static str,
-    /// The response id (`chatcmpl-…`, `cmpl-…`).
-    id: String,
-    arrived: Instant,
-    last: Option<Instant>,
-    slot: Option<usize>,
-}
-
-impl Timing {
-    fn token(&mut self, state: &AppState) {
-        let now = Instant::now();
-        match self.last {
-            None => state
-                .metrics
-                .ttft
-                .observe((now - self.arrived).as_secs_f64()),
-            Some(t) => state.metrics.inter_token.observe((now - t).as_secs_f64()),
-        }
-        self.last = Some(now);
-    }
-
-    fn done(&self, state: &AppState, usage: &EngineUsage) {
-        state
-            .metrics
-            .e2e
-            .observe(self.arrived.elapsed().as_secs_f64());
-        state
-            .metrics
-            .prompt_tokens
-            .inc_by(usage.prompt_tokens as u64);
-        state
-            .metrics
-            .generated_tokens
-            .inc_by(usage.completion_tokens as u64);
-        state
-            .metrics
-            .cached_tokens
-            .inc_by(usage.cached_tokens as u64);
-        tracing::info!(
-            id = %self.id,
-            slot = self.slot,
-            prompt_tokens = usage.prompt_tokens,
-            cached_tokens = usage.cached_tokens,
-            generated_tokens = usage.completion_tokens,
-            prefill_s = usage.prefill_seconds,
-            decode_s = usage.decode_seconds,
-            total_s = self.arrived.elapsed().as_secs_f64(),
-            "request finished"
-        );
-        if let Some(exporter) = state.otlp.get() {
-            use super::otlp::{Attr, SpanRecord};
-            let end = std::time::SystemTime::now();
-            let mut attributes = vec![
-                ("coli.request_id", Attr::Str(self.id.clone())),
-                ("gen_ai.request.model", Attr::Str(state.model_id.clone())),
-                ("coli.prompt_tokens", Attr::Int(usage.prompt_tokens as i64)),
-                ("coli.cached_tokens", Attr::Int(usage.cached_tokens as i64)),
-                (
-                    "coli.generated_tokens",
-                    Attr::Int(usage.completion_tokens as i64),
-                ),
-                ("coli.prefill_seconds", Attr::Float(usage.prefill_seconds)),
-                ("coli.decode_seconds", Attr::Float(usage.decode_seconds)),
-                (
-                    "coli.finish_reason",
-                    Attr::Str(finish(usage.finish_reason).into()),
-                ),
-            ];
-            if let Some(slot) = self.slot {
-                attributes.push(("coli.slot", Attr::Int(slot as i64)));
-            }
-            exporter.record(SpanRecord {
-                name: format!("POST {}", self.endpoint),
-                start: end - self.arrived.elapsed(),
-                end,
-                attributes,
-                error: None,
-            });
-        }
-    }
-}
-
-fn usage(u: &EngineUsage) -> Usage {
-    Usage {
-        prompt_tokens: u.prompt_tokens,
-        completion_tokens: u.completion_tokens,
-        total_tokens: u.prompt_tokens + u.completion_tokens,
-        prompt_tokens_details: PromptTokensDetails {
-            cached_tokens: u.cached_tokens,
-        },
-    }
-}
-
-fn finish(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
-
-/// The text and raw bytes of one token id (special tokens: empty, as they are not part of
-/// the text).
-fn token_text(serving: &Serving, id: u32) -> (String, Vec<u8>) {
-    let text = serving
-        .loaded
-        .tokenizer
-        .as_ref()
-        .and_then(|t| t.decode(&[id], false).ok())
-        .unwrap_or_default();
-    let bytes = match &serving.grammar {
-        Some(g) => g.token_bytes(id),
-        None => text.as_bytes().to_vec(),
-    };
-    (text, bytes)
-}
-
-fn chat_logprob(serving: &Serving, lp: &EngineLogprob) -> TokenLogprob {
-    let (token, bytes) = token_text(serving, lp.id);
-    TokenLogprob {
-        token,
-        logprob: lp.logprob,
-        bytes,
-        top_logprobs: lp
-            .top
-            .iter()
-            .map(|&(id, logprob)| {
-                let (token, bytes) = token_text(serving, id);
-                TopLogprob {
-                    token,
-                    logprob,
-                    bytes,
-                }
-            })
-            .collect(),
-    }
+    Ok(events)
 }
 
 fn new_id(prefix: &str) -> String {
@@ -730,21 +519,6 @@ fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
         ));
     }
     Ok(mode)
-}
-
-/// What the response side needs to know about a chat request.
-struct ChatShape {
-    id: String,
-    model: String,
-    created: u64,
-    parse_tools: bool,
-    /// The prompt opened a `<think>` block the output continues.
-    thinking_started: bool,
-    include_usage: bool,
-    /// The output is constrained to a tool call (no content).
-    forced_call: bool,
-    /// What the response says besides the answer (`warnings`).
-    warnings: Vec<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -931,20 +705,6 @@ async fn chat_inner(
         (true, n) => Some(n.unwrap_or(0) as usize),
         (false, _) => None,
     };
-    let shape = ChatShape {
-        id: new_id("chatcmpl"),
-        model: state.model_id.clone(),
-        created: super::now_secs(),
-        parse_tools: !matches!(mode, ToolMode::Off),
-        thinking_started,
-        include_usage: req
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-        forced_call: matches!(mode, ToolMode::Required(_)),
-        warnings,
-    };
     let job = Job {
         prompt,
         max_tokens: max,
@@ -955,301 +715,26 @@ async fn chat_inner(
         grammar,
         grammar_param: grammar_param.to_string(),
     };
-    let rx = submit(&serving, job).await?;
-    let timing = Timing {
-        endpoint: "/v1/chat/completions",
-        id: shape.id.clone(),
+    let events = submit(&serving, job).await?;
+    let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
+    let reading = Reading::Chat {
+        thinking_started,
+        tool_call_ids: (!matches!(mode, ToolMode::Off))
+            .then(|| format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..])),
+    };
+    let timing = Timing::new(
+        state.clone(),
+        "/v1/chat/completions",
+        answer_id.id.clone(),
         arrived,
-        last: None,
-        slot: None,
+    );
+    let format = ChatFormat {
+        answer: answer_id,
+        forced_call: matches!(mode, ToolMode::Required(_)),
+        warnings,
+        vocab: serving,
     };
-    if req.sampling.stream.unwrap_or(false) {
-        let mut timing = timing;
-        let rx = await_admission(rx, &mut timing).await?;
-        Ok(chat_stream(state.clone(), serving, shape, rx, timing))
-    } else {
-        chat_json(state, &serving, shape, rx, timing).await
-    }
-}
-
-async fn chat_json(
-    state: &AppState,
-    serving: &Serving,
-    shape: ChatShape,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    mut timing: Timing,
-) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    let done = loop {
-        match rx.recv().await {
-            Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
-            Some(Event::Token {
-                text: t, logprob, ..
-            }) => {
-                timing.token(state);
-                text.push_str(&t);
-                if let Some(lp) = logprob {
-                    logprobs.push(chat_logprob(serving, &lp));
-                }
-            }
-            Some(Event::Done(u)) => break u,
-            Some(Event::Failed(f)) => return Err(failure_error(f)),
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the engine stopped before finishing the request",
-                ))
-            }
-        }
-    };
-    timing.done(state, &done);
-    let (reasoning, content) = split_reasoning(&text, shape.thinking_started);
-    let (content, calls) = if shape.parse_tools {
-        parse_tool_calls(&content, &format!("call_{}", &shape.id[9..]))
-    } else {
-        (content, Vec::new())
-    };
-    let finish_reason = if calls.is_empty() {
-        finish(done.finish_reason).to_string()
-    } else {
-        "tool_calls".to_string()
-    };
-    let tool_calls = (!calls.is_empty()).then(|| {
-        calls
-            .into_iter()
-            .map(|c| ToolCall {
-                id: c.id,
-                kind: "function".into(),
-                function: FunctionCall {
-                    name: c.name,
-                    arguments: c.arguments,
-                },
-            })
-            .collect()
-    });
-    let content = if tool_calls.is_some() && content.is_empty() {
-        None
-    } else {
-        Some(content)
-    };
-    let body = ChatCompletion {
-        id: shape.id,
-        object: "chat.completion".into(),
-        created: shape.created,
-        model: shape.model,
-        system_fingerprint: fingerprint(),
-        choices: vec![ChatChoice {
-            index: 0,
-            message: AssistantMessage {
-                role: "assistant".into(),
-                content,
-                reasoning_content: reasoning,
-                tool_calls,
-            },
-            logprobs: serving_logprobs(logprobs),
-            finish_reason,
-        }],
-        usage: usage(&done),
-        warnings: (!shape.warnings.is_empty()).then_some(shape.warnings),
-    };
-    Ok(Json(body).into_response())
-}
-
-fn serving_logprobs(content: Vec<TokenLogprob>) -> Option<ChoiceLogprobs> {
-    (!content.is_empty()).then_some(ChoiceLogprobs { content })
-}
-
-/// Identifies the build that produced an answer.
-fn fingerprint() -> String {
-    format!("colibri-{}", env!("CARGO_PKG_VERSION"))
-}
-
-fn sse_json<T: serde::Serialize>(value: &T) -> SseEvent {
-    SseEvent::default().data(serde_json::to_string(value).unwrap_or_default())
-}
-
-fn sse_error(e: &ApiError) -> SseEvent {
-    sse_json(&e.body())
-}
-
-/// Turn scheduler events into SSE events on a task of their own; a departed client drops the
-/// stream, which drops the scheduler's receiver, which cancels the sequence.
-fn chat_stream(
-    state: Arc<AppState>,
-    serving: Arc<Serving>,
-    shape: ChatShape,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    mut timing: Timing,
-) -> Response {
-    let (out, out_rx) = mpsc::channel::<SseEvent>(64);
-    tokio::spawn(async move {
-        let chunk = |delta: Delta, logprobs: Option<ChoiceLogprobs>, finish: Option<String>| {
-            ChatCompletionChunk {
-                id: shape.id.clone(),
-                object: "chat.completion.chunk".into(),
-                created: shape.created,
-                model: shape.model.clone(),
-                system_fingerprint: fingerprint(),
-                choices: vec![ChunkChoice {
-                    index: 0,
-                    delta,
-                    logprobs,
-                    finish_reason: finish,
-                }],
-                usage: None,
-                warnings: None,
-            }
-        };
-        let mut first = chunk(
-            Delta {
-                role: Some("assistant".into()),
-                // A forced tool call has no content (OpenAI sends `null`, not "").
-                content: (!shape.forced_call).then(String::new),
-                ..Delta::default()
-            },
-            None,
-            None,
-        );
-        first.warnings = (!shape.warnings.is_empty()).then(|| shape.warnings.clone());
-        if out.send(sse_json(&first)).await.is_err() {
-            return;
-        }
-        let mut reasoning = ReasoningStream::new(shape.thinking_started);
-        let mut tools = ToolCallStream::new(&format!("call_{}", &shape.id[9..]));
-        let mut calls = 0u32;
-        let mut pending_logprobs: Vec<TokenLogprob> = Vec::new();
-        // Turn text into deltas: reasoning, then content through the tool-call parser.
-        let deltas = |events: Vec<ReasoningEvent>, tools: &mut ToolCallStream, calls: &mut u32| {
-            let mut ds = Vec::new();
-            for e in events {
-                match e {
-                    ReasoningEvent::Reasoning(r) if !r.is_empty() => ds.push(Delta {
-                        reasoning_content: Some(r),
-                        ..Delta::default()
-                    }),
-                    ReasoningEvent::Reasoning(_) => {}
-                    ReasoningEvent::Content(c) => {
-                        let evs = if shape.parse_tools {
-                            tools.push(&c)
-                        } else {
-                            vec![ToolStreamEvent::Content(c)]
-                        };
-                        ds.extend(tool_deltas(evs, calls));
-                    }
-                }
-            }
-            ds
-        };
-        let done = loop {
-            match rx.recv().await {
-                Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
-                Some(Event::Token { text, logprob, .. }) => {
-                    timing.token(&state);
-                    if let Some(lp) = logprob {
-                        pending_logprobs.push(chat_logprob(&serving, &lp));
-                    }
-                    let ds = deltas(reasoning.push(&text), &mut tools, &mut calls);
-                    if ds.is_empty() && !pending_logprobs.is_empty() && !text.is_empty() {
-                        // Nothing visible yet; logprobs ride on the next visible delta.
-                    }
-                    for d in ds {
-                        let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
-                        if out.send(sse_json(&chunk(d, lp, None))).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-                Some(Event::Done(u)) => break u,
-                Some(Event::Failed(f)) => {
-                    let _ = out.send(sse_error(&failure_error(f))).await;
-                    let _ = out.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
-                None => {
-                    let e = ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "the engine stopped before finishing the request",
-                    );
-                    let _ = out.send(sse_error(&e)).await;
-                    return;
-                }
-            }
-        };
-        timing.done(&state, &done);
-        let mut ds = deltas(reasoning.finish(), &mut tools, &mut calls);
-        if shape.parse_tools {
-            ds.extend(tool_deltas(tools.finish(), &mut calls));
-        }
-        for d in ds {
-            let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
-            if out.send(sse_json(&chunk(d, lp, None))).await.is_err() {
-                return;
-            }
-        }
-        let reason = if calls > 0 {
-            "tool_calls".to_string()
-        } else {
-            finish(done.finish_reason).to_string()
-        };
-        let lp = serving_logprobs(std::mem::take(&mut pending_logprobs));
-        if out
-            .send(sse_json(&chunk(Delta::default(), lp, Some(reason))))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        if shape.include_usage {
-            let mut last = chunk(Delta::default(), None, None);
-            last.choices.clear();
-            last.usage = Some(usage(&done));
-            if out.send(sse_json(&last)).await.is_err() {
-                return;
-            }
-        }
-        let _ = out.send(SseEvent::default().data("[DONE]")).await;
-    });
-    sse_response(out_rx)
-}
-
-fn sse_response(rx: mpsc::Receiver<SseEvent>) -> Response {
-    let stream =
-        tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), |e| {
-            Ok::<_, std::convert::Infallible>(e)
-        });
-    Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(5)))
-        .into_response()
-}
-
-fn tool_deltas(events: Vec<ToolStreamEvent>, calls: &mut u32) -> Vec<Delta> {
-    let mut out = Vec::new();
-    for e in events {
-        match e {
-            ToolStreamEvent::Content(c) if c.is_empty() => {}
-            ToolStreamEvent::Content(c) => out.push(Delta {
-                content: Some(c),
-                ..Delta::default()
-            }),
-            ToolStreamEvent::Call(call) => {
-                out.push(Delta {
-                    tool_calls: Some(vec![ToolCallDelta {
-                        index: *calls,
-                        id: Some(call.id),
-                        kind: Some("function".into()),
-                        function: FunctionCallDelta {
-                            name: Some(call.name),
-                            arguments: Some(call.arguments),
-                        },
-                    }]),
-                    ..Delta::default()
-                });
-                *calls += 1;
-            }
-        }
-    }
-    out
+    answer(events, reading, timing, format, Delivery::of(&req.sampling)).await
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1367,42 +852,23 @@ async fn completions_inner(
         grammar,
         grammar_param: grammar_param(&req.grammar).to_string(),
     };
-    let rx = submit(&serving, job).await?;
-    let shape = ChatShape {
-        id: new_id("cmpl"),
-        model: state.model_id.clone(),
-        created: super::now_secs(),
-        parse_tools: false,
-        thinking_started: false,
-        include_usage: req
-            .sampling
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-        forced_call: false,
-        warnings: Vec::new(),
-    };
-    let timing = Timing {
-        endpoint: "/v1/completions",
-        id: shape.id.clone(),
+    let events = submit(&serving, job).await?;
+    let answer_id = AnswerId::new(new_id("cmpl"), &state.model_id);
+    let timing = Timing::new(
+        state.clone(),
+        "/v1/completions",
+        answer_id.id.clone(),
         arrived,
-        last: None,
-        slot: None,
-    };
-    if req.sampling.stream.unwrap_or(false) {
-        let mut timing = timing;
-        let rx = await_admission(rx, &mut timing).await?;
-        Ok(completion_stream(
-            state.clone(),
-            serving,
-            shape,
-            echo,
-            rx,
-            timing,
-        ))
-    } else {
-        completion_json(state, &serving, shape, echo, rx, timing).await
-    }
+    );
+    let format = CompletionFormat::new(answer_id, echo, serving);
+    answer(
+        events,
+        Reading::Raw,
+        timing,
+        format,
+        Delivery::of(&req.sampling),
+    )
+    .await
 }
 
 fn encode(serving: &Serving, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -1414,162 +880,4 @@ fn encode(serving: &Serving, text: &str) -> Result<Vec<u32>, ApiError> {
     })?;
     tok.encode(text, true)
         .map_err(|e| ApiError::invalid("prompt", format!("{e}")))
-}
-
-/// Legacy-format logprobs of one token.
-fn completion_logprob(
-    serving: &Serving,
-    lp: &EngineLogprob,
-    offset: usize,
-    into: &mut CompletionLogprobs,
-) {
-    let (token, _) = token_text(serving, lp.id);
-    into.tokens.push(token);
-    into.token_logprobs.push(lp.logprob);
-    let mut top = serde_json::Map::new();
-    for &(id, l) in &lp.top {
-        top.insert(token_text(serving, id).0, json!(l));
-    }
-    into.top_logprobs.push(top);
-    into.text_offset.push(offset);
-}
-
-async fn completion_json(
-    state: &AppState,
-    serving: &Serving,
-    shape: ChatShape,
-    echo: Option<String>,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    mut timing: Timing,
-) -> Result<Response, ApiError> {
-    let mut text = echo.unwrap_or_default();
-    let mut logprobs: Option<CompletionLogprobs> = None;
-    let done = loop {
-        match rx.recv().await {
-            Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
-            Some(Event::Token {
-                text: t, logprob, ..
-            }) => {
-                timing.token(state);
-                if let Some(lp) = logprob {
-                    completion_logprob(
-                        serving,
-                        &lp,
-                        text.len(),
-                        logprobs.get_or_insert_with(Default::default),
-                    );
-                }
-                text.push_str(&t);
-            }
-            Some(Event::Done(u)) => break u,
-            Some(Event::Failed(f)) => return Err(failure_error(f)),
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "the engine stopped before finishing the request",
-                ))
-            }
-        }
-    };
-    timing.done(state, &done);
-    Ok(Json(Completion {
-        id: shape.id,
-        object: "text_completion".into(),
-        created: shape.created,
-        model: shape.model,
-        system_fingerprint: fingerprint(),
-        choices: vec![CompletionChoice {
-            index: 0,
-            text,
-            logprobs,
-            finish_reason: Some(finish(done.finish_reason).into()),
-        }],
-        usage: Some(usage(&done)),
-    })
-    .into_response())
-}
-
-fn completion_stream(
-    state: Arc<AppState>,
-    serving: Arc<Serving>,
-    shape: ChatShape,
-    echo: Option<String>,
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    mut timing: Timing,
-) -> Response {
-    let (out, out_rx) = mpsc::channel::<SseEvent>(64);
-    tokio::spawn(async move {
-        let chunk = |text: String, logprobs: Option<CompletionLogprobs>, finish: Option<String>| {
-            Completion {
-                id: shape.id.clone(),
-                object: "text_completion".into(),
-                created: shape.created,
-                model: shape.model.clone(),
-                system_fingerprint: fingerprint(),
-                choices: vec![CompletionChoice {
-                    index: 0,
-                    text,
-                    logprobs,
-                    finish_reason: finish,
-                }],
-                usage: None,
-            }
-        };
-        let mut offset = 0;
-        if let Some(e) = echo {
-            offset = e.len();
-            if out.send(sse_json(&chunk(e, None, None))).await.is_err() {
-                return;
-            }
-        }
-        let done = loop {
-            match rx.recv().await {
-                Some(Event::Admitted { slot, .. }) => timing.slot = Some(slot),
-                Some(Event::Token { text, logprob, .. }) => {
-                    timing.token(&state);
-                    let lp = logprob.map(|lp| {
-                        let mut c = CompletionLogprobs::default();
-                        completion_logprob(&serving, &lp, offset, &mut c);
-                        c
-                    });
-                    offset += text.len();
-                    if (text.is_empty() && lp.is_none())
-                        || out.send(sse_json(&chunk(text, lp, None))).await.is_ok()
-                    {
-                        continue;
-                    }
-                    return;
-                }
-                Some(Event::Done(u)) => break u,
-                Some(Event::Failed(f)) => {
-                    let _ = out.send(sse_error(&failure_error(f))).await;
-                    let _ = out.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
-                None => return,
-            }
-        };
-        timing.done(&state, &done);
-        if out
-            .send(sse_json(&chunk(
-                String::new(),
-                None,
-                Some(finish(done.finish_reason).into()),
-            )))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        if shape.include_usage {
-            let mut last = chunk(String::new(), None, None);
-            last.choices.clear();
-            last.usage = Some(usage(&done));
-            if out.send(sse_json(&last)).await.is_err() {
-                return;
-            }
-        }
-        let _ = out.send(SseEvent::default().data("[DONE]")).await;
-    });
-    sse_response(out_rx)
 }

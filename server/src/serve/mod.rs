@@ -12,9 +12,11 @@
 
 mod chat;
 mod errors;
+mod formats;
 pub mod metrics;
 pub mod openai;
 pub mod otlp;
+mod pump;
 
 use std::future::Future;
 use std::net::SocketAddr;
