@@ -206,18 +206,21 @@ enum Outcome {
     },
 }
 
+/// A vocabulary that failed before any case ran.
+fn failed_early(model: &str, pre: &str, report: String) -> Outcome {
+    Outcome::Failed {
+        model: model.into(),
+        pre: pre.into(),
+        passed: 0,
+        cases: 0,
+        report,
+    }
+}
+
 fn run_vocab(path: &Path) -> Outcome {
     let gguf = match GgufFile::open(path) {
         Ok(g) => g,
-        Err(e) => {
-            return Outcome::Failed {
-                model: "?".into(),
-                pre: "?".into(),
-                passed: 0,
-                cases: 0,
-                report: format!("cannot open: {e}"),
-            }
-        }
+        Err(e) => return failed_early("?", "?", format!("cannot open: {e}")),
     };
     let meta = |k: &str| gguf.get_str(k).ok().flatten().unwrap_or("-").to_string();
     let (model, pre) = (meta("tokenizer.ggml.model"), meta("tokenizer.ggml.pre"));
@@ -230,27 +233,11 @@ fn run_vocab(path: &Path) -> Outcome {
                 reason: m,
             }
         }
-        Err(e) => {
-            return Outcome::Failed {
-                model,
-                pre,
-                passed: 0,
-                cases: 0,
-                report: format!("cannot build the tokenizer: {e}"),
-            }
-        }
+        Err(e) => return failed_early(&model, &pre, format!("cannot build the tokenizer: {e}")),
     };
     let cases = match read_cases(path) {
         Ok(c) => c,
-        Err(e) => {
-            return Outcome::Failed {
-                model,
-                pre,
-                passed: 0,
-                cases: 0,
-                report: e,
-            };
-        }
+        Err(e) => return failed_early(&model, &pre, e),
     };
     // parse_special = false: special-token text is plain text.
     let mut inner = tok.inner().clone();

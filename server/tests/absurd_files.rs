@@ -41,6 +41,15 @@ const STANDARD: &[&str] = &[
     "num_key_value_heads",
     "intermediate_size",
 ];
+/// Families whose config sets `head_dim` and a dense `intermediate_size` beside the experts'.
+const HEAD_DIM: &[&str] = &[
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "intermediate_size",
+];
 const MLA: &[&str] = &[
     "hidden_size",
     "vocab_size",
@@ -74,26 +83,12 @@ const FAMILIES: &[Family] = &[
         // Its config spells the count `num_local_experts`, the alias of `num_experts`.
         fixture: "qwen3_moe",
         experts: Some("num_local_experts"),
-        sizes: &[
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "head_dim",
-            "moe_intermediate_size",
-            "intermediate_size",
-        ],
+        sizes: HEAD_DIM,
     },
     Family {
         fixture: "glm4_moe",
         experts: Some("n_routed_experts"),
-        sizes: &[
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "head_dim",
-            "moe_intermediate_size",
-            "intermediate_size",
-        ],
+        sizes: HEAD_DIM,
     },
     Family {
         fixture: "deepseek_v3",

@@ -432,8 +432,8 @@ fn convert_then_kl_measures_the_quantization_loss() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!stale.exists(), "the killed convert's temporary is removed");
-    let kl = |model: &std::path::Path| -> serde_json::Value {
-        let out = coli(&[
+    let kl_run = |model: &std::path::Path| {
+        coli(&[
             "kl",
             "-m",
             model.to_str().unwrap(),
@@ -442,8 +442,10 @@ fn convert_then_kl_measures_the_quantization_loss() {
             "-p",
             prompts.to_str().unwrap(),
             "--json",
-        ]);
-        serde_json::from_str(&ok_stdout(&out)).unwrap()
+        ])
+    };
+    let kl = |model: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&ok_stdout(&kl_run(model))).unwrap()
     };
     let same = kl(&fx);
     assert_eq!(same["mean_kl"].as_f64().unwrap(), 0.0, "{same}");
@@ -454,15 +456,7 @@ fn convert_then_kl_measures_the_quantization_loss() {
     assert_eq!(q8["positions"], same["positions"]);
     // A prompt file without prompts is a clear error.
     std::fs::write(&prompts, "\n\n").unwrap();
-    let out = coli(&[
-        "kl",
-        "-m",
-        fx.to_str().unwrap(),
-        "-r",
-        fx.to_str().unwrap(),
-        "-p",
-        prompts.to_str().unwrap(),
-    ]);
+    let out = kl_run(&fx);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no prompts"));
 }

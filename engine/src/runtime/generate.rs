@@ -193,15 +193,9 @@ pub fn generate_continue(
         tokens.push(id);
         conv.tokens.push(id);
         on_token(id);
-        if let Some(tok) = tokenizer {
-            let (piece, stopped) = text.push(tok, id)?;
-            if !piece.is_empty() {
-                on_text(&piece);
-            }
-            if stopped {
-                finish_reason = FinishReason::Stop;
-                break;
-            }
+        if text.deliver(tokenizer, id, &mut on_text)? {
+            finish_reason = FinishReason::Stop;
+            break;
         }
         if tokens.len() >= params.max_tokens || conv.cache.len >= max_len {
             break;
@@ -258,6 +252,24 @@ impl StopText {
         let piece = self.stream.push(tok, id)?;
         self.text.push_str(&piece);
         Ok(self.advance(false))
+    }
+
+    /// Push `id` when there is a tokenizer, handing the newly safe text (if any) to `on_text`;
+    /// true when a stop string appeared. The one step every generation loop takes per token.
+    pub fn deliver(
+        &mut self,
+        tokenizer: Option<&Tokenizer>,
+        id: u32,
+        on_text: &mut impl FnMut(&str),
+    ) -> Result<bool> {
+        let Some(tok) = tokenizer else {
+            return Ok(false);
+        };
+        let (piece, stopped) = self.push(tok, id)?;
+        if !piece.is_empty() {
+            on_text(&piece);
+        }
+        Ok(stopped)
     }
 
     /// The end of generation: flush what was held back (an incomplete character comes out as

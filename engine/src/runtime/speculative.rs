@@ -182,15 +182,9 @@ pub fn generate_with_drafts(
         tokens.push(id);
         history.push(id);
         on_token(id);
-        if let Some(tok) = tokenizer {
-            let (piece, stopped) = text.push(tok, id)?;
-            if !piece.is_empty() {
-                on_text(&piece);
-            }
-            if stopped {
-                *finish = FinishReason::Stop;
-                return Ok(false);
-            }
+        if text.deliver(tokenizer, id, &mut on_text)? {
+            *finish = FinishReason::Stop;
+            return Ok(false);
         }
         Ok(tokens.len() < params.max_tokens)
     };

@@ -119,13 +119,17 @@ def test_chat_stream_equals_non_stream(server):
 
     assert text == whole.choices[0].message.content
     assert whole.choices[0].finish_reason == "length"
-    u, w = last.usage, whole.usage
+    assert_same_usage(last.usage, whole.usage, completion_tokens=24)
+
+
+def assert_same_usage(u, w, completion_tokens):
+    """The streamed usage chunk counts what the whole answer counts."""
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
         w.prompt_tokens,
         w.completion_tokens,
         w.total_tokens,
     )
-    assert u.completion_tokens == 24
+    assert u.completion_tokens == completion_tokens
 
 
 def test_chat_stream_without_include_usage_has_no_usage_chunk(server):
@@ -145,13 +149,7 @@ def test_completion_stream_equals_non_stream(server):
     finishes = [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert text == whole.choices[0].text
-    u, w = last.usage, whole.usage
-    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
-        w.prompt_tokens,
-        w.completion_tokens,
-        w.total_tokens,
-    )
-    assert u.completion_tokens == 24
+    assert_same_usage(last.usage, whole.usage, completion_tokens=24)
 
 
 # ---- seeds ----------------------------------------------------------------------------------
