@@ -1069,7 +1069,7 @@ mod tests {
         let text = toml::to_string(&full).unwrap();
         let order: Vec<&str> = text
             .lines()
-            .filter(|l| !l.starts_with('['))
+            .filter(|l| !l.is_empty() && !l.starts_with('['))
             .filter_map(|l| l.split(" = ").next())
             .collect();
         let keys: Vec<&str> = keys().map(|(k, _)| *k).collect();

@@ -175,7 +175,9 @@ fn run_text(model: &Path, extra: &[&str]) -> String {
         "coli run: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    // `run` ends its text with a newline.
+    let text = String::from_utf8(out.stdout).unwrap();
+    text.strip_suffix('\n').unwrap_or(&text).to_string()
 }
 
 #[test]
