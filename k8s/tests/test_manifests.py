@@ -82,12 +82,23 @@ def _config_rs() -> str:
 
 
 def config_keys() -> list[str]:
-    """The keys of `coli serve`'s configuration, from server/src/config.rs's KEYS table."""
-    block = re.search(r"const KEYS: &\[\(&str, Shape\)\] = &\[(.*?)\];", _config_rs(), re.S)
-    assert block, "KEYS table not found in server/src/config.rs"
-    keys = re.findall(r'\("([a-z_]+)", Shape::', block.group(1))
-    assert len(keys) > 10
+    """The keys of `coli serve`'s configuration: server/src/config.rs's KEYS table, then the
+    engine options of server/src/engine_options.rs's ENGINE_KEYS (the order of `--show`)."""
+    keys = []
+    for path, table in (("config.rs", "KEYS"), ("engine_options.rs", "ENGINE_KEYS")):
+        text = (ROOT / "server" / "src" / path).read_text(encoding="utf-8")
+        block = re.search(rf"const {table}: &\[\(&str, Shape\)\] = &\[(.*?)\];", text, re.S)
+        assert block, f"{table} table not found in server/src/{path}"
+        keys += re.findall(r'\("([a-z_]+)", Shape::', block.group(1))
+    assert len(keys) > 30
     return keys
+
+
+def engine_keys() -> list[str]:
+    """The engine options (server/src/engine_options.rs's ENGINE_KEYS)."""
+    text = (ROOT / "server" / "src" / "engine_options.rs").read_text(encoding="utf-8")
+    block = re.search(r"const ENGINE_KEYS: &\[\(&str, Shape\)\] = &\[(.*?)\];", text, re.S)
+    return re.findall(r'\("([a-z_]+)", Shape::', block.group(1))
 
 
 def ignored_env() -> tuple[set[str], list[str]]:
@@ -115,7 +126,7 @@ def documented_metrics() -> dict[str, str]:
 
 
 def is_size(s: str) -> bool:
-    """server/src/config.rs's is_size: digits[.digits] then K|M|G|T with optional B/iB, or B."""
+    """server/src/engine_options.rs's is_size: digits[.digits] then K|M|G|T with optional B/iB, or B."""
     return re.fullmatch(r"[0-9]+(\.[0-9]+)?([KMGT](B|IB)?|B)?", s.strip().upper()) is not None
 
 
@@ -1018,8 +1029,69 @@ def test_server_accepts_the_configuration(which, tmp_path):
     assert "host = \"0.0.0.0\"" in result.stdout
 
 
+# The engine options ci/engine-values.yaml sets, as colibri.toml and `coli config --show` spell
+# them; `no_learn` comes from extraEnv.
+ENGINE_VALUES = {
+    "io": '"pool"',
+    "io_threads": "8",
+    "direct_io": "true",
+    "cache_policy": '"lfru"',
+    "pin_budget": '"1G"',
+    "no_prefetch": "false",
+    "mla_form": '"expanded"',
+    "kv_dtype": '"bf16"',
+    "draft": '"none"',
+}
+
+
+def test_chart_engine_options_reach_the_configuration():
+    """Every engine option is a chart value (`config.KEY`) rendered into colibri.toml; a
+    profile overrides one and extraEnv sets another as COLI_KEY."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text(encoding="utf-8"))
+    assert set(engine_keys()) - {"mirrors"} <= set(values["config"]), "an engine option has no chart value"
+    rendered, docs = rendered_set("engine")
+    facts = check_workload(docs)
+    profile = facts["profile"]
+    for key, text in ENGINE_VALUES.items():
+        assert key in profile, f"{key} is not in colibri.toml"
+        assert json.dumps(profile[key]) == text, f"{key} = {profile[key]!r}"
+    assert profile["profiles"]["f32"] == {"kv_dtype": "f32"}
+    assert facts["env"]["COLI_NO_LEARN"]["value"] == "true"
+    # Unset values stay out of the file: the server's defaults apply.
+    defaults = tomllib.loads(one(rendered_set("default")[1], "ConfigMap")["data"]["colibri.toml"])
+    assert not set(ENGINE_VALUES) & set(defaults), "the default chart sets engine options"
+    # config.mmap drops the budget derived from the memory limit (the server refuses both).
+    mapped = tomllib.loads(one(manifests(template_stream(render({"config": {"mmap": True}}))), "ConfigMap")["data"]["colibri.toml"])
+    assert mapped["mmap"] is True and "ram" not in mapped
+
+
 @needs_coli
-def test_server_serves_with_the_chart_defaults(tmp_path):
+def test_server_reports_the_charts_engine_options(tmp_path):
+    """`coli config --show` with the pod of ci/engine-values.yaml: each engine option has the
+    chart's value and names colibri.toml (or the profile, or COLI_NO_LEARN) as its source."""
+    _, docs = rendered_set("engine")
+    container = [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    config = tmp_path / "colibri.toml"
+    config.write_text(one(docs, "ConfigMap")["data"]["colibri.toml"], encoding="utf-8")
+
+    def show(*extra: str) -> str:
+        result = subprocess.run(
+            server_command(container, config, "config") + list(extra),
+            env=pod_environment(container),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    shown = show()
+    for key, text in ENGINE_VALUES.items():
+        assert f"{key} = {text}  # file {config}\n" in shown, f"{key} in:\n{shown}"
+    assert "no_learn = true  # env COLI_NO_LEARN\n" in shown, shown
+    assert f'kv_dtype = "f32"  # file {config} [profile f32]\n' in show("--profile", "f32")
+
     """The default chart's configuration, environment and probes against `coli serve` (demo
     model): /health and /ready answer 200 within the startup budget, /metrics carries every
     metric the dashboard and the alerts use, and SIGTERM ends the process within the grace

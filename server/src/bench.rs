@@ -175,7 +175,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let report = BenchReport {
         model: loaded.dir.display().to_string(),
         threads: colibri::tensor::threads::current(),
-        ram_budget_bytes: args.model.store_options(None)?.ram_budget,
+        ram_budget_bytes: args.model.options()?.ram_budget(None),
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         cold,

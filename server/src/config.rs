@@ -1,6 +1,10 @@
 //! The configuration of `coli serve`: the typed, validated [`ServeConfig`], the layers it is
 //! read from and where each effective value came from.
 //!
+//! The engine options (`io`, `cache_policy`, `mla_form`, `ram`, ...) are [`EngineOptions`],
+//! the structure every computing command shares; here they are top-level keys like the
+//! server's own, held in [`ServeConfig::engine`].
+//!
 //! Layers, each overriding the one before:
 //!
 //! 1. built-in defaults ([`ServeConfig::default`]);
@@ -26,6 +30,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::{Deserialize, Serialize};
+
+use crate::engine_options::{EngineFlags, EngineOptions, ENGINE_KEYS};
 
 /// The file read from the working directory when no `--config`/`COLI_CONFIG` names one.
 pub const DEFAULT_FILE: &str = "colibri.toml";
@@ -57,7 +63,7 @@ const IGNORED_ENV_PREFIXES: &[&str] = &["COLI_CI_", "COLI_TEST_"];
 
 /// How an environment variable's text is read for a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Shape {
+pub(crate) enum Shape {
     /// Taken as it is (strings and paths).
     Text,
     /// An unsigned integer when it reads as one; otherwise left as text, which extraction
@@ -67,15 +73,15 @@ enum Shape {
     Bool,
     /// Comma-separated items, or a TOML/JSON array literal when it starts with `[`.
     List,
+    /// Like [`Shape::List`], each comma-separated item a number when it reads as one.
+    NumberList,
 }
 
-/// Every key of [`ServeConfig`], in field order, with how the environment spells its value.
+/// Every key of [`ServeConfig`] but its engine options ([`ENGINE_KEYS`]), in field order, with
+/// how the environment spells its value.
 const KEYS: &[(&str, Shape)] = &[
     ("model", Shape::Text),
     ("served_model_name", Shape::Text),
-    ("mirrors", Shape::List),
-    ("ram", Shape::Text),
-    ("threads", Shape::Number),
     ("slots", Shape::Number),
     ("context", Shape::Number),
     ("prefill_chunk", Shape::Number),
@@ -101,19 +107,13 @@ const KEYS: &[(&str, Shape)] = &[
 ];
 
 /// The effective configuration of `coli serve`.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServeConfig {
     /// Model directory or `.gguf` path, or `demo`; `None` means the built-in demo model.
     pub model: Option<String>,
     /// The model id `/v1/models` reports; `None` means derived from the model path.
     pub served_model_name: Option<String>,
-    /// Byte-identical copies of the checkpoint on other drives.
-    pub mirrors: Vec<PathBuf>,
-    /// RAM budget such as `6G` or `512M`; `None` means the engine's default.
-    pub ram: Option<String>,
-    /// Compute threads; 0 means all cores.
-    pub threads: usize,
     /// KV-cache slots, i.e. requests decoded at once (1 to 256).
     pub slots: usize,
     /// Tokens of context per slot; 0 means the model's own context length.
@@ -166,6 +166,8 @@ pub struct ServeConfig {
     /// Directory keeping the slots' conversations (tokens and KV cache) across restarts;
     /// `None`: slots start empty.
     pub prefix_cache_dir: Option<PathBuf>,
+    /// The engine options (top-level keys of the file, like the others).
+    pub engine: EngineOptions,
 }
 
 impl Default for ServeConfig {
@@ -173,9 +175,6 @@ impl Default for ServeConfig {
         ServeConfig {
             model: None,
             served_model_name: None,
-            mirrors: Vec::new(),
-            ram: None,
-            threads: 0,
             slots: 4,
             context: 0,
             prefill_chunk: 256,
@@ -198,6 +197,7 @@ impl Default for ServeConfig {
             tls_key: None,
             history_save_secs: 60,
             prefix_cache_dir: None,
+            engine: EngineOptions::default(),
         }
     }
 }
@@ -208,9 +208,6 @@ impl fmt::Debug for ServeConfig {
         f.debug_struct("ServeConfig")
             .field("model", &self.model)
             .field("served_model_name", &self.served_model_name)
-            .field("mirrors", &self.mirrors)
-            .field("ram", &self.ram)
-            .field("threads", &self.threads)
             .field("slots", &self.slots)
             .field("context", &self.context)
             .field("prefill_chunk", &self.prefill_chunk)
@@ -233,6 +230,7 @@ impl fmt::Debug for ServeConfig {
             .field("tls_key", &self.tls_key)
             .field("history_save_secs", &self.history_save_secs)
             .field("prefix_cache_dir", &self.prefix_cache_dir)
+            .field("engine", &self.engine)
             .finish()
     }
 }
@@ -258,17 +256,7 @@ impl ServeConfig {
         if self.served_model_name.as_deref() == Some("") {
             return fail("served_model_name", "must not be empty".into());
         }
-        if self.mirrors.iter().any(|m| m.as_os_str().is_empty()) {
-            return fail("mirrors", "must not contain an empty path".into());
-        }
-        if let Some(ram) = &self.ram {
-            if !is_size(ram) {
-                return fail(
-                    "ram",
-                    format!("expected a size such as 512M, 6G or 6GiB, found `{ram}`"),
-                );
-            }
-        }
+        self.engine.validate()?;
         if !(1..=256).contains(&self.slots) {
             return fail(
                 "slots",
@@ -362,29 +350,6 @@ impl ServeConfig {
     }
 }
 
-/// Whether `s` is a size the engine's budget parser reads: a number (digits, optionally with a
-/// decimal fraction) followed by an optional unit K, M, G or T, itself optionally followed by
-/// `B` or `iB`; or a plain byte count with an optional `B`. Case-insensitive.
-fn is_size(s: &str) -> bool {
-    let t = s.trim().to_ascii_uppercase();
-    let end = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (number, unit) = t.split_at(end);
-    let mut parts = number.split('.');
-    let whole = parts.next().unwrap_or("");
-    let fraction = parts.next();
-    let number_ok =
-        !whole.is_empty() && parts.next().is_none() && fraction.is_none_or(|f| !f.is_empty());
-    let unit_ok = match unit.chars().next() {
-        None => true,
-        Some('K' | 'M' | 'G' | 'T') => matches!(&unit[1..], "" | "B" | "IB"),
-        Some('B') => unit.len() == 1,
-        Some(_) => false,
-    };
-    number_ok && unit_ok
-}
-
 /// Where a value came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -456,15 +421,9 @@ pub struct ServeFlags {
     /// The model id reported by /v1/models [default: derived from the model path].
     #[arg(long, value_name = "NAME")]
     pub served_model_name: Option<String>,
-    /// A byte-identical copy of the checkpoint on another drive (repeatable).
-    #[arg(long = "mirror", value_name = "PATH")]
-    pub mirrors: Vec<PathBuf>,
-    /// RAM budget for weights and the expert cache, e.g. 512M or 6G.
-    #[arg(long, value_name = "SIZE")]
-    pub ram: Option<String>,
-    /// Compute threads; 0 = all cores.
-    #[arg(long, value_name = "N")]
-    pub threads: Option<usize>,
+    /// The engine options (as for `coli run`).
+    #[command(flatten)]
+    pub engine: EngineFlags,
     /// KV-cache slots: requests decoded at once (1-256).
     #[arg(long, value_name = "N")]
     pub slots: Option<usize>,
@@ -571,13 +530,17 @@ impl Loaded {
     /// field order. Unset optional keys are printed commented out (`# key = (unset)  # source`)
     /// so the text stays valid TOML; API keys are masked (`["***", "***"]`).
     pub fn show(&self) -> String {
-        let values = match serde_json::to_value(&self.config) {
+        let mut values = match serde_json::to_value(&self.config) {
             Ok(serde_json::Value::Object(map)) => map,
             Ok(_) => serde_json::Map::new(),
             Err(e) => return format!("# the configuration cannot be shown: {e}\n"),
         };
+        // The engine options are top-level keys, as in the file.
+        if let Some(serde_json::Value::Object(engine)) = values.remove(ENGINE_TABLE) {
+            values.extend(engine);
+        }
         let mut out = String::new();
-        for (key, _) in KEYS {
+        for (key, _) in keys() {
             let source = self.sources.get(*key).unwrap_or(&Source::Default);
             let value = values.get(*key).unwrap_or(&serde_json::Value::Null);
             let _ = if value.is_null() {
@@ -642,13 +605,41 @@ fn is_ignored_env(name: &str) -> bool {
     IGNORED_ENV.contains(&name) || IGNORED_ENV_PREFIXES.iter().any(|p| name.starts_with(p))
 }
 
+/// The field of [`ServeConfig`] holding the engine options; their keys are top-level keys of
+/// the file, the environment and the flags, nested under it only for extraction.
+const ENGINE_TABLE: &str = "engine";
+
+/// Every key, in the order `coli config --show` prints them: the server's, then the engine's.
+fn keys() -> impl Iterator<Item = &'static (&'static str, Shape)> {
+    KEYS.iter().chain(ENGINE_KEYS)
+}
+
+/// Whether `key` is one of the engine options.
+fn is_engine_key(key: &str) -> bool {
+    ENGINE_KEYS.iter().any(|(k, _)| *k == key)
+}
+
 /// The known keys, for error messages.
 fn known_keys() -> String {
-    KEYS.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
+    keys().map(|(k, _)| *k).collect::<Vec<_>>().join(", ")
 }
 
 fn shape_of(key: &str) -> Option<Shape> {
-    KEYS.iter().find(|(k, _)| *k == key).map(|(_, s)| *s)
+    keys().find(|(k, _)| *k == key).map(|(_, s)| *s)
+}
+
+/// The engine options of a computing command (`run`, `bench`, `logits`, `info`): the
+/// defaults overridden by the flags given, validated like `coli serve`'s (an error names the
+/// flag). The configuration file and the `COLI_*` variables are `coli serve`'s only.
+pub fn engine_from_flags(flags: &EngineFlags) -> Result<EngineOptions> {
+    let mut layers = Layers::default();
+    layers.push(Source::Default, defaults_dict()?);
+    for (key, flag, value) in flags.values()? {
+        let mut dict = Dict::new();
+        dict.insert(key.to_string(), value);
+        layers.push(Source::Flag(flag.to_string()), dict);
+    }
+    Ok(layers.finish()?.config.engine)
 }
 
 /// [`load`] with an explicit environment (name, value pairs; only `COLI_*` names matter) and
@@ -765,12 +756,16 @@ pub fn load_from(flags: &ServeFlags, env: &[(String, String)], cwd: &Path) -> Re
     layers.finish()
 }
 
-/// The defaults as a dictionary of values.
+/// The defaults as a dictionary of values, the engine options at the top level.
 fn defaults_dict() -> Result<Dict> {
-    Value::serialize(ServeConfig::default())
+    let mut dict = Value::serialize(ServeConfig::default())
         .ok()
         .and_then(Value::into_dict)
-        .ok_or_else(|| anyhow!("cannot represent the default configuration"))
+        .ok_or_else(|| anyhow!("cannot represent the default configuration"))?;
+    if let Some(engine) = dict.remove(ENGINE_TABLE).and_then(Value::into_dict) {
+        dict.extend(engine);
+    }
+    Ok(dict)
 }
 
 /// Reads a configuration file: its top-level keys and its `[profiles.NAME]` tables, each
@@ -833,17 +828,20 @@ fn env_value(shape: Shape, text: &str) -> Result<Value> {
             "false" | "0" | "no" | "off" => Value::from(false),
             _ => Value::from(text.to_string()),
         },
-        Shape::List if text.trim_start().starts_with('[') => {
+        Shape::List | Shape::NumberList if text.trim_start().starts_with('[') => {
             let doc: toml::Table = toml::from_str(&format!("list = {text}"))
                 .map_err(|e| anyhow!("`{text}` is not an array literal: {}", e.message()))?;
             Value::serialize(&doc["list"])?
         }
-        Shape::List => {
-            let items: Vec<String> = text
+        Shape::List | Shape::NumberList => {
+            let items: Vec<Value> = text
                 .split(',')
                 .map(str::trim)
                 .filter(|s| !s.is_empty())
-                .map(str::to_string)
+                .map(|item| match item.parse::<f64>() {
+                    Ok(n) if shape == Shape::NumberList => Value::from(n),
+                    _ => Value::from(item.to_string()),
+                })
                 .collect();
             Value::from(items)
         }
@@ -876,9 +874,6 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     }
     opt!(model, "--model");
     opt!(served_model_name, "--served-model-name");
-    list!(mirrors, "--mirror");
-    opt!(ram, "--ram");
-    opt!(threads, "--threads");
     opt!(slots, "--slots");
     opt!(context, "--context");
     opt!(prefill_chunk, "--prefill-chunk");
@@ -909,6 +904,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(tls_key, "--tls-key");
     opt!(history_save_secs, "--history-save-secs");
     opt!(prefix_cache_dir, "--prefix-cache-dir");
+    out.extend(flags.engine.values()?);
     Ok(out)
 }
 
@@ -936,10 +932,22 @@ struct Layers {
 }
 
 impl Layers {
-    /// Adds a layer that overrides those before it.
-    fn push(&mut self, source: Source, dict: Dict) {
+    /// Adds a layer (of top-level keys) that overrides those before it. Its engine options
+    /// move into the [`ENGINE_TABLE`] table, where [`ServeConfig`] holds them.
+    fn push(&mut self, source: Source, mut dict: Dict) {
         for key in dict.keys() {
             self.sources.insert(key.clone(), source.clone());
+        }
+        let engine: Dict = dict
+            .keys()
+            .filter(|k| is_engine_key(k))
+            .cloned()
+            .collect::<Vec<_>>()
+            .into_iter()
+            .filter_map(|k| dict.remove(&k).map(|v| (k, v)))
+            .collect();
+        if !engine.is_empty() {
+            dict.insert(ENGINE_TABLE.to_string(), Value::from(engine));
         }
         let layer = Layer {
             name: source.to_string(),
@@ -960,7 +968,13 @@ impl Layers {
                 .into_iter()
                 .next()
                 .expect("a figment error holds one error");
-            let Some(key) = error.path.first().cloned() else {
+            // An engine option's path is `engine.KEY`; the user knows it as `KEY`.
+            let key = match error.path.as_slice() {
+                [table, key, ..] if table == ENGINE_TABLE => Some(key.clone()),
+                [key, ..] => Some(key.clone()),
+                [] => None,
+            };
+            let Some(key) = key else {
                 return anyhow!("invalid configuration: {}", error.kind);
             };
             let problem = if SECRET_KEYS.contains(&key.as_str()) {
@@ -1039,17 +1053,28 @@ mod tests {
         let full = ServeConfig {
             model: Some("m".into()),
             served_model_name: Some("n".into()),
-            ram: Some("1G".into()),
             otlp_endpoint: Some("http://x".into()),
             tls_cert: Some("c".into()),
             tls_key: Some("k".into()),
             prefix_cache_dir: Some("p".into()),
+            engine: EngineOptions {
+                ram: Some("1G".parse().unwrap()),
+                pin_budget: Some("1M".parse().unwrap()),
+                mla_form: Some(colibri::model::mla::MlaForm::Expanded),
+                kv_dtype: Some(colibri::model::cache::KvDType::Bf16),
+                ..EngineOptions::default()
+            },
             ..ServeConfig::default()
         };
         let text = toml::to_string(&full).unwrap();
-        let order: Vec<&str> = text.lines().filter_map(|l| l.split(" = ").next()).collect();
-        let keys: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+        let order: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('['))
+            .filter_map(|l| l.split(" = ").next())
+            .collect();
+        let keys: Vec<&str> = keys().map(|(k, _)| *k).collect();
         assert_eq!(order, keys);
+        assert!(text.contains("\n[engine]\n"), "{text}");
     }
 
     #[test]
@@ -1073,7 +1098,7 @@ mod tests {
         assert!(!c.stay_up_on_load_failure);
         assert_eq!(c.log_level, "info");
         assert!(!c.log_json);
-        assert_eq!(loaded.sources.len(), KEYS.len());
+        assert_eq!(loaded.sources.len(), KEYS.len() + ENGINE_KEYS.len());
         assert!(loaded.sources.values().all(|s| *s == Source::Default));
         assert_eq!(ServeConfig::default().validate(), Ok(()));
     }
@@ -1206,10 +1231,10 @@ mod tests {
         let c = &loaded.config;
         assert_eq!(c.model.as_deref(), Some("demo"));
         assert_eq!(c.served_model_name.as_deref(), Some("tiny"));
-        assert_eq!(c.mirrors, [PathBuf::from("/a"), PathBuf::from("/b")]);
-        assert_eq!(c.ram.as_deref(), Some("6G"));
+        assert_eq!(c.engine.mirrors, [PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(c.engine.ram, Some("6G".parse().unwrap()));
         assert_eq!(
-            (c.threads, c.slots, c.context, c.prefill_chunk),
+            (c.engine.threads, c.slots, c.context, c.prefill_chunk),
             (3, 2, 512, 64)
         );
         assert_eq!(
@@ -1234,10 +1259,15 @@ mod tests {
             loaded.sources["served_model_name"],
             Source::Flag("--served-model-name".into())
         );
-        assert!(loaded
-            .sources
-            .values()
-            .all(|s| matches!(s, Source::Flag(_))));
+        // Every server key, and the engine options given.
+        let given = KEYS.iter().map(|(k, _)| *k);
+        for key in given.chain(["threads", "ram", "mirrors"]) {
+            assert!(
+                matches!(loaded.sources[key], Source::Flag(_)),
+                "{key}: {:?}",
+                loaded.sources[key]
+            );
+        }
     }
 
     #[test]
@@ -1464,8 +1494,7 @@ mod tests {
             "body_timeout_secs"
         );
         assert_eq!(bad(|c| c.log_level = "verbose".into()), "log_level");
-        assert_eq!(bad(|c| c.ram = Some("6Q".into())), "ram");
-        assert_eq!(bad(|c| c.ram = Some("G".into())), "ram");
+        assert_eq!(bad(|c| c.engine.io_threads = 0), "io_threads");
         assert_eq!(
             bad(|c| c.api_keys = vec!["a".into(), String::new()]),
             "api_keys"
@@ -1496,11 +1525,11 @@ mod tests {
             ..ServeConfig::default()
         };
         for ram in ["6G", "512m", "6GiB", "6gb", "1024", "1.5G", "100B", "2T"] {
-            ok.ram = Some(ram.into());
+            ok.engine.ram = Some(ram.parse().unwrap());
             assert_eq!(ok.validate(), Ok(()), "{ram}");
         }
         for ram in ["", "6 G", "G6", "6GG", "6iB", "1.G", "1..5G", "-1G"] {
-            assert!(!is_size(ram), "{ram}");
+            assert!(!crate::engine_options::is_size(ram), "{ram}");
         }
     }
 
@@ -1520,7 +1549,7 @@ mod tests {
         assert_eq!(loaded.config.api_keys, ["a", "b", "c"]);
         assert_eq!(loaded.config.cors_origins, ["https://x.example", "*"]);
         assert_eq!(
-            loaded.config.mirrors,
+            loaded.config.engine.mirrors,
             [PathBuf::from("/d1"), PathBuf::from("/d2")]
         );
         assert!(loaded.config.log_json);
@@ -1590,12 +1619,9 @@ mod tests {
             "{shown}"
         );
         assert!(shown.contains("# ram = (unset)  # default\n"), "{shown}");
-        assert_eq!(shown.lines().count(), KEYS.len());
+        assert_eq!(shown.lines().count(), KEYS.len() + ENGINE_KEYS.len());
         assert!(shown.starts_with("model = "), "{shown}");
-        assert!(
-            shown.ends_with("# prefix_cache_dir = (unset)  # default\n"),
-            "{shown}"
-        );
+        assert!(shown.ends_with("draft = \"none\"  # default\n"), "{shown}");
         // The output is valid TOML.
         toml::from_str::<toml::Table>(&shown).unwrap();
         assert!(!format!("{:?}", loaded.config).contains("s3cret"));
@@ -1658,5 +1684,205 @@ mod tests {
         let dir = dir_with("profiles = 3\n");
         let err = error_of(load_from(&ServeFlags::default(), &[], dir.path()));
         assert!(err.contains("`profiles`"), "{err}");
+    }
+
+    #[test]
+    fn engine_options_from_file_env_and_flags_with_their_sources() {
+        use colibri::model::cache::KvDType;
+        use colibri::model::mla::MlaForm;
+        use colibri::model::Draft;
+        use colibri::store::reader::ReaderKind;
+        use colibri::store::CachePolicy;
+        let dir = dir_with(
+            "io = \"pool\"\ndirect_io = true\ncache_policy = \"lfru\"\npin_budget = \"512M\"\n\
+             [profiles.mla]\nmla_form = \"expanded\"\nkv_dtype = \"bf16\"\n",
+        );
+        let flags = ServeFlags {
+            profile: Some("mla".into()),
+            ..ServeFlags::default()
+        };
+        let vars = env(&[
+            ("COLI_IO_THREADS", "2"),
+            ("COLI_NO_LEARN", "yes"),
+            ("COLI_NO_PREFETCH", "1"),
+            ("COLI_MIRRORS", "/d1,/d2"),
+            ("COLI_MIRROR_WEIGHTS", "1.5, 2"),
+            ("COLI_RAM", "6G"),
+        ]);
+        let loaded = load_from(&flags, &vars, dir.path()).unwrap();
+        let e = &loaded.config.engine;
+        assert_eq!(e.io, ReaderKind::Pool);
+        assert!(e.direct_io);
+        assert_eq!(e.cache_policy, CachePolicy::Lfru);
+        assert_eq!(e.pin_budget.as_ref().map(|s| s.bytes), Some(512 << 20));
+        assert_eq!(e.mla_form, Some(MlaForm::Expanded));
+        assert_eq!(e.kv_dtype, Some(KvDType::Bf16));
+        assert_eq!((e.io_threads, e.no_learn, e.no_prefetch), (2, true, true));
+        assert_eq!(e.mirror_weights, [1.5, 2.0]);
+        assert_eq!(e.ram.as_ref().map(|s| s.bytes), Some(6 << 30));
+        assert_eq!(e.draft, Draft::None);
+        assert_eq!(loaded.sources["io"], file_source(&dir, None));
+        assert_eq!(loaded.sources["mla_form"], file_source(&dir, Some("mla")));
+        assert_eq!(
+            loaded.sources["io_threads"],
+            Source::Env("COLI_IO_THREADS".into())
+        );
+        assert_eq!(loaded.sources["draft"], Source::Default);
+        let shown = loaded.show();
+        let file = dir.path().join(DEFAULT_FILE).display().to_string();
+        for line in [
+            format!("io = \"pool\"  # file {file}\n"),
+            format!("direct_io = true  # file {file}\n"),
+            format!("cache_policy = \"lfru\"  # file {file}\n"),
+            format!("pin_budget = \"512M\"  # file {file}\n"),
+            format!("mla_form = \"expanded\"  # file {file} [profile mla]\n"),
+            format!("kv_dtype = \"bf16\"  # file {file} [profile mla]\n"),
+            "io_threads = 2  # env COLI_IO_THREADS\n".to_string(),
+            "mirror_weights = [1.5, 2.0]  # env COLI_MIRROR_WEIGHTS\n".to_string(),
+            "ram = \"6G\"  # env COLI_RAM\n".to_string(),
+            "draft = \"none\"  # default\n".to_string(),
+            "mmap = false  # default\n".to_string(),
+        ] {
+            assert!(shown.contains(&line), "{line} in:\n{shown}");
+        }
+        toml::from_str::<toml::Table>(&shown).unwrap();
+
+        // Flags win over both.
+        let cli = Cli::try_parse_from([
+            "coli",
+            "--profile",
+            "mla",
+            "--io",
+            "uring",
+            "--cache-policy",
+            "LRU",
+            "--mla-form",
+            "absorbed",
+            "--kv-dtype",
+            "f32",
+            "--draft",
+            "mtp",
+            "--io-threads",
+            "3",
+            "--pin-budget",
+            "1G",
+            "--mmap",
+            "--mirror-weights",
+            "1,3",
+        ])
+        .unwrap();
+        let vars = env(&[("COLI_MIRRORS", "/d1,/d2")]);
+        let loaded = load_from(&cli.flags, &vars, dir.path()).unwrap();
+        let e = &loaded.config.engine;
+        assert_eq!(e.io, ReaderKind::Uring);
+        assert_eq!(e.cache_policy, CachePolicy::Lru);
+        assert_eq!(e.mla_form, Some(MlaForm::Absorbed));
+        assert_eq!(e.kv_dtype, Some(KvDType::F32));
+        assert_eq!((e.draft, e.io_threads, e.mmap), (Draft::Mtp, 3, true));
+        assert_eq!(e.mirror_weights, [1.0, 3.0]);
+        assert_eq!(loaded.sources["io"], Source::Flag("--io".into()));
+        assert_eq!(loaded.sources["mmap"], Source::Flag("--mmap".into()));
+        assert!(loaded.show().contains("draft = \"mtp\"  # flag --draft\n"));
+    }
+
+    #[test]
+    fn a_bad_engine_value_names_the_key_its_source_and_the_valid_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = error_of(load_from(
+            &ServeFlags::default(),
+            &env(&[("COLI_IO", "fast")]),
+            dir.path(),
+        ));
+        assert!(
+            err.contains("`io` from environment variable COLI_IO"),
+            "{err}"
+        );
+        assert!(
+            err.contains("auto") && err.contains("uring") && err.contains("pool"),
+            "{err}"
+        );
+        let file = dir_with("kv_dtype = \"f16\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(err.contains("`kv_dtype` from file"), "{err}");
+        assert!(err.contains("f32") && err.contains("bf16"), "{err}");
+        let file = dir_with("pin_budget = \"lots\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(err.contains("`pin_budget` from file"), "{err}");
+        assert!(err.contains("expected a size such as 512M"), "{err}");
+        let file = dir_with("cache_policy = \"fifo\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(
+            err.contains("`cache_policy`") && err.contains("lfru"),
+            "{err}"
+        );
+        let file = dir_with("draft = \"eagle\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(err.contains("`draft`") && err.contains("mtp"), "{err}");
+        let file = dir_with("mla_form = 3\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(err.contains("`mla_form`"), "{err}");
+        // Checks beyond the types, with the source.
+        let file = dir_with("ram = \"1G\"\nmmap = true\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(err.contains("`mmap` from file"), "{err}");
+        let err = error_of(load_from(
+            &ServeFlags::default(),
+            &env(&[("COLI_MIRROR_WEIGHTS", "1,2")]),
+            dir.path(),
+        ));
+        assert!(
+            err.contains("`mirror_weights` from environment variable COLI_MIRROR_WEIGHTS"),
+            "{err}"
+        );
+        // A misspelt engine key is an unknown key like any other.
+        let file = dir_with("io_thread = 2\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], file.path()));
+        assert!(
+            err.contains("unknown configuration key `io_thread`"),
+            "{err}"
+        );
+        assert!(err.contains("io_threads"), "{err}");
+        // A flag's value set is clap's, from the same enum.
+        let err = Cli::try_parse_from(["coli", "--io", "fast"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("possible values: auto, uring, pool"), "{err}");
+    }
+
+    #[test]
+    fn computing_commands_take_the_engine_options_from_flags() {
+        #[derive(Parser)]
+        struct Run {
+            #[command(flatten)]
+            model: crate::model_arg::ModelArgs,
+        }
+        Run::command().debug_assert();
+        let run = Run::try_parse_from([
+            "coli",
+            "-m",
+            "demo",
+            "--io",
+            "pool",
+            "--direct-io",
+            "--kv-dtype",
+            "bf16",
+            "--ram",
+            "2G",
+        ])
+        .unwrap();
+        let o = run.model.options().unwrap();
+        assert_eq!(o.io, colibri::store::reader::ReaderKind::Pool);
+        assert!(o.direct_io);
+        assert_eq!(o.kv_dtype, Some(colibri::model::cache::KvDType::Bf16));
+        assert_eq!(o.ram_budget(None), Some(2 << 30));
+        let defaults = Run::try_parse_from(["coli", "-m", "demo"]).unwrap();
+        assert_eq!(defaults.model.options().unwrap(), EngineOptions::default());
+        let bad = Run::try_parse_from(["coli", "-m", "demo", "--mirror-weights", "2"]).unwrap();
+        let err = format!("{:#}", bad.model.options().unwrap_err());
+        assert!(
+            err.contains("`mirror_weights` from flag --mirror-weights"),
+            "{err}"
+        );
+        assert!(Run::try_parse_from(["coli", "-m", "x", "--mmap", "--ram", "1G"]).is_err());
     }
 }

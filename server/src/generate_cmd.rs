@@ -12,6 +12,7 @@ use colibri::runtime::loaded::LoadedModel;
 use colibri::runtime::sampling::SamplingParams;
 use colibri::store::budget::format_size;
 
+use crate::engine_options::value_name;
 use crate::model_arg::ModelArgs;
 
 /// Arguments of `coli run`.
@@ -94,7 +95,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             let (fingerprint, conv) = restore(
                 path,
                 &loaded,
-                args.model.kv_dtype.as_deref().unwrap_or("f32"),
+                &args
+                    .model
+                    .options()?
+                    .kv_dtype
+                    .map_or_else(|| "f32".to_string(), |k| value_name(&k)),
             )?;
             (Some(fingerprint), conv)
         }

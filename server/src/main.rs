@@ -5,6 +5,7 @@ mod chat_client;
 mod config;
 mod convert;
 mod demo;
+mod engine_options;
 mod generate_cmd;
 mod info;
 mod kl;

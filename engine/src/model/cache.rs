@@ -11,10 +11,14 @@
 use half::bf16;
 
 /// Precision of a cache buffer (`--kv-dtype`; latent attention's cache may be kept in bf16).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum KvDType {
+    /// 32-bit floats.
     #[default]
     F32,
+    /// bfloat16: half the bytes, values rounded when stored.
     Bf16,
 }
 

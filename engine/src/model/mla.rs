@@ -27,7 +27,9 @@ use crate::tensor::WeightData;
 
 /// How MLA attention is computed (see the module docs). Both give the same model; their
 /// results differ only by rounding.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum MlaForm {
     /// Attention in the latent space (no per-head keys or values).
     #[default]

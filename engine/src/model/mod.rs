@@ -72,7 +72,9 @@ impl From<StoreOptions> for LoadOptions {
 }
 
 /// Which drafter speculative decoding uses.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Draft {
     /// No drafting.
     #[default]

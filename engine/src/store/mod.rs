@@ -352,7 +352,9 @@ pub struct StoreOptions {
 }
 
 /// Expert cache eviction policy.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum CachePolicy {
     /// Least recently used.
     #[default]

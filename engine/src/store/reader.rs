@@ -76,14 +76,20 @@ pub const QUEUE_DEPTH: usize = 64;
 const MAX_CHUNK: usize = 1 << 30;
 
 /// Which reader [`open_reader`] builds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ReaderKind {
     /// io-uring where a ring can be created and works, the pread pool otherwise.
     #[default]
     Auto,
     /// io-uring, or an error saying why it cannot be used.
+    #[serde(alias = "io-uring", alias = "io_uring")]
+    #[cfg_attr(feature = "clap", value(alias = "io-uring", alias = "io_uring"))]
     Uring,
     /// The pread pool.
+    #[serde(alias = "pread")]
+    #[cfg_attr(feature = "clap", value(alias = "pread"))]
     Pool,
 }
 

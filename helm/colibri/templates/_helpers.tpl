@@ -116,13 +116,15 @@ A Kubernetes memory quantity (e.g. 32Gi, 500M, 1.5Gi, 34359738368) in MiB, round
 {{- end }}
 
 {{/*
-The RAM budget: config.ram when set; else memory limit × fraction when ramFromMemoryLimit is on
-and there is a memory limit; else empty (the server's default).
+The RAM budget: config.ram when set; else empty with config.mmap; else memory limit × fraction
+when ramFromMemoryLimit is on and there is a memory limit; else empty (the server's default).
 */}}
 {{- define "colibri.ram" -}}
 {{- $limits := (.Values.resources | default dict).limits | default dict }}
 {{- if .Values.config.ram }}
 {{- .Values.config.ram }}
+{{- else if .Values.config.mmap }}
+{{- /* Everything memory-mapped: no budget. */}}
 {{- else if and .Values.ramFromMemoryLimit.enabled (hasKey $limits "memory") }}
 {{- $fraction := float64 .Values.ramFromMemoryLimit.fraction }}
 {{- if or (le $fraction 0.0) (gt $fraction 1.0) }}
@@ -138,10 +140,11 @@ and there is a memory limit; else empty (the server's default).
 {{- end }}
 
 {{/*
-The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS).
+The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS, then the engine
+options of server/src/engine_options.rs ENGINE_KEYS).
 */}}
 {{- define "colibri.configKeys" -}}
-model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint tls_cert tls_key history_save_secs prefix_cache_dir
+model served_model_name slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint tls_cert tls_key history_save_secs prefix_cache_dir threads ram mmap mirrors mirror_weights io io_threads direct_io cache_policy pin_budget no_learn no_prefetch mla_form kv_dtype draft
 {{- end }}
 
 {{/*

@@ -46,7 +46,7 @@ use tokio::time::Instant;
 use utoipa::OpenApi;
 
 use crate::config::{self, ServeConfig, ServeFlags};
-use crate::model_arg::ModelArgs;
+use crate::model_arg;
 use errors::{ApiError, BodyTimeout};
 use metrics::Metrics;
 use openai::*;
@@ -317,25 +317,11 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
     if std::env::var_os(TEST_LOAD_PANIC_ENV).is_some() {
         panic!("{TEST_LOAD_PANIC_ENV} is set: a panic forced in the load path");
     }
-    let args = ModelArgs {
-        model: cfg.model.clone().unwrap_or_else(|| "demo".into()),
-        threads: cfg.threads,
-        ram: cfg.ram.clone(),
-        mmap: false,
-        no_prefetch: false,
-        io_threads: 4,
-        no_learn: false,
-        pin_budget: None,
-        mirrors: cfg.mirrors.clone(),
-        cache_policy: "lru".into(),
-        direct_io: false,
-        io: "auto".into(),
-        mirror_weights: Vec::new(),
-        mla_form: None,
-        draft: "none".into(),
-        kv_dtype: None,
-    };
-    let loaded = Arc::new(args.load(true)?);
+    // The engine options come from the configuration, as `coli run`'s come from its flags;
+    // an option the model cannot honour (`draft = "mtp"` without an MTP head, `mla_form` on a
+    // model without latent attention) fails the load with the engine's reason.
+    let model = cfg.model.as_deref().unwrap_or("demo");
+    let loaded = Arc::new(model_arg::load(model, &cfg.engine, true)?);
     let max_ctx = loaded.model.info().max_position_embeddings.max(2);
     let context = if cfg.context == 0 {
         max_ctx
