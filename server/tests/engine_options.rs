@@ -5,14 +5,13 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::{coli, fixture, isolated};
+use support::{coli, fixture, http, isolated};
 
 /// `coli serve ARGS` in `cwd`, with `env` added, its stderr collected.
 fn spawn_serve(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> (Child, Arc<Mutex<String>>) {
@@ -56,24 +55,6 @@ fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-/// One HTTP/1.1 request on a new connection: (status, body), or `None` if it failed.
-fn request(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    let (_, body) = text.split_once("\r\n\r\n")?;
-    Some((status, body.to_string()))
-}
-
 /// A running `coli serve`, killed when dropped.
 struct Server {
     child: Child,
@@ -99,7 +80,7 @@ impl Server {
         });
         wait_for(120, "/ready", || {
             server.check_running();
-            let (status, _) = request(server.port, "GET", "/ready", "")?;
+            let (status, _) = http(server.port, "GET", "/ready", "")?;
             (status == 200).then_some(())
         });
         server
@@ -122,7 +103,7 @@ impl Server {
         })
         .to_string();
         let (status, text) =
-            request(self.port, "POST", "/v1/completions", &body).expect("the server answers");
+            http(self.port, "POST", "/v1/completions", &body).expect("the server answers");
         assert_eq!(status, 200, "{text}\n{}", self.log());
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");

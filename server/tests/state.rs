@@ -6,7 +6,9 @@
 //! process, and refuses a KV file whose checksum is right but whose values are not finite,
 //! naming the file.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -185,21 +187,8 @@ impl Server {
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Option<(u16, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
         let body = body.map(|b| b.to_string()).unwrap_or_default();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .ok()?;
-        let mut text = String::new();
-        s.read_to_string(&mut text).ok()?;
-        let status = text.split_whitespace().nth(1)?.parse().ok()?;
-        let (_, body) = text.split_once("\r\n\r\n")?;
-        Some((status, body.to_string()))
+        support::http(self.port, method, path, &body)
     }
 
     /// A completion; returns its JSON.

@@ -22,21 +22,6 @@ pub enum KvDType {
     Bf16,
 }
 
-impl std::str::FromStr for KvDType {
-    type Err = crate::Error;
-
-    /// `f32` or `bf16`.
-    fn from_str(s: &str) -> crate::Result<KvDType> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(KvDType::F32),
-            "bf16" => Ok(KvDType::Bf16),
-            other => Err(crate::Error::Invalid(format!(
-                "unknown KV cache dtype `{other}` (expected `f32` or `bf16`)"
-            ))),
-        }
-    }
-}
-
 /// A cache buffer: f32 values, or bf16 values (rounded to nearest even when stored; every
 /// reader sees the stored values, so prefill and decode agree bit for bit).
 #[derive(Debug, Clone, PartialEq)]

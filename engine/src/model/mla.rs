@@ -38,21 +38,6 @@ pub enum MlaForm {
     Expanded,
 }
 
-impl std::str::FromStr for MlaForm {
-    type Err = crate::Error;
-
-    /// `absorbed` or `expanded`.
-    fn from_str(s: &str) -> crate::Result<MlaForm> {
-        match s.to_ascii_lowercase().as_str() {
-            "absorbed" => Ok(MlaForm::Absorbed),
-            "expanded" => Ok(MlaForm::Expanded),
-            other => Err(crate::Error::Invalid(format!(
-                "unknown MLA form `{other}` (expected `absorbed` or `expanded`)"
-            ))),
-        }
-    }
-}
-
 /// How queries are projected.
 pub enum MlaQuery {
     /// `q_b_proj(RMSNorm(q_a_proj x))` (every large model).

@@ -83,21 +83,6 @@ pub enum Draft {
     Mtp,
 }
 
-impl std::str::FromStr for Draft {
-    type Err = Error;
-
-    /// `none` or `mtp`.
-    fn from_str(s: &str) -> Result<Draft> {
-        match s.to_ascii_lowercase().as_str() {
-            "none" => Ok(Draft::None),
-            "mtp" => Ok(Draft::Mtp),
-            other => Err(Error::Invalid(format!(
-                "unknown drafter `{other}`; expected none or mtp"
-            ))),
-        }
-    }
-}
-
 /// Which logits a forward pass returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {

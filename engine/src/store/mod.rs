@@ -364,21 +364,6 @@ pub enum CachePolicy {
     Lfru,
 }
 
-impl std::str::FromStr for CachePolicy {
-    type Err = Error;
-
-    /// `lru` or `lfru`.
-    fn from_str(s: &str) -> Result<CachePolicy> {
-        match s.to_ascii_lowercase().as_str() {
-            "lru" => Ok(CachePolicy::Lru),
-            "lfru" => Ok(CachePolicy::Lfru),
-            other => Err(Error::Invalid(format!(
-                "unknown cache policy `{other}`; expected lru or lfru"
-            ))),
-        }
-    }
-}
-
 /// The expert store for these experts under `opts`: all resident without a budget, tiered
 /// (read from disk into a cache of what the budget leaves after the resident set) with one.
 /// `unused_bytes` are bytes of the checkpoint the model never loads (an MTP block left out, a

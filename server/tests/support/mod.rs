@@ -2,8 +2,11 @@
 //! a `coli` command that never touches the user's cache or state directories.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::Duration;
 
 /// The committed transformers fixture `name` (engine/tests/fixtures).
 pub fn fixture(name: &str) -> PathBuf {
@@ -35,4 +38,23 @@ pub fn coli(args: &[&str]) -> Output {
     isolated(Command::new(env!("CARGO_BIN_EXE_coli")).args(args))
         .output()
         .expect("coli runs")
+}
+
+/// One HTTP/1.1 request to `127.0.0.1:port` on a new connection (JSON body, `Connection:
+/// close`, 120 s read timeout): (status, body), or `None` if it could not be sent or read.
+pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let status = text.split_whitespace().nth(1)?.parse().ok()?;
+    let (_, body) = text.split_once("\r\n\r\n")?;
+    Some((status, body.to_string()))
 }
