@@ -138,10 +138,18 @@ and there is a memory limit; else empty (the server's default).
 {{- end }}
 
 {{/*
+HTTPS when the server terminates TLS itself (config.tls_cert set), else HTTP: the probes'
+scheme (the kubelet does not verify the certificate) and the ServiceMonitor's.
+*/}}
+{{- define "colibri.probeScheme" -}}
+{{- if .Values.config.tls_cert }}HTTPS{{ else }}HTTP{{ end }}
+{{- end }}
+
+{{/*
 The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS).
 */}}
 {{- define "colibri.configKeys" -}}
-model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint tls_cert tls_key history_save_secs prefix_cache_dir
+model served_model_name mirrors ram threads slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint otlp_protocol tls_cert tls_key history_save_secs prefix_cache_dir
 {{- end }}
 
 {{/*

@@ -446,6 +446,8 @@ struct Timing {
     /// The response id (`chatcmpl-…`, `cmpl-…`).
     id: String,
     arrived: Instant,
+    /// The caller's trace context, the parent of the request's span.
+    trace: opentelemetry::Context,
     last: Option<Instant>,
     slot: Option<usize>,
 }
@@ -515,6 +517,7 @@ impl Timing {
             }
             exporter.record(SpanRecord {
                 name: format!("POST {}", self.endpoint),
+                parent: self.trace.clone(),
                 start: end - self.arrived.elapsed(),
                 end,
                 attributes,
@@ -764,17 +767,20 @@ struct ChatShape {
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = chat_inner(&state, body, arrived).await;
-    respond(&state, "/v1/chat/completions", arrived, result)
+    let trace = super::otlp::parent_context(&headers);
+    let result = chat_inner(&state, body, arrived, trace.clone()).await;
+    respond(&state, "/v1/chat/completions", arrived, trace, result)
 }
 
 fn respond(
     state: &AppState,
     endpoint: &str,
     arrived: Instant,
+    trace: opentelemetry::Context,
     result: Result<Response, ApiError>,
 ) -> Response {
     match result {
@@ -789,6 +795,7 @@ fn respond(
                 let end = std::time::SystemTime::now();
                 exporter.record(SpanRecord {
                     name: format!("POST {endpoint}"),
+                    parent: trace,
                     start: end - arrived.elapsed(),
                     end,
                     attributes: vec![(
@@ -814,6 +821,7 @@ async fn chat_inner(
     state: &Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: opentelemetry::Context,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
     check_model(state, &req.model)?;
@@ -960,6 +968,7 @@ async fn chat_inner(
         endpoint: "/v1/chat/completions",
         id: shape.id.clone(),
         arrived,
+        trace,
         last: None,
         slot: None,
     };
@@ -1273,17 +1282,20 @@ fn tool_deltas(events: Vec<ToolStreamEvent>, calls: &mut u32) -> Vec<Delta> {
 )]
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = completions_inner(&state, body, arrived).await;
-    respond(&state, "/v1/completions", arrived, result)
+    let trace = super::otlp::parent_context(&headers);
+    let result = completions_inner(&state, body, arrived, trace.clone()).await;
+    respond(&state, "/v1/completions", arrived, trace, result)
 }
 
 async fn completions_inner(
     state: &Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: opentelemetry::Context,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     check_model(state, &req.model)?;
@@ -1386,6 +1398,7 @@ async fn completions_inner(
         endpoint: "/v1/completions",
         id: shape.id.clone(),
         arrived,
+        trace,
         last: None,
         slot: None,
     };
