@@ -1,16 +1,14 @@
 //! `coli chat`: the terminal client of `coli serve` (or of any OpenAI-compatible server).
 //!
-//! This file owns the whole client: a minimal blocking HTTP/1.1 client over
-//! [`std::net::TcpStream`] (plain `http://` only — https is not supported; put a local proxy
-//! in front of a TLS endpoint), the `Transfer-Encoding: chunked` decoder and the incremental
-//! server-sent-events parser that print tokens as they stream, the REPL (multi-line input,
-//! `/reset`, `/system`, `/save`, `/help`, `/quit`), the SIGINT handling that stops an answer
-//! without leaving the REPL, and `--model`, which runs `coli serve` as a child process on a
-//! free port for the length of the session.
+//! This file owns the command around the HTTP client (the `colibri-client` crate, which speaks
+//! to the server and parses the streamed answers): the REPL (multi-line input, `/reset`,
+//! `/system`, `/save`, `/help`, `/quit`) that prints tokens as they stream, the SIGINT handling
+//! that stops an answer without leaving the REPL, the one-line explanations of failures, and
+//! `--model`, which runs `coli serve` as a child process on a free port for the length of the
+//! session.
 
 use std::collections::VecDeque;
 use std::io::{self, IsTerminal, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,13 +17,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use colibri::format::write::write_atomic;
-use serde::Deserialize;
+use colibri_client::{
+    is_connection_refused, is_interrupted, Client, HttpStatusError, Interrupted, Options, Piece,
+    StreamError,
+};
 use serde_json::{json, Value};
 
 /// Arguments of `coli chat`.
 #[derive(clap::Args, Debug)]
 pub struct ChatArgs {
-    /// Server URL (default http://127.0.0.1:8080). Plain http:// only; https is not supported.
+    /// Server URL (default http://127.0.0.1:8080); http:// or https:// (the system's trust
+    /// store; `SSL_CERT_FILE` names another).
     #[arg(long)]
     pub url: Option<String>,
     /// API key (default: env OPENAI_API_KEY, or none).
@@ -52,18 +54,10 @@ pub struct ChatArgs {
 }
 
 const DEFAULT_URL: &str = "http://127.0.0.1:8080";
-/// How long a socket read blocks before the loop looks at the Ctrl-C flag again.
-const POLL: Duration = Duration::from_millis(100);
-/// A stream that sends nothing at all (not even the server's 5 s keep-alives) for this long
-/// is given up.
-const STREAM_IDLE: Duration = Duration::from_secs(600);
-/// Idle limit of the small GET requests.
-const GET_IDLE: Duration = Duration::from_secs(30);
+/// How often waits look at the Ctrl-C flag.
+const POLL: Duration = colibri_client::POLL;
 /// How long `--model` waits for the model to load.
 const LOAD_DEADLINE: Duration = Duration::from_secs(600);
-/// The largest response head or non-streamed body read.
-const MAX_HEAD: usize = 64 * 1024;
-const MAX_BODY: usize = 16 * 1024 * 1024;
 
 // ---------------------------------------------------------------------------------------------
 // Ctrl-C
@@ -108,815 +102,15 @@ fn with_sigint_blocked<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
-/// The error a read returns when Ctrl-C stopped it.
-#[derive(Debug)]
-struct Interrupted;
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("interrupted")
-    }
-}
-
-impl std::error::Error for Interrupted {}
-
-fn is_interrupted(e: &anyhow::Error) -> bool {
-    e.is::<Interrupted>()
-}
-
-// ---------------------------------------------------------------------------------------------
-// URLs
-
-/// Where the server is: `http://HOST[:PORT][/PREFIX]`.
-#[derive(Debug, Clone, PartialEq)]
-struct BaseUrl {
-    host: String,
-    port: u16,
-    /// Path before `/v1/...`, without a trailing slash (usually empty).
-    prefix: String,
-}
-
-impl BaseUrl {
-    /// Parse a server URL. A trailing `/v1` (as in OpenAI clients' `base_url`) is accepted.
-    fn parse(url: &str) -> Result<BaseUrl> {
-        let url = url.trim();
-        if url.starts_with("https://") {
-            bail!(
-                "{url}: https is not supported by coli chat (it speaks plain HTTP only); use an http:// URL, or a local TLS-terminating proxy"
-            );
-        }
-        let rest = match url.strip_prefix("http://") {
-            Some(r) => r,
-            None if !url.contains("://") => url,
-            None => bail!("{url}: only http:// URLs are supported"),
-        };
-        let (authority, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, ""),
-        };
-        if authority.contains('@') {
-            bail!("{url}: user:password in the URL is not supported; use --api-key");
-        }
-        let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-            let end = v6
-                .find(']')
-                .with_context(|| format!("{url}: unclosed `[` in the host"))?;
-            let port = match &v6[end + 1..] {
-                "" => None,
-                p => Some(
-                    p.strip_prefix(':')
-                        .with_context(|| format!("{url}: junk after the IPv6 address"))?,
-                ),
-            };
-            (v6[..end].to_string(), port)
-        } else {
-            match authority.rsplit_once(':') {
-                Some((h, p)) => (h.to_string(), Some(p)),
-                None => (authority.to_string(), None),
-            }
-        };
-        if host.is_empty() {
-            bail!("{url}: no host");
-        }
-        let port = match port {
-            None => 80,
-            Some(p) => p
-                .parse::<u16>()
-                .with_context(|| format!("{url}: `{p}` is not a port number"))?,
-        };
-        let mut prefix = path.split(['?', '#']).next().unwrap_or("");
-        prefix = prefix.trim_end_matches('/');
-        prefix = prefix.strip_suffix("/v1").unwrap_or(prefix);
-        Ok(BaseUrl {
-            host,
-            port,
-            prefix: prefix.trim_end_matches('/').to_string(),
-        })
-    }
-
-    /// The `Host` header value.
-    fn host_header(&self) -> String {
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
-        } else {
-            self.host.clone()
-        };
-        if self.port == 80 {
-            host
-        } else {
-            format!("{host}:{}", self.port)
-        }
-    }
-
-    /// The URL as shown to the user.
-    fn display(&self) -> String {
-        format!("http://{}{}", self.host_header(), self.prefix)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Chunked transfer coding
-
-#[derive(Debug)]
-enum ChunkState {
-    /// Reading the `SIZE[;ext]` line.
-    Size(Vec<u8>),
-    /// This many data bytes to go.
-    Data(u64),
-    /// Reading the empty line after a chunk's data.
-    DataEnd(Vec<u8>),
-    /// After the last (zero) chunk: trailer lines until an empty one.
-    Trailer(Vec<u8>),
-    Done,
-}
-
-/// Incremental decoder of `Transfer-Encoding: chunked`: feed it the bytes as they arrive.
-#[derive(Debug)]
-struct ChunkedDecoder {
-    state: ChunkState,
-}
-
-impl ChunkedDecoder {
-    fn new() -> ChunkedDecoder {
-        ChunkedDecoder {
-            state: ChunkState::Size(Vec::new()),
-        }
-    }
-
-    /// The terminating chunk and its trailers have been read.
-    fn is_done(&self) -> bool {
-        matches!(self.state, ChunkState::Done)
-    }
-
-    /// Decode `input`, appending the data to `out`. Bytes after the end are ignored.
-    fn feed(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<()> {
-        const MAX_LINE: usize = 4096;
-        while !input.is_empty() {
-            match &mut self.state {
-                ChunkState::Done => return Ok(()),
-                ChunkState::Data(left) => {
-                    let n = (*left).min(input.len() as u64) as usize;
-                    out.extend_from_slice(&input[..n]);
-                    input = &input[n..];
-                    *left -= n as u64;
-                    if *left == 0 {
-                        self.state = ChunkState::DataEnd(Vec::new());
-                    }
-                }
-                ChunkState::Size(line) | ChunkState::DataEnd(line) | ChunkState::Trailer(line) => {
-                    let Some(nl) = input.iter().position(|&b| b == b'\n') else {
-                        line.extend_from_slice(input);
-                        if line.len() > MAX_LINE {
-                            bail!(
-                                "malformed chunked response: a line longer than {MAX_LINE} bytes"
-                            );
-                        }
-                        return Ok(());
-                    };
-                    line.extend_from_slice(&input[..nl]);
-                    input = &input[nl + 1..];
-                    if line.last() == Some(&b'\r') {
-                        line.pop();
-                    }
-                    let line = std::mem::take(line);
-                    self.state = match &self.state {
-                        ChunkState::Size(_) => {
-                            let text = String::from_utf8_lossy(&line);
-                            let hex = text.split(';').next().unwrap_or("").trim();
-                            let size = u64::from_str_radix(hex, 16).map_err(|_| {
-                                anyhow!("malformed chunked response: chunk size `{text}`")
-                            })?;
-                            if size == 0 {
-                                ChunkState::Trailer(Vec::new())
-                            } else {
-                                ChunkState::Data(size)
-                            }
-                        }
-                        ChunkState::DataEnd(_) => {
-                            if !line.is_empty() {
-                                bail!(
-                                    "malformed chunked response: data longer than its chunk size"
-                                );
-                            }
-                            ChunkState::Size(Vec::new())
-                        }
-                        _ if line.is_empty() => ChunkState::Done,
-                        _ => ChunkState::Trailer(Vec::new()),
-                    };
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Server-sent events
-
-/// Incremental server-sent-events parser: feed it body bytes, get back the `data` of each
-/// complete event. Comment lines (`:` keep-alives) and fields other than `data` are skipped;
-/// lines end with `\n` or `\r\n`.
-#[derive(Debug, Default)]
-struct SseParser {
-    line: Vec<u8>,
-    data: String,
-    has_data: bool,
-}
-
-impl SseParser {
-    fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
-        let mut events = Vec::new();
-        for &b in bytes {
-            if b != b'\n' {
-                self.line.push(b);
-                continue;
-            }
-            if self.line.last() == Some(&b'\r') {
-                self.line.pop();
-            }
-            let line = std::mem::take(&mut self.line);
-            if line.is_empty() {
-                if self.has_data {
-                    events.push(std::mem::take(&mut self.data));
-                    self.has_data = false;
-                }
-                continue;
-            }
-            if line[0] == b':' {
-                continue;
-            }
-            let line = String::from_utf8_lossy(&line);
-            let (field, value) = match line.split_once(':') {
-                Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-                None => (&*line, ""),
-            };
-            if field == "data" {
-                if self.has_data {
-                    self.data.push('\n');
-                }
-                self.data.push_str(value);
-                self.has_data = true;
-            }
-        }
-        events
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// HTTP
-
-/// A non-2xx answer, with the server's OpenAI-style error message when it sent one.
-#[derive(Debug)]
-struct HttpStatusError {
-    status: u16,
-    reason: String,
-    message: String,
-    code: Option<String>,
-}
-
-impl std::fmt::Display for HttpStatusError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}", self.status, self.reason)?;
-        if !self.message.is_empty() {
-            write!(f, ": {}", self.message)?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for HttpStatusError {}
-
-/// An error the server sent inside a stream (`data: {"error": {...}}`).
-#[derive(Debug)]
-struct StreamError(String);
-
-impl std::fmt::Display for StreamError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the server reported an error: {}", self.0)
-    }
-}
-
-impl std::error::Error for StreamError {}
-
-/// The message of an OpenAI error body (`{"error": {"message": ...}}` or `{"error": "..."}`).
-fn error_message(v: &Value) -> Option<(String, Option<String>)> {
-    let e = v.get("error")?;
-    if let Some(s) = e.as_str() {
-        return Some((s.to_string(), None));
-    }
-    let message = e.get("message")?.as_str()?.to_string();
-    let code = e.get("code").and_then(Value::as_str).map(str::to_string);
-    Some((message, code))
-}
-
-/// How a response body ends.
-#[derive(Debug)]
-enum Framing {
-    Length(u64),
-    Chunked(ChunkedDecoder),
-    /// Until the server closes the connection.
-    Close,
-    Done,
-}
-
-/// A response whose body is read as it arrives.
-struct Response {
-    status: u16,
-    reason: String,
-    stream: TcpStream,
-    /// Body bytes read with the head (or since), not yet decoded.
-    pending: Vec<u8>,
-    framing: Framing,
-    idle: Duration,
-    interrupt: &'static AtomicBool,
-}
-
-/// Read from a socket whose read timeout is [`POLL`], giving up on Ctrl-C or after `idle`
-/// without a byte. `Ok(0)` is the end of the stream.
-fn read_polling(
-    stream: &mut TcpStream,
-    buf: &mut [u8],
-    idle: Duration,
-    interrupt: &AtomicBool,
-) -> Result<usize> {
-    let since = Instant::now();
-    loop {
-        if interrupt.load(Ordering::SeqCst) {
-            return Err(Interrupted.into());
-        }
-        match stream.read(buf) {
-            Ok(n) => return Ok(n),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                        | io::ErrorKind::Interrupted
-                ) =>
-            {
-                if since.elapsed() > idle {
-                    bail!(
-                        "the server sent nothing for {} s",
-                        since.elapsed().as_secs()
-                    );
-                }
-            }
-            Err(e) => return Err(e).context("reading the response"),
-        }
-    }
-}
-
-/// Header names (lower-cased) and values.
-type Headers = Vec<(String, String)>;
-
-/// Parse a response head (status line and headers, without the blank line): status, reason
-/// phrase, headers.
-fn parse_head(head: &[u8]) -> Result<(u16, String, Headers)> {
-    let text = String::from_utf8_lossy(head);
-    let mut lines = text.split("\r\n");
-    let status_line = lines.next().unwrap_or("");
-    let mut parts = status_line.splitn(3, ' ');
-    let version = parts.next().unwrap_or("");
-    if !version.starts_with("HTTP/1.") {
-        bail!("not an HTTP/1.x response (it starts with `{status_line}`); is this an HTTP server?");
-    }
-    let status = parts
-        .next()
-        .and_then(|s| s.parse::<u16>().ok())
-        .with_context(|| format!("bad status line `{status_line}`"))?;
-    let reason = parts.next().unwrap_or("").to_string();
-    let mut headers = Vec::new();
-    for line in lines {
-        if line.is_empty() {
-            continue;
-        }
-        let (name, value) = line
-            .split_once(':')
-            .with_context(|| format!("bad header line `{line}`"))?;
-        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
-    }
-    Ok((status, reason, headers))
-}
-
-impl Response {
-    /// Read the head from `stream`, skipping `1xx` interim responses.
-    fn read(
-        mut stream: TcpStream,
-        head_request: bool,
-        idle: Duration,
-        interrupt: &'static AtomicBool,
-    ) -> Result<Response> {
-        let mut buf = Vec::new();
-        let mut tmp = [0u8; 8192];
-        loop {
-            let end = loop {
-                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break i;
-                }
-                if buf.len() > MAX_HEAD {
-                    bail!("the response head is larger than {MAX_HEAD} bytes");
-                }
-                let n = read_polling(&mut stream, &mut tmp, idle, interrupt)?;
-                if n == 0 {
-                    bail!("the server closed the connection without answering");
-                }
-                buf.extend_from_slice(&tmp[..n]);
-            };
-            let (status, reason, headers) = parse_head(&buf[..end])?;
-            buf.drain(..end + 4);
-            if (100..200).contains(&status) && status != 101 {
-                continue;
-            }
-            let header = |name: &str| {
-                headers
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, v)| v.as_str())
-            };
-            let framing = if head_request || status == 204 || status == 304 {
-                Framing::Done
-            } else if header("transfer-encoding")
-                .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
-            {
-                Framing::Chunked(ChunkedDecoder::new())
-            } else if let Some(len) = header("content-length") {
-                let len: u64 = len
-                    .parse()
-                    .with_context(|| format!("bad Content-Length `{len}`"))?;
-                if len == 0 {
-                    Framing::Done
-                } else {
-                    Framing::Length(len)
-                }
-            } else {
-                Framing::Close
-            };
-            return Ok(Response {
-                status,
-                reason,
-                stream,
-                pending: buf,
-                framing,
-                idle,
-                interrupt,
-            });
-        }
-    }
-
-    /// The next piece of the body as it arrives; `None` at its end.
-    fn next_piece(&mut self) -> Result<Option<Vec<u8>>> {
-        let mut tmp = [0u8; 16384];
-        loop {
-            if !self.pending.is_empty() {
-                match &mut self.framing {
-                    Framing::Done => self.pending.clear(),
-                    Framing::Close => return Ok(Some(std::mem::take(&mut self.pending))),
-                    Framing::Length(left) => {
-                        let n = (*left).min(self.pending.len() as u64) as usize;
-                        let piece: Vec<u8> = self.pending.drain(..n).collect();
-                        *left -= n as u64;
-                        if *left == 0 {
-                            self.framing = Framing::Done;
-                            self.pending.clear();
-                        }
-                        return Ok(Some(piece));
-                    }
-                    Framing::Chunked(dec) => {
-                        let mut out = Vec::new();
-                        dec.feed(&self.pending, &mut out)?;
-                        self.pending.clear();
-                        if dec.is_done() {
-                            self.framing = Framing::Done;
-                        }
-                        if !out.is_empty() {
-                            return Ok(Some(out));
-                        }
-                    }
-                }
-            }
-            if matches!(self.framing, Framing::Done) {
-                return Ok(None);
-            }
-            let n = read_polling(&mut self.stream, &mut tmp, self.idle, self.interrupt)?;
-            if n == 0 {
-                if matches!(self.framing, Framing::Close) {
-                    self.framing = Framing::Done;
-                    return Ok(None);
-                }
-                bail!("the server closed the connection in the middle of the response");
-            }
-            self.pending.extend_from_slice(&tmp[..n]);
-        }
-    }
-
-    /// The whole body (at most [`MAX_BODY`] bytes).
-    fn body(&mut self) -> Result<Vec<u8>> {
-        let mut body = Vec::new();
-        while let Some(piece) = self.next_piece()? {
-            body.extend_from_slice(&piece);
-            if body.len() > MAX_BODY {
-                bail!("the response body is larger than {MAX_BODY} bytes");
-            }
-        }
-        Ok(body)
-    }
-
-    /// Turn a non-2xx response into an [`HttpStatusError`] carrying the server's message.
-    fn into_status_error(mut self) -> anyhow::Error {
-        let body = self.body().unwrap_or_default();
-        let (message, code) = serde_json::from_slice::<Value>(&body)
-            .ok()
-            .and_then(|v| error_message(&v))
-            .unwrap_or_else(|| {
-                let text = String::from_utf8_lossy(&body).trim().to_string();
-                (text.chars().take(300).collect(), None)
-            });
-        HttpStatusError {
-            status: self.status,
-            reason: self.reason,
-            message,
-            code,
-        }
-        .into()
-    }
-}
-
-/// A blocking HTTP/1.1 client of one server: one connection per request (`Connection: close`).
-struct Client {
-    base: BaseUrl,
-    api_key: Option<String>,
-    interrupt: &'static AtomicBool,
-}
-
-impl Client {
-    fn connect(&self) -> Result<TcpStream> {
-        let shown = self.base.display();
-        let addrs: Vec<_> = (self.base.host.as_str(), self.base.port)
-            .to_socket_addrs()
-            .with_context(|| format!("cannot resolve the host of {shown}"))?
-            .collect();
-        let mut last = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, Duration::from_secs(10)) {
-                Ok(s) => {
-                    s.set_read_timeout(Some(POLL))?;
-                    s.set_write_timeout(Some(Duration::from_secs(60)))?;
-                    s.set_nodelay(true)?;
-                    return Ok(s);
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let e = last.unwrap_or_else(|| io::Error::other("the host has no addresses"));
-        Err(anyhow::Error::new(e).context(format!("cannot connect to {shown}")))
-    }
-
-    /// Send a request and read the response head.
-    fn request(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&[u8]>,
-        accept: &str,
-        idle: Duration,
-    ) -> Result<Response> {
-        let mut stream = self.connect()?;
-        let mut head = format!(
-            "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: coli-chat/{}\r\nAccept: {accept}\r\nConnection: close\r\n",
-            self.base.prefix,
-            self.base.host_header(),
-            env!("CARGO_PKG_VERSION"),
-        );
-        if let Some(key) = &self.api_key {
-            head.push_str(&format!("Authorization: Bearer {key}\r\n"));
-        }
-        if let Some(b) = body {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                b.len()
-            ));
-        }
-        head.push_str("\r\n");
-        let mut bytes = head.into_bytes();
-        bytes.extend_from_slice(body.unwrap_or_default());
-        let written = stream.write_all(&bytes).and_then(|_| stream.flush());
-        let response = Response::read(stream, method == "HEAD", idle, self.interrupt);
-        match (written, response) {
-            (_, Ok(r)) => Ok(r),
-            (Err(w), Err(r)) if !is_interrupted(&r) => Err(anyhow::Error::new(w).context(format!(
-                "sending {method} {path} to {}",
-                self.base.display()
-            ))),
-            (_, Err(r)) => Err(r),
-        }
-    }
-
-    /// GET a JSON document; a non-2xx status is an [`HttpStatusError`].
-    fn get_json(&self, path: &str) -> Result<Value> {
-        let mut r = self.request("GET", path, None, "application/json", GET_IDLE)?;
-        if !(200..300).contains(&r.status) {
-            return Err(r.into_status_error());
-        }
-        let body = r.body()?;
-        serde_json::from_slice(&body).with_context(|| {
-            format!(
-                "GET {path}: the answer is not JSON: {}",
-                String::from_utf8_lossy(&body)
-                    .chars()
-                    .take(200)
-                    .collect::<String>()
-            )
-        })
-    }
-
-    /// The ids of the served models.
-    fn models(&self) -> Result<Vec<String>> {
-        let v = self.get_json("/v1/models")?;
-        let data = v
-            .get("data")
-            .and_then(Value::as_array)
-            .context("GET /v1/models: no `data` list in the answer")?;
-        Ok(data
-            .iter()
-            .filter_map(|m| m.get("id").and_then(Value::as_str).map(str::to_string))
-            .collect())
-    }
-
-    /// POST a streamed chat completion, handing each piece of text to `sink` as it arrives.
-    /// Ctrl-C closes the connection and returns what arrived, marked interrupted.
-    fn stream_chat(&self, body: &Value, sink: &mut dyn FnMut(Piece<'_>)) -> Result<Answer> {
-        let bytes = serde_json::to_vec(body)?;
-        let mut ans = Answer::default();
-        let mut response = match self.request(
-            "POST",
-            "/v1/chat/completions",
-            Some(&bytes),
-            "text/event-stream",
-            STREAM_IDLE,
-        ) {
-            Ok(r) => r,
-            Err(e) if is_interrupted(&e) => {
-                ans.interrupted = true;
-                return Ok(ans);
-            }
-            Err(e) => return Err(e),
-        };
-        if !(200..300).contains(&response.status) {
-            return Err(response.into_status_error());
-        }
-        let mut sse = SseParser::default();
-        loop {
-            let piece = match response.next_piece() {
-                Ok(Some(p)) => p,
-                Ok(None) if ans.finish.is_some() => return Ok(ans),
-                Ok(None) => bail!("the server ended the stream before the answer was finished"),
-                Err(e) if is_interrupted(&e) => {
-                    ans.interrupted = true;
-                    return Ok(ans);
-                }
-                Err(e) => return Err(e),
-            };
-            for data in sse.feed(&piece) {
-                if ans.event(&data, sink)? {
-                    return Ok(ans);
-                }
-            }
-        }
-    }
-}
-
-/// A piece of streamed text.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Piece<'a> {
-    Reasoning(&'a str),
-    Content(&'a str),
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct WireChunk {
-    #[serde(default)]
-    choices: Vec<WireChoice>,
-    #[serde(default)]
-    usage: Option<WireUsage>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct WireChoice {
-    #[serde(default)]
-    delta: WireDelta,
-    #[serde(default)]
-    finish_reason: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct WireDelta {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    reasoning_content: Option<String>,
-}
-
-#[derive(Debug, Default, Clone, Deserialize)]
-struct WireUsage {
-    #[serde(default)]
-    completion_tokens: u64,
-    #[serde(default)]
-    prompt_tokens_details: Option<WireDetails>,
-}
-
-#[derive(Debug, Default, Clone, Deserialize)]
-struct WireDetails {
-    #[serde(default)]
-    cached_tokens: u64,
-}
-
-/// What one streamed answer produced.
-#[derive(Debug, Default)]
-struct Answer {
-    content: String,
-    reasoning: String,
-    finish: Option<String>,
-    usage: Option<WireUsage>,
-    /// Chunks that carried text.
-    pieces: u64,
-    first: Option<Instant>,
-    last: Option<Instant>,
-    interrupted: bool,
-}
-
-impl Answer {
-    /// Take one SSE event; `true` once the stream is over (`[DONE]`).
-    fn event(&mut self, data: &str, sink: &mut dyn FnMut(Piece<'_>)) -> Result<bool> {
-        if data.trim() == "[DONE]" {
-            return Ok(true);
-        }
-        let v: Value = serde_json::from_str(data).with_context(|| {
-            format!(
-                "the server sent an event that is not JSON: {}",
-                data.chars().take(200).collect::<String>()
-            )
-        })?;
-        if let Some((message, _)) = error_message(&v) {
-            return Err(StreamError(message).into());
-        }
-        let chunk: WireChunk = serde_json::from_value(v).context("reading a stream chunk")?;
-        for c in chunk.choices {
-            let mut text = |piece: Piece<'_>, s: &str| {
-                if !s.is_empty() {
-                    let now = Instant::now();
-                    self.first.get_or_insert(now);
-                    self.last = Some(now);
-                    self.pieces += 1;
-                    sink(piece);
-                }
-            };
-            if let Some(r) = &c.delta.reasoning_content {
-                text(Piece::Reasoning(r), r);
-                self.reasoning.push_str(r);
-            }
-            if let Some(t) = &c.delta.content {
-                text(Piece::Content(t), t);
-                self.content.push_str(t);
-            }
-            if let Some(f) = c.finish_reason {
-                self.finish = Some(f);
-            }
-        }
-        if let Some(u) = chunk.usage {
-            self.usage = Some(u);
-        }
-        Ok(false)
-    }
-
-    /// `[N tokens, X.X tok/s, C cached prompt tokens, finish: R]`. Without the server's usage
-    /// (an interrupted answer) the count is of text chunks, marked `~`. The rate is decode
-    /// speed: N tokens span N−1 intervals between the first and the last.
-    fn footer(&self) -> String {
-        let (tokens, approx) = match &self.usage {
-            Some(u) => (u.completion_tokens, ""),
-            None => (self.pieces, "~"),
-        };
-        let unit = if tokens == 1 { "token" } else { "tokens" };
-        let rate = match (self.first, self.last) {
-            (Some(a), Some(b)) if tokens >= 2 && b > a => {
-                format!("{:.1}", (tokens - 1) as f64 / (b - a).as_secs_f64())
-            }
-            _ => "–".to_string(),
-        };
-        let cached = match &self.usage {
-            Some(u) => u
-                .prompt_tokens_details
-                .as_ref()
-                .map_or(0, |d| d.cached_tokens)
-                .to_string(),
-            None => "?".to_string(),
-        };
-        let finish = if self.interrupted {
-            "interrupted"
-        } else {
-            self.finish.as_deref().unwrap_or("?")
-        };
-        format!("[{approx}{tokens} {unit}, {rate} tok/s, {cached} cached prompt tokens, finish: {finish}]")
+/// Block SIGINT on the calling thread (the HTTP client's threads), so that it lands on the
+/// main thread, where it interrupts the blocked stdin read.
+fn block_sigint_here() {
+    // SAFETY: plain signal-mask calls on a valid, initialised set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
 }
 
@@ -943,11 +137,7 @@ fn explain(e: &anyhow::Error, url: &str) -> String {
     if let Some(s) = e.downcast_ref::<StreamError>() {
         return format!("{url}: {s}");
     }
-    let refused = e.chain().any(|c| {
-        c.downcast_ref::<io::Error>()
-            .is_some_and(|io| io.kind() == io::ErrorKind::ConnectionRefused)
-    });
-    if refused {
+    if is_connection_refused(e) {
         return format!(
             "cannot connect to {url}: connection refused — is `coli serve` running there? (or start one with `coli chat --model PATH`)"
         );
@@ -1456,12 +646,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         None => (None, args.url.clone().unwrap_or_else(|| DEFAULT_URL.into())),
     };
-    let client = Client {
-        base: BaseUrl::parse(&url)?,
-        api_key,
-        interrupt: &INTERRUPTED,
-    };
-    let shown = client.base.display();
+    let client = Client::new(
+        &url,
+        Options {
+            api_key,
+            interrupt: &INTERRUPTED,
+            on_thread_start: Some(block_sigint_here),
+        },
+    )?;
+    let shown = client.display();
     if let (Some(s), Some(m)) = (server.as_mut(), &args.model) {
         s.wait_ready(&client, m, LOAD_DEADLINE).map_err(|e| {
             if is_interrupted(&e) {
@@ -1592,110 +785,6 @@ mod tests {
     use std::net::TcpListener;
 
     #[test]
-    fn chunked_decoder_whole_and_split_at_every_byte() {
-        let wire = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nX-Trailer: t\r\n\r\nJUNK";
-        let mut out = Vec::new();
-        let mut d = ChunkedDecoder::new();
-        d.feed(wire, &mut out).unwrap();
-        assert!(d.is_done());
-        assert_eq!(out, b"hello, world");
-        for split in 0..wire.len() {
-            let mut out = Vec::new();
-            let mut d = ChunkedDecoder::new();
-            d.feed(&wire[..split], &mut out).unwrap();
-            d.feed(&wire[split..], &mut out).unwrap();
-            assert!(d.is_done(), "split at {split}");
-            assert_eq!(out, b"hello, world", "split at {split}");
-        }
-        // One byte at a time, with hex sizes above 9 and bare-LF line ends.
-        let body: Vec<u8> = (0..26u8).map(|i| b'a' + i).collect();
-        let mut wire = b"1a\n".to_vec();
-        wire.extend_from_slice(&body);
-        wire.extend_from_slice(b"\n0\n\n");
-        let mut out = Vec::new();
-        let mut d = ChunkedDecoder::new();
-        for b in &wire {
-            assert!(!d.is_done());
-            d.feed(std::slice::from_ref(b), &mut out).unwrap();
-        }
-        assert!(d.is_done());
-        assert_eq!(out, body);
-    }
-
-    #[test]
-    fn chunked_decoder_rejects_malformed_input() {
-        let mut out = Vec::new();
-        assert!(ChunkedDecoder::new().feed(b"zz\r\n", &mut out).is_err());
-        assert!(ChunkedDecoder::new()
-            .feed(b"2\r\nabc\r\n", &mut out)
-            .is_err());
-        assert!(ChunkedDecoder::new().feed(&[b'1'; 5000], &mut out).is_err());
-        // Incomplete is not an error, just not done.
-        let mut d = ChunkedDecoder::new();
-        d.feed(b"5\r\nhel", &mut out).unwrap();
-        assert!(!d.is_done());
-    }
-
-    #[test]
-    fn sse_parser_events_comments_and_splits() {
-        let wire = b": keep-alive\n\ndata: {\"a\":1}\n\nevent: x\r\ndata: line1\r\ndata:line2\r\n\r\n:\n\ndata: [DONE]\n\ndata: unterminated";
-        let want = vec!["{\"a\":1}", "line1\nline2", "[DONE]"];
-        let mut p = SseParser::default();
-        assert_eq!(p.feed(wire), want);
-        for split in 0..wire.len() {
-            let mut p = SseParser::default();
-            let mut got = p.feed(&wire[..split]);
-            got.extend(p.feed(&wire[split..]));
-            assert_eq!(got, want, "split at {split}");
-        }
-        let mut p = SseParser::default();
-        let got: Vec<String> = wire.iter().flat_map(|b| p.feed(&[*b])).collect();
-        assert_eq!(got, want);
-        // `data` with no colon is an empty data line.
-        assert_eq!(SseParser::default().feed(b"data\n\n"), vec![String::new()]);
-    }
-
-    #[test]
-    fn urls() {
-        let u = BaseUrl::parse("http://127.0.0.1:8080").unwrap();
-        assert_eq!(
-            u,
-            BaseUrl {
-                host: "127.0.0.1".into(),
-                port: 8080,
-                prefix: String::new()
-            }
-        );
-        assert_eq!(u.display(), "http://127.0.0.1:8080");
-        let u = BaseUrl::parse("http://example.com/v1/").unwrap();
-        assert_eq!((u.port, u.prefix.as_str()), (80, ""));
-        assert_eq!(u.host_header(), "example.com");
-        let u = BaseUrl::parse("localhost:9000/proxy/v1").unwrap();
-        assert_eq!((u.host.as_str(), u.port), ("localhost", 9000));
-        assert_eq!(u.prefix, "/proxy");
-        let u = BaseUrl::parse("http://[::1]:8080/").unwrap();
-        assert_eq!(u.host, "::1");
-        assert_eq!(u.host_header(), "[::1]:8080");
-        let https = BaseUrl::parse("https://api.example.com").unwrap_err();
-        assert!(format!("{https}").contains("https is not supported"));
-        assert!(BaseUrl::parse("ftp://x").is_err());
-        assert!(BaseUrl::parse("http://host:notaport").is_err());
-        assert!(BaseUrl::parse("http://:80").is_err());
-    }
-
-    #[test]
-    fn response_heads() {
-        let (status, reason, headers) = parse_head(
-            b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\ncontent-length: 12",
-        )
-        .unwrap();
-        assert_eq!((status, reason.as_str()), (401, "Unauthorized"));
-        assert_eq!(headers[1], ("content-length".into(), "12".into()));
-        assert!(parse_head(b"SSH-2.0-OpenSSH").is_err());
-        assert!(parse_head(b"HTTP/1.1 abc\r\n").is_err());
-    }
-
-    #[test]
     fn composer_continuations_and_blocks() {
         let mut c = Composer::default();
         assert_eq!(c.feed("hello"), Some("hello".into()));
@@ -1761,44 +850,6 @@ mod tests {
     }
 
     #[test]
-    fn footers() {
-        let t0 = Instant::now();
-        let mut a = Answer {
-            usage: Some(WireUsage {
-                completion_tokens: 11,
-                prompt_tokens_details: Some(WireDetails { cached_tokens: 42 }),
-            }),
-            finish: Some("stop".into()),
-            first: Some(t0),
-            last: Some(t0 + Duration::from_secs(2)),
-            ..Answer::default()
-        };
-        assert_eq!(
-            a.footer(),
-            "[11 tokens, 5.0 tok/s, 42 cached prompt tokens, finish: stop]"
-        );
-        a.usage = None;
-        a.pieces = 3;
-        a.interrupted = true;
-        assert_eq!(
-            a.footer(),
-            "[~3 tokens, 1.0 tok/s, ? cached prompt tokens, finish: interrupted]"
-        );
-        let one = Answer {
-            usage: Some(WireUsage {
-                completion_tokens: 1,
-                prompt_tokens_details: None,
-            }),
-            finish: Some("length".into()),
-            ..Answer::default()
-        };
-        assert_eq!(
-            one.footer(),
-            "[1 token, – tok/s, 0 cached prompt tokens, finish: length]"
-        );
-    }
-
-    #[test]
     fn save_is_atomic_and_openai_shaped() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("chat.json");
@@ -1837,206 +888,45 @@ mod tests {
         assert!(write_atomic(&dir.path().join("missing/x.json"), b"{}").is_err());
     }
 
-    /// A one-shot HTTP server on a loopback port: reads one request, then runs `respond`.
-    fn fake_server(
-        respond: impl FnOnce(TcpStream, String) + Send + 'static,
-    ) -> (String, std::thread::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let handle = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut req = Vec::new();
-            let mut tmp = [0u8; 4096];
-            // Head, then Content-Length bytes of body.
-            let (head_end, len) = loop {
-                let n = s.read(&mut tmp).unwrap();
-                req.extend_from_slice(&tmp[..n]);
-                if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
-                    let head = String::from_utf8_lossy(&req[..i]).to_ascii_lowercase();
-                    let len = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .map_or(0, |v| v.trim().parse::<usize>().unwrap());
-                    break (i + 4, len);
-                }
-            };
-            while req.len() < head_end + len {
-                let n = s.read(&mut tmp).unwrap();
-                req.extend_from_slice(&tmp[..n]);
-            }
-            respond(s, String::from_utf8_lossy(&req).into_owned());
-        });
-        (url, handle)
-    }
-
-    fn chunk(s: &mut TcpStream, data: &str) {
-        s.write_all(format!("{:x}\r\n{data}\r\n", data.len()).as_bytes())
-            .unwrap();
-        s.flush().unwrap();
-    }
-
-    fn sse_chunk(content: &str) -> String {
-        format!(
-            "data: {}\n\n",
-            json!({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]})
-        )
-    }
-
     #[test]
-    fn streams_a_chunked_sse_answer() {
-        static FLAG: AtomicBool = AtomicBool::new(false);
-        let (url, server) = fake_server(|mut s, req| {
-            assert!(
-                req.starts_with("POST /v1/chat/completions HTTP/1.1\r\n"),
-                "{req}"
-            );
-            assert!(req.contains("Authorization: Bearer sekrit\r\n"), "{req}");
-            let body: Value = serde_json::from_str(req.split("\r\n\r\n").nth(1).unwrap()).unwrap();
-            assert_eq!(body["stream_options"]["include_usage"], json!(true));
-            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-                .unwrap();
-            chunk(&mut s, &sse_chunk(""));
-            chunk(&mut s, ":\n\n");
-            // An event split across chunks, and two events in one.
-            let hello = sse_chunk("Hel");
-            chunk(&mut s, &hello[..10]);
-            chunk(&mut s, &hello[10..]);
-            chunk(&mut s, &(sse_chunk("lo") + &sse_chunk(" wörld")));
-            let fin = json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]});
-            chunk(&mut s, &format!("data: {fin}\n\n"));
-            let usage = json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 7}}});
-            chunk(&mut s, &format!("data: {usage}\n\ndata: [DONE]\n\n"));
-            s.write_all(b"0\r\n\r\n").unwrap();
-        });
-        let client = Client {
-            base: BaseUrl::parse(&url).unwrap(),
-            api_key: Some("sekrit".into()),
-            interrupt: &FLAG,
-        };
-        let mut seen = Vec::new();
-        let a = client
-            .stream_chat(
-                &json!({"messages": [], "stream_options": {"include_usage": true}}),
-                &mut |p| {
-                    if let Piece::Content(c) = p {
-                        seen.push(c.to_string())
-                    }
-                },
-            )
-            .unwrap();
-        server.join().unwrap();
-        assert_eq!(seen, ["Hel", "lo", " wörld"]);
-        assert_eq!(a.content, "Hello wörld");
-        assert_eq!(a.finish.as_deref(), Some("stop"));
-        assert!(!a.interrupted);
-        assert!(a.footer().starts_with("[3 tokens, "));
-        assert!(a
-            .footer()
-            .ends_with(" tok/s, 7 cached prompt tokens, finish: stop]"));
-    }
-
-    #[test]
-    fn error_statuses_and_stream_errors_carry_the_servers_message() {
-        static FLAG: AtomicBool = AtomicBool::new(false);
-        let (url, server) = fake_server(|mut s, _| {
-            let body = r#"{"error":{"message":"invalid API key","type":"authentication_error","param":null,"code":"invalid_api_key"}}"#;
-            write!(
-                s,
-                "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .unwrap();
-        });
-        let client = Client {
-            base: BaseUrl::parse(&url).unwrap(),
-            api_key: None,
-            interrupt: &FLAG,
-        };
-        let e = client.stream_chat(&json!({}), &mut |_| {}).unwrap_err();
-        server.join().unwrap();
-        let line = explain(&e, &url);
+    fn explanations_name_the_url_and_the_fix() {
+        let url = "http://127.0.0.1:9";
+        let e: anyhow::Error = HttpStatusError {
+            status: 401,
+            reason: "Unauthorized".into(),
+            message: "invalid API key".into(),
+            code: Some("invalid_api_key".into()),
+        }
+        .into();
+        let line = explain(&e, url);
+        assert!(line.starts_with(url), "{line}");
         assert!(line.contains("401 Unauthorized: invalid API key"), "{line}");
         assert!(line.contains("--api-key"), "{line}");
-        assert!(line.starts_with(&url), "{line}");
+        let e: anyhow::Error = StreamError("engine error: boom".into()).into();
+        assert!(explain(&e, url).contains("engine error: boom"));
 
-        // An error event in a close-delimited stream.
-        let (url, server) = fake_server(|mut s, _| {
-            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
-                .unwrap();
-            s.write_all(sse_chunk("partial").as_bytes()).unwrap();
-            s.write_all(b"data: {\"error\": {\"message\": \"engine error: boom\", \"type\": \"server_error\"}}\n\ndata: [DONE]\n\n")
-                .unwrap();
-        });
-        let client = Client {
-            base: BaseUrl::parse(&url).unwrap(),
-            ..client
-        };
-        let e = client.stream_chat(&json!({}), &mut |_| {}).unwrap_err();
-        server.join().unwrap();
-        assert!(explain(&e, &url).contains("engine error: boom"), "{e:#}");
-    }
-
-    #[test]
-    fn connection_refused_names_the_url_and_the_fix() {
+        // A real refused connection: bind then drop a listener, so its port is closed.
         static FLAG: AtomicBool = AtomicBool::new(false);
-        // Bind then drop a listener: its port is (almost certainly) closed now.
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
         let url = format!("http://127.0.0.1:{port}");
-        let client = Client {
-            base: BaseUrl::parse(&url).unwrap(),
-            api_key: None,
-            interrupt: &FLAG,
-        };
-        let e = client.models().unwrap_err();
-        let line = explain(&e, &url);
+        let client = Client::new(
+            &url,
+            Options {
+                api_key: None,
+                interrupt: &FLAG,
+                on_thread_start: None,
+            },
+        )
+        .unwrap();
+        let line = explain(&client.models().unwrap_err(), &url);
         assert!(
             line.contains(&url) && line.contains("connection refused"),
             "{line}"
         );
         assert!(line.contains("coli serve"), "{line}");
-    }
-
-    #[test]
-    fn ctrl_c_stops_a_stream_and_keeps_what_arrived() {
-        static FLAG: AtomicBool = AtomicBool::new(false);
-        let (url, server) = fake_server(|mut s, _| {
-            s.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-                .unwrap();
-            chunk(&mut s, &sse_chunk("one "));
-            chunk(&mut s, &sse_chunk("two"));
-            // The client presses Ctrl-C once it has printed "two"; wait for it to hang up.
-            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            // A close with bytes still unread (the chunk's CRLF) is a reset rather than a FIN.
-            let mut buf = [0u8; 16];
-            match s.read(&mut buf) {
-                Ok(0) => {}
-                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => {}
-                other => panic!("the client should have hung up: {other:?}"),
-            }
-        });
-        let client = Client {
-            base: BaseUrl::parse(&url).unwrap(),
-            api_key: None,
-            interrupt: &FLAG,
-        };
-        let a = client
-            .stream_chat(&json!({}), &mut |p| {
-                if p == Piece::Content("two") {
-                    FLAG.store(true, Ordering::SeqCst);
-                }
-            })
-            .unwrap();
-        server.join().unwrap();
-        assert!(a.interrupted);
-        assert_eq!(a.content, "one two");
-        assert!(
-            a.footer().ends_with("finish: interrupted]"),
-            "{}",
-            a.footer()
-        );
     }
 }

@@ -100,6 +100,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("log_level", Shape::Text),
     ("log_json", Shape::Bool),
     ("otlp_endpoint", Shape::Text),
+    ("otlp_protocol", Shape::Text),
     ("tls_cert", Shape::Text),
     ("tls_key", Shape::Text),
     ("history_save_secs", Shape::Number),
@@ -154,8 +155,13 @@ pub struct ServeConfig {
     pub log_level: String,
     /// Log as JSON lines instead of text.
     pub log_json: bool,
-    /// OpenTelemetry collector (`http://` or `https://`); `None` turns tracing export off.
+    /// OpenTelemetry collector (`http://` or `https://`, TLS with the system's trust store);
+    /// `None` turns tracing export off. For the HTTP protocols the base URL, to which
+    /// `/v1/traces` is appended; for `grpc` the collector's address.
     pub otlp_endpoint: Option<String>,
+    /// How spans reach the collector: `http/protobuf` (OTLP/HTTP, protobuf bodies; the
+    /// default), `http/json` (OTLP/HTTP, JSON bodies) or `grpc` (OTLP/gRPC).
+    pub otlp_protocol: String,
     /// TLS certificate chain (PEM); given together with `tls_key`.
     pub tls_cert: Option<PathBuf>,
     /// TLS private key (PEM); given together with `tls_cert`.
@@ -193,6 +199,7 @@ impl Default for ServeConfig {
             log_level: "info".to_string(),
             log_json: false,
             otlp_endpoint: None,
+            otlp_protocol: "http/protobuf".to_string(),
             tls_cert: None,
             tls_key: None,
             history_save_secs: 60,
@@ -226,6 +233,7 @@ impl fmt::Debug for ServeConfig {
             .field("log_level", &self.log_level)
             .field("log_json", &self.log_json)
             .field("otlp_endpoint", &self.otlp_endpoint)
+            .field("otlp_protocol", &self.otlp_protocol)
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
             .field("history_save_secs", &self.history_save_secs)
@@ -324,6 +332,16 @@ impl ServeConfig {
                     format!("expected an http:// or https:// URL, found `{url}`"),
                 );
             }
+        }
+        if crate::serve::otlp::OtlpProtocol::parse(&self.otlp_protocol).is_none() {
+            return fail(
+                "otlp_protocol",
+                format!(
+                    "expected one of {}, found `{}`",
+                    crate::serve::otlp::OtlpProtocol::NAMES.join(", "),
+                    self.otlp_protocol
+                ),
+            );
         }
         match (&self.tls_cert, &self.tls_key) {
             (Some(_), None) => {
@@ -478,6 +496,9 @@ pub struct ServeFlags {
     /// OpenTelemetry collector URL (http:// or https://).
     #[arg(long, value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+    /// OTLP transport: http/protobuf (default), http/json or grpc.
+    #[arg(long, value_name = "PROTOCOL")]
+    pub otlp_protocol: Option<String>,
     /// TLS certificate chain (PEM); needs --tls-key.
     #[arg(long, value_name = "FILE")]
     pub tls_cert: Option<PathBuf>,
@@ -900,6 +921,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
         put("log_json", "--log-json", Ok(Value::from(true)))?;
     }
     opt!(otlp_endpoint, "--otlp-endpoint");
+    opt!(otlp_protocol, "--otlp-protocol");
     opt!(tls_cert, "--tls-cert");
     opt!(tls_key, "--tls-key");
     opt!(history_save_secs, "--history-save-secs");
@@ -1216,6 +1238,8 @@ mod tests {
             "--log-json",
             "--otlp-endpoint",
             "http://otel:4318",
+            "--otlp-protocol",
+            "grpc",
             "--tls-cert",
             "c.pem",
             "--tls-key",
@@ -1249,6 +1273,7 @@ mod tests {
         assert!(c.stay_up_on_load_failure);
         assert_eq!((c.log_level.as_str(), c.log_json), ("warn", true));
         assert_eq!(c.otlp_endpoint.as_deref(), Some("http://otel:4318"));
+        assert_eq!(c.otlp_protocol, "grpc");
         assert_eq!(c.tls_cert, Some(PathBuf::from("c.pem")));
         assert_eq!(c.tls_key, Some(PathBuf::from("k.pem")));
         assert_eq!(c.history_save_secs, 5);
@@ -1503,6 +1528,8 @@ mod tests {
             bad(|c| c.otlp_endpoint = Some("otel:4318".into())),
             "otlp_endpoint"
         );
+        assert_eq!(bad(|c| c.otlp_protocol = "http".into()), "otlp_protocol");
+        assert_eq!(bad(|c| c.otlp_protocol = "gRPC".into()), "otlp_protocol");
         assert_eq!(
             bad(|c| c.cors_origins = vec!["example.com".into()]),
             "cors_origins"

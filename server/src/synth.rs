@@ -951,6 +951,7 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     result?;
     std::fs::rename(&tmp, &args.out)
         .with_context(|| format!("renaming {} to {}", tmp.display(), args.out.display()))?;
+    colibri::format::write::sync_parent(&args.out)?;
     Ok(())
 }
 

@@ -18,11 +18,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::format::write::create_tmp;
+use crate::format::write::AtomicFile;
 use crate::{Error, Result};
 
 /// The four bytes every GGUF file starts with.
@@ -1265,8 +1265,8 @@ fn put_value(out: &mut Vec<u8>, v: &GgufValue) {
 /// [`finish`](GgufWriter::finish).
 pub struct GgufWriter {
     path: PathBuf,
-    tmp: PathBuf,
-    out: BufWriter<File>,
+    /// Removes its temporary if the writer is dropped unfinished.
+    out: AtomicFile,
     alignment: usize,
     specs: Vec<GgufTensorSpec>,
     sizes: Vec<usize>,
@@ -1350,12 +1350,11 @@ impl GgufWriter {
         }
         head.resize(head.len().next_multiple_of(alignment), 0);
 
-        let (tmp, file) = create_tmp(path)?;
-        let mut out = BufWriter::with_capacity(8 << 20, file);
-        out.write_all(&head).map_err(|e| Error::io(&tmp, e))?;
+        let mut out = AtomicFile::with_capacity(path, 8 << 20)?;
+        out.write_all(&head)
+            .map_err(|e| Error::io(out.tmp_path(), e))?;
         let mut w = GgufWriter {
             path: path.to_path_buf(),
-            tmp,
             out,
             alignment,
             specs: tensors,
@@ -1374,7 +1373,7 @@ impl GgufWriter {
             let pad = n.next_multiple_of(self.alignment) - n;
             self.out
                 .write_all(&vec![0u8; pad])
-                .map_err(|e| Error::io(&self.tmp, e))?;
+                .map_err(|e| Error::io(self.out.tmp_path(), e))?;
             self.next += 1;
             self.written_in_tensor = 0;
         }
@@ -1404,7 +1403,7 @@ impl GgufWriter {
         }
         self.out
             .write_all(bytes)
-            .map_err(|e| Error::io(&self.tmp, e))?;
+            .map_err(|e| Error::io(self.out.tmp_path(), e))?;
         self.written_in_tensor += bytes.len();
         self.advance()
     }
@@ -1412,7 +1411,6 @@ impl GgufWriter {
     /// Flush, sync and rename into place; an error if some tensor is incomplete.
     pub fn finish(self) -> Result<()> {
         if self.next != self.specs.len() {
-            let _ = std::fs::remove_file(&self.tmp);
             return Err(Error::Invalid(format!(
                 "{}: only {} of {} tensors were written",
                 self.path.display(),
@@ -1420,6 +1418,6 @@ impl GgufWriter {
                 self.specs.len()
             )));
         }
-        super::write::commit(self.out, &self.tmp, &self.path)
+        self.out.commit()
     }
 }

@@ -132,7 +132,7 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
-    /// Write this tokenizer as a `tokenizer.json` at `path`.
+    /// Write this tokenizer as a `tokenizer.json` at `path` (atomically).
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = self.inner.to_string(true).map_err(|e| {
             Error::Invalid(format!(
@@ -140,7 +140,7 @@ impl Tokenizer {
                 path.display()
             ))
         })?;
-        std::fs::write(path, json).map_err(|e| Error::io(path, e))
+        crate::format::write::write_atomic(path, json.as_bytes())
     }
 }
 

@@ -1,6 +1,11 @@
-//! Writing files atomically: a temporary file beside the target, renamed into place when
-//! complete, so a crash never leaves a half-written file under the real name. Also a streaming
-//! safetensors writer (header first, then each tensor's bytes in order) for synthetic models.
+//! Writing files atomically: a temporary file beside the target, synced and renamed into place
+//! when complete (and the directory synced, so the rename itself survives a power cut), so a
+//! crash never leaves a half-written file under the real name. Every file colibri writes goes
+//! through [`AtomicFile`] (streamed writers: KV files, GGUF and safetensors output) or
+//! [`write_atomic`] (a whole buffer: usage history, configs, tokenizers, saved chats); a write
+//! that fails or is abandoned removes its temporary and leaves the target as it was. Also a
+//! streaming safetensors writer (header first, then each tensor's bytes in order) for
+//! synthetic models.
 //!
 //! Every temporary (a file, or a directory for a whole checkpoint) is named after its target
 //! and its owner's process id, `NAME.PID.tmp` ([`tmp_path`]), and its owner holds an exclusive
@@ -27,19 +32,117 @@ use crate::{Error, Result};
 /// so that it never takes one of its own for stale in the instant between the two.
 static TEMPORARIES: Mutex<()> = Mutex::new(());
 
-/// Write `bytes` to `path` atomically. On failure the temporary is removed and `path` is left
-/// as it was.
+/// Write `bytes` to `path` atomically (see [`AtomicFile`]). On failure the temporary is
+/// removed and `path` is left as it was.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let (tmp, mut f) = create_tmp(path)?;
-    let written = f
-        .write_all(bytes)
-        .and_then(|()| f.sync_all())
-        .map_err(|e| Error::io(&tmp, e))
-        .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    let mut f = AtomicFile::with_capacity(path, 0)?;
+    f.write_all(bytes).map_err(|e| Error::io(f.tmp_path(), e))?;
+    f.commit()
+}
+
+/// A file being written atomically: bytes go to a locked temporary beside the target (see
+/// [`create_tmp`]); [`commit`](AtomicFile::commit) flushes and fsyncs it, renames it to the
+/// target and fsyncs the directory. Dropped without a commit (an error on the way, a panic),
+/// it removes the temporary, so the target keeps its old contents (or stays absent).
+pub struct AtomicFile {
+    path: PathBuf,
+    tmp: PathBuf,
+    /// `None` once committed.
+    out: Option<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    /// Start writing `path`, buffering 64 KiB.
+    pub fn create(path: &Path) -> Result<AtomicFile> {
+        AtomicFile::with_capacity(path, 64 << 10)
     }
-    written
+
+    /// Start writing `path` with a write buffer of `capacity` bytes (0: unbuffered, for
+    /// callers that hand over one large buffer).
+    pub fn with_capacity(path: &Path, capacity: usize) -> Result<AtomicFile> {
+        let (tmp, file) = create_tmp(path)?;
+        Ok(AtomicFile {
+            path: path.to_path_buf(),
+            tmp,
+            out: Some(BufWriter::with_capacity(capacity, file)),
+        })
+    }
+
+    /// The file this becomes on commit.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The temporary being written (what I/O errors name).
+    pub fn tmp_path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Flush and fsync the temporary, rename it to the target, fsync the directory. On an
+    /// error before the rename the temporary is removed and the target left as it was.
+    pub fn commit(mut self) -> Result<()> {
+        let Some(out) = self.out.take() else {
+            return Ok(());
+        };
+        let synced = out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|file| file.sync_all())
+            .map_err(|e| Error::io(&self.tmp, e))
+            .and_then(|()| {
+                std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))
+            });
+        if let Err(e) = synced {
+            let _ = std::fs::remove_file(&self.tmp);
+            return Err(e);
+        }
+        sync_parent(&self.path)
+    }
+}
+
+impl Write for AtomicFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match &mut self.out {
+            Some(out) => out.write(buf),
+            None => Err(std::io::Error::other("the file is already committed")),
+        }
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match &mut self.out {
+            Some(out) => out.write_all(buf),
+            None => Err(std::io::Error::other("the file is already committed")),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match &mut self.out {
+            Some(out) => out.flush(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for AtomicFile {
+    fn drop(&mut self) {
+        if let Some(out) = self.out.take() {
+            // Not committed: discard the buffer unwritten, close, remove.
+            let (file, _unwritten) = out.into_parts();
+            drop(file);
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Fsync the directory holding `path`, so that a rename into it is on disk.
+pub fn sync_parent(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(dir, e))
 }
 
 /// The temporary name this process uses while writing `path`: `NAME.PID.tmp` beside it.
@@ -258,8 +361,7 @@ impl TensorSpec {
 /// [`finish`]: SafetensorsWriter::finish
 pub struct SafetensorsWriter {
     path: PathBuf,
-    tmp: PathBuf,
-    out: BufWriter<File>,
+    out: AtomicFile,
     specs: Vec<TensorSpec>,
     next: usize,
     written_in_tensor: usize,
@@ -289,14 +391,12 @@ impl SafetensorsWriter {
         while !(8 + json.len()).is_multiple_of(8) {
             json.push(b' ');
         }
-        let (tmp, file) = create_tmp(path)?;
-        let mut out = BufWriter::with_capacity(8 << 20, file);
+        let mut out = AtomicFile::with_capacity(path, 8 << 20)?;
         out.write_all(&(json.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(&json))
-            .map_err(|e| Error::io(&tmp, e))?;
+            .map_err(|e| Error::io(out.tmp_path(), e))?;
         Ok(SafetensorsWriter {
             path: path.to_path_buf(),
-            tmp,
             out,
             specs,
             next: 0,
@@ -322,7 +422,7 @@ impl SafetensorsWriter {
         }
         self.out
             .write_all(bytes)
-            .map_err(|e| Error::io(&self.tmp, e))?;
+            .map_err(|e| Error::io(self.out.tmp_path(), e))?;
         self.written_in_tensor += bytes.len();
         if self.written_in_tensor == spec.nbytes() {
             self.next += 1;
@@ -331,7 +431,7 @@ impl SafetensorsWriter {
         Ok(())
     }
 
-    /// Flush, sync and rename into place.
+    /// Flush, sync and rename into place (dropped unfinished, the temporary is removed).
     pub fn finish(self) -> Result<()> {
         if self.next != self.specs.len() {
             return Err(Error::Invalid(format!(
@@ -341,26 +441,8 @@ impl SafetensorsWriter {
                 self.specs.len()
             )));
         }
-        commit(self.out, &self.tmp, &self.path)
+        self.out.commit()
     }
-}
-
-/// Flush and sync a buffered temporary file, then rename it to `path`: the last step of every
-/// atomic write. On failure the temporary is removed and `path` is left as it was.
-pub fn commit(out: BufWriter<File>, tmp: &Path, path: &Path) -> Result<()> {
-    let committed = (|| {
-        let mut out = out;
-        out.flush().map_err(|e| Error::io(tmp, e))?;
-        let file = out
-            .into_inner()
-            .map_err(|e| Error::io(tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io(tmp, e))?;
-        std::fs::rename(tmp, path).map_err(|e| Error::io(path, e))
-    })();
-    if committed.is_err() {
-        let _ = std::fs::remove_file(tmp);
-    }
-    committed
 }
 
 #[cfg(test)]
@@ -484,6 +566,53 @@ mod tests {
         let missing = dir.path().join("no/such/dir/x.json");
         assert!(write_atomic(&missing, b"{}").is_err());
         assert_eq!(names(dir.path()), ["h.json"]);
+    }
+
+    #[test]
+    fn an_atomic_file_appears_only_on_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kv");
+        std::fs::write(&path, b"old").unwrap();
+        let mut f = AtomicFile::with_capacity(&path, 4).unwrap();
+        f.write_all(b"new contents, longer than the buffer")
+            .unwrap();
+        // Until the commit the target is the old file, and the temporary is beside it.
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert_eq!(
+            names(dir.path()),
+            ["kv".to_string(), format!("kv.{}.tmp", std::process::id())]
+        );
+        f.commit().unwrap();
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            b"new contents, longer than the buffer"
+        );
+        assert_eq!(names(dir.path()), ["kv"]);
+    }
+
+    #[test]
+    fn an_abandoned_or_failed_atomic_file_leaves_the_target_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.gguf");
+        std::fs::write(&path, b"old").unwrap();
+        // Dropped without a commit (an error or a panic half-way): the temporary goes.
+        let mut f = AtomicFile::create(&path).unwrap();
+        f.write_all(&[7u8; 100_000]).unwrap();
+        drop(f);
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert_eq!(names(dir.path()), ["model.gguf"]);
+
+        // A commit that fails (the rename: the target is now a non-empty directory) removes
+        // the temporary too.
+        let blocked = dir.path().join("blocked");
+        std::fs::create_dir(&blocked).unwrap();
+        std::fs::write(blocked.join("inside"), b"x").unwrap();
+        let mut f = AtomicFile::create(&blocked).unwrap();
+        f.write_all(b"data").unwrap();
+        let err = f.commit().unwrap_err().to_string();
+        assert!(err.contains("blocked"), "{err}");
+        assert_eq!(names(dir.path()), ["blocked", "model.gguf"]);
+        assert_eq!(names(&blocked), ["inside"]);
     }
 
     #[test]

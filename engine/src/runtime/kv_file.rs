@@ -31,11 +31,11 @@
 //! `cache_len` rows of a width the model fixes per layer and buffer.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{BufReader, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use super::generate::Conversation;
-use crate::format::write::{commit, create_tmp};
+use crate::format::write::AtomicFile;
 use crate::model::cache::{KvBuf, KvCache, KvDType, LayerKv};
 use crate::model::{CausalLm, Logits};
 use crate::store::history::fingerprint;
@@ -90,9 +90,8 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
         + 3 * 8 * cache.layers.len() as u64
         + 4 * values;
 
-    let (tmp, file) = create_tmp(path)?;
     let mut out = HashingWriter {
-        out: BufWriter::with_capacity(1 << 20, file),
+        out: AtomicFile::with_capacity(path, 1 << 20)?,
         hash: Xxh64::new(),
     };
     let written = (|| -> std::io::Result<()> {
@@ -131,13 +130,9 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
         let sum = out.hash.digest();
         out.out.write_all(&sum.to_le_bytes())
     })();
-    let committed = written
-        .map_err(|e| Error::io(&tmp, e))
-        .and_then(|()| commit(out.out, &tmp, path));
-    if let Err(e) = committed {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
+    // On an error the dropped file removes its temporary.
+    written.map_err(|e| Error::io(out.out.tmp_path(), e))?;
+    out.out.commit()?;
     Ok(HEADER_BYTES + body_len + TRAILER_BYTES)
 }
 
@@ -525,7 +520,7 @@ impl Body<'_> {
 
 /// A writer that hashes what it writes.
 struct HashingWriter {
-    out: BufWriter<File>,
+    out: AtomicFile,
     hash: Xxh64,
 }
 

@@ -144,6 +144,7 @@ spec:
         httpGet:
           path: /ready
           port: http
+          scheme: {{ include "colibri.probeScheme" . }}
         periodSeconds: {{ int64 .Values.probes.startup.periodSeconds }}
         timeoutSeconds: {{ int64 .Values.probes.startup.timeoutSeconds }}
         # budgetSeconds / periodSeconds: the time a model load may take before a restart.
@@ -154,6 +155,7 @@ spec:
         httpGet:
           path: /ready
           port: http
+          scheme: {{ include "colibri.probeScheme" . }}
         periodSeconds: {{ int64 .Values.probes.readiness.periodSeconds }}
         timeoutSeconds: {{ int64 .Values.probes.readiness.timeoutSeconds }}
         failureThreshold: {{ int64 .Values.probes.readiness.failureThreshold }}
@@ -164,6 +166,7 @@ spec:
         httpGet:
           path: /health
           port: http
+          scheme: {{ include "colibri.probeScheme" . }}
         periodSeconds: {{ int64 .Values.probes.liveness.periodSeconds }}
         timeoutSeconds: {{ int64 .Values.probes.liveness.timeoutSeconds }}
         failureThreshold: {{ int64 .Values.probes.liveness.failureThreshold }}

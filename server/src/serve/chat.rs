@@ -538,17 +538,20 @@ fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = chat_inner(&state, body, arrived).await;
-    respond(&state, "/v1/chat/completions", arrived, result)
+    let trace = super::otlp::parent_context(&headers);
+    let result = chat_inner(&state, body, arrived, trace.clone()).await;
+    respond(&state, "/v1/chat/completions", arrived, trace, result)
 }
 
 fn respond(
     state: &AppState,
     endpoint: &str,
     arrived: Instant,
+    trace: opentelemetry::Context,
     result: Result<Response, ApiError>,
 ) -> Response {
     match result {
@@ -563,6 +566,7 @@ fn respond(
                 let end = std::time::SystemTime::now();
                 exporter.record(SpanRecord {
                     name: format!("POST {endpoint}"),
+                    parent: trace,
                     start: end - arrived.elapsed(),
                     end,
                     attributes: vec![(
@@ -588,6 +592,7 @@ async fn chat_inner(
     state: &Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: opentelemetry::Context,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
     check_model(state, &req.model)?;
@@ -727,6 +732,7 @@ async fn chat_inner(
         "/v1/chat/completions",
         answer_id.id.clone(),
         arrived,
+        trace,
     );
     let format = ChatFormat {
         answer: answer_id,
@@ -758,17 +764,20 @@ async fn chat_inner(
 )]
 pub async fn completions(
     State(state): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let result = completions_inner(&state, body, arrived).await;
-    respond(&state, "/v1/completions", arrived, result)
+    let trace = super::otlp::parent_context(&headers);
+    let result = completions_inner(&state, body, arrived, trace.clone()).await;
+    respond(&state, "/v1/completions", arrived, trace, result)
 }
 
 async fn completions_inner(
     state: &Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     arrived: Instant,
+    trace: opentelemetry::Context,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(body)?;
     check_model(state, &req.model)?;
@@ -859,6 +868,7 @@ async fn completions_inner(
         "/v1/completions",
         answer_id.id.clone(),
         arrived,
+        trace,
     );
     let format = CompletionFormat::new(answer_id, echo, serving);
     answer(

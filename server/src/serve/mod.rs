@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod openai;
 pub mod otlp;
 mod pump;
+mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -179,11 +180,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
             addr.ip()
         );
     }
-    if cfg.tls_cert.is_some() {
-        anyhow::bail!(
-            "tls_cert/tls_key: TLS termination is not built into this version of coli serve; terminate TLS in front of it (an ingress or a reverse proxy) and unset tls_cert/tls_key"
-        );
-    }
+    // Validation made sure both are given or neither.
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::acceptor(cert, key)?),
+        _ => None,
+    };
     let model_id = cfg
         .served_model_name
         .clone()
@@ -211,7 +212,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(state, addr))
+    runtime.block_on(serve(state, addr, tls))
 }
 
 fn init_logging(cfg: &ServeConfig) {
@@ -229,17 +230,26 @@ fn init_logging(cfg: &ServeConfig) {
     };
 }
 
-async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
+async fn serve(
+    state: Arc<AppState>,
+    addr: SocketAddr,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> Result<()> {
     if let Some(endpoint) = &state.config.otlp_endpoint {
-        let exporter = otlp::Exporter::start(endpoint)?;
+        let protocol = &state.config.otlp_protocol;
+        // Validation accepted only the names `parse` knows.
+        let parsed = otlp::OtlpProtocol::parse(protocol)
+            .with_context(|| format!("otlp_protocol `{protocol}`"))?;
+        let exporter = otlp::Exporter::start(endpoint, parsed)?;
         let _ = state.otlp.set(exporter);
-        eprintln!("coli: exporting a span per request to {endpoint} (OTLP/HTTP JSON)");
+        eprintln!("coli: exporting a span per request to {endpoint} (OTLP, {protocol})");
     }
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr} (is another server using the port?)"))?;
     let local = listener.local_addr()?;
-    eprintln!("coli: listening on http://{local}");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    eprintln!("coli: listening on {scheme}://{local}");
     // Load the model off the async runtime.
     {
         let state = state.clone();
@@ -254,6 +264,7 @@ async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
         listener,
         app,
         header_timeout,
+        tls,
         shutdown_signal(state.clone()),
     )
     .await;
@@ -262,6 +273,16 @@ async fn serve(state: Arc<AppState>, addr: SocketAddr) -> Result<()> {
         if let Err(e) = s.loaded.model.flush() {
             eprintln!("coli: warning: saving the expert usage history: {e}");
         }
+    }
+    if state.otlp.get().is_some() {
+        // Send the spans still queued; the exporter blocks, so off the async threads.
+        let state = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Some(exporter) = state.otlp.get() {
+                exporter.shutdown();
+            }
+        })
+        .await;
     }
     match stop {
         Stop::Signal => {
@@ -674,6 +695,7 @@ async fn serve_connections(
     mut listener: tokio::net::TcpListener,
     app: Router,
     header_timeout: Duration,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     stop: impl Future<Output = (Stop, Instant)>,
 ) -> Stop {
     let (closing, _) = tokio::sync::watch::channel(false);
@@ -685,17 +707,20 @@ async fn serve_connections(
             // axum's listener: retries accept errors (e.g. too many open files) after a pause.
             (stream, _) = axum::serve::Listener::accept(&mut listener) => {
                 let service = TowerToHyperService::new(app.clone());
-                let mut closing = closing.subscribe();
+                let closing = closing.subscribe();
+                let tls = tls.clone();
                 connections.spawn(async move {
-                    let mut http = hyper::server::conn::http1::Builder::new();
-                    http.timer(TokioTimer::new()).header_read_timeout(header_timeout);
-                    let conn = http.serve_connection(TokioIo::new(stream), service);
-                    tokio::pin!(conn);
-                    tokio::select! {
-                        _ = conn.as_mut() => return,
-                        _ = closing.wait_for(|c| *c) => conn.as_mut().graceful_shutdown(),
+                    let Some(tls) = tls else {
+                        return serve_connection(stream, service, header_timeout, closing).await;
+                    };
+                    // The handshake counts against the header timeout, as the headers would.
+                    match tokio::time::timeout(header_timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(stream, service, header_timeout, closing).await
+                        }
+                        Ok(Err(e)) => tracing::debug!("TLS handshake failed: {e}"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
                     }
-                    let _ = conn.await;
                 });
             }
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
@@ -715,6 +740,28 @@ async fn serve_connections(
         connections.shutdown().await;
     }
     why
+}
+
+/// Serve HTTP/1.1 on one accepted connection (plain TCP or TLS) until the client closes it, or
+/// until `closing` turns true, then let the request in progress finish.
+async fn serve_connection<S>(
+    stream: S,
+    service: TowerToHyperService<Router>,
+    header_timeout: Duration,
+    mut closing: tokio::sync::watch::Receiver<bool>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let conn = http.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = closing.wait_for(|c| *c) => conn.as_mut().graceful_shutdown(),
+    }
+    let _ = conn.await;
 }
 
 /// Resolves when the server must stop, with why and the instant by which every connection must

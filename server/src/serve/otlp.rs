@@ -1,15 +1,57 @@
-//! OpenTelemetry export: one span per request, sent to an OTLP/HTTP collector as JSON
-//! (`POST {endpoint}/v1/traces`, the OTLP JSON encoding of `ExportTraceServiceRequest`) when
-//! `otlp_endpoint` is configured. Spans are queued without blocking the request and sent in
-//! batches by a task of their own; a collector that is down costs a warning, never a request.
-//! Plain `http://` only (run the collector, or a sidecar, next to the server).
+//! OpenTelemetry export: one span per request, sent to an OTLP collector through the
+//! `opentelemetry` SDK and its OTLP exporter when `otlp_endpoint` is configured.
+//!
+//! This module owns the span of a request: its parent (the W3C `traceparent`/`tracestate`
+//! headers of the incoming request, read with [`TraceContextPropagator`], so a request's span
+//! is a child of the caller's trace), its attributes and status, and the exporter: OTLP/HTTP
+//! with protobuf (`http/protobuf`, the default) or JSON (`http/json`) bodies to
+//! `{otlp_endpoint}/v1/traces`, or OTLP/gRPC (`grpc`) to `otlp_endpoint`; `https://`
+//! endpoints use TLS (rustls, the system's trust store). Spans are queued without blocking the
+//! request and sent in batches by the SDK's batch processor (every 5 s by default; the SDK's
+//! `OTEL_BSP_*` variables tune it) and at shutdown; a collector that is down costs a warning
+//! from the SDK, never a request.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc;
+use anyhow::{Context as _, Result};
+use axum::http::HeaderMap;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{Span as _, SpanKind, Status, Tracer as _, TracerProvider as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicConfig};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+use opentelemetry_sdk::Resource;
+
+/// How long one export may take before the SDK gives up on it.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The OTLP transport, as the `otlp_protocol` key spells it (the values of the OpenTelemetry
+/// `OTEL_EXPORTER_OTLP_PROTOCOL` variable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP/HTTP, protobuf bodies, `POST {endpoint}/v1/traces`.
+    HttpProtobuf,
+    /// OTLP/HTTP, JSON bodies, `POST {endpoint}/v1/traces`.
+    HttpJson,
+    /// OTLP/gRPC to `{endpoint}` (`TraceService/Export`).
+    Grpc,
+}
+
+impl OtlpProtocol {
+    /// Every accepted spelling, for error messages.
+    pub const NAMES: &'static [&'static str] = &["http/protobuf", "http/json", "grpc"];
+
+    /// The protocol `name` spells, if it is one of [`Self::NAMES`].
+    pub fn parse(name: &str) -> Option<OtlpProtocol> {
+        match name {
+            "http/protobuf" => Some(OtlpProtocol::HttpProtobuf),
+            "http/json" => Some(OtlpProtocol::HttpJson),
+            "grpc" => Some(OtlpProtocol::Grpc),
+            _ => None,
+        }
+    }
+}
 
 /// An attribute value.
 #[derive(Debug, Clone)]
@@ -24,6 +66,8 @@ pub enum Attr {
 pub struct SpanRecord {
     /// e.g. `POST /v1/chat/completions`.
     pub name: String,
+    /// The caller's trace context (see [`parent_context`]); the span becomes its child.
+    pub parent: Context,
     pub start: SystemTime,
     pub end: SystemTime,
     pub attributes: Vec<(&'static str, Attr)>,
@@ -31,239 +75,186 @@ pub struct SpanRecord {
     pub error: Option<String>,
 }
 
-/// Sends spans to a collector.
-#[derive(Clone)]
-pub struct Exporter {
-    tx: mpsc::UnboundedSender<SpanRecord>,
+/// The trace context of an incoming request: its W3C `traceparent` (and `tracestate`)
+/// headers, or an empty context (a new trace) when there are none or they are malformed.
+pub fn parent_context(headers: &HeaderMap) -> Context {
+    TraceContextPropagator::new().extract(&HeaderExtractor(headers))
 }
 
-/// Where to send: host, port and path of `{endpoint}/v1/traces`.
-#[derive(Debug, Clone, PartialEq)]
-struct Target {
-    host: String,
-    port: u16,
-    path: String,
-}
+/// Reads propagation headers out of an [`HeaderMap`].
+struct HeaderExtractor<'a>(&'a HeaderMap);
 
-fn parse_endpoint(endpoint: &str) -> Result<Target> {
-    let Some(rest) = endpoint.strip_prefix("http://") else {
-        bail!(
-            "otlp_endpoint `{endpoint}`: only http:// collectors are supported (run the collector or a sidecar next to the server)"
-        );
-    };
-    let (authority, base) = match rest.find('/') {
-        Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
-        None => (rest, ""),
-    };
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((h, p)) => (
-            h.to_string(),
-            p.parse()
-                .with_context(|| format!("otlp_endpoint `{endpoint}`: bad port `{p}`"))?,
-        ),
-        None => (authority.to_string(), 4318),
-    };
-    if host.is_empty() {
-        bail!("otlp_endpoint `{endpoint}`: no host");
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
     }
-    Ok(Target {
-        host,
-        port,
-        path: format!("{base}/v1/traces"),
-    })
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+/// The URL the HTTP exporter posts to: the configured base with `/v1/traces` appended (as the
+/// OpenTelemetry specification does for `OTEL_EXPORTER_OTLP_ENDPOINT`).
+fn traces_url(endpoint: &str) -> String {
+    format!("{}/v1/traces", endpoint.trim_end_matches('/'))
+}
+
+/// Sends spans to a collector.
+pub struct Exporter {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
 }
 
 impl Exporter {
-    /// Start the sending task on the current tokio runtime.
-    pub fn start(endpoint: &str) -> Result<Exporter> {
-        let target = parse_endpoint(endpoint)?;
-        let (tx, mut rx) = mpsc::unbounded_channel::<SpanRecord>();
-        tokio::spawn(async move {
-            let mut warned = false;
-            while let Some(first) = rx.recv().await {
-                let mut batch = vec![first];
-                while batch.len() < 256 {
-                    match rx.try_recv() {
-                        Ok(s) => batch.push(s),
-                        Err(_) => break,
-                    }
-                }
-                let body = encode(&batch).to_string();
-                match post(&target, &body).await {
-                    Ok(()) => warned = false,
-                    Err(e) if !warned => {
-                        tracing::warn!(
-                            "OTLP export to {}:{}{} failed: {e:#} (further failures are not logged until one succeeds)",
-                            target.host,
-                            target.port,
-                            target.path
-                        );
-                        warned = true;
-                    }
-                    Err(_) => {}
-                }
-            }
-        });
-        Ok(Exporter { tx })
-    }
-
-    /// Queue a span (never blocks).
-    pub fn record(&self, span: SpanRecord) {
-        let _ = self.tx.send(span);
-    }
-}
-
-fn nanos(t: SystemTime) -> String {
-    t.duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos()
-        .to_string()
-}
-
-/// Random hex id of `bytes` bytes.
-fn random_hex(bytes: usize) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut out = String::new();
-    while out.len() < bytes * 2 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos(),
-        );
-        out.push_str(&format!("{:016x}", h.finish()));
-    }
-    out.truncate(bytes * 2);
-    out
-}
-
-/// The OTLP JSON body for `spans`.
-fn encode(spans: &[SpanRecord]) -> Value {
-    let spans: Vec<Value> = spans
-        .iter()
-        .map(|s| {
-            let attributes: Vec<Value> = s
-                .attributes
-                .iter()
-                .map(|(k, v)| {
-                    let value = match v {
-                        Attr::Str(x) => json!({ "stringValue": x }),
-                        Attr::Int(x) => json!({ "intValue": x.to_string() }),
-                        Attr::Float(x) => json!({ "doubleValue": x }),
-                    };
-                    json!({ "key": k, "value": value })
+    /// Build the exporter and its batch processor. Must run inside the tokio runtime (the gRPC
+    /// channel lives on it); the HTTP client runs on a thread of its own.
+    pub fn start(endpoint: &str, protocol: OtlpProtocol) -> Result<Exporter> {
+        // reqwest's rustls takes the process's provider: ring (a no-op when already set).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let builder = opentelemetry_otlp::SpanExporter::builder();
+        let exporter = match protocol {
+            OtlpProtocol::HttpProtobuf | OtlpProtocol::HttpJson => {
+                // A blocking client, made off the runtime's threads (it owns a runtime of its
+                // own, which must not be created or dropped on an async thread), with the TLS
+                // roots of the system.
+                let client = std::thread::spawn(|| {
+                    reqwest::blocking::Client::builder()
+                        .timeout(EXPORT_TIMEOUT)
+                        .build()
                 })
-                .collect();
-            let status = match &s.error {
-                None => json!({ "code": 1 }),
-                Some(m) => json!({ "code": 2, "message": m }),
-            };
-            json!({
-                "traceId": random_hex(16),
-                "spanId": random_hex(8),
-                "name": s.name,
-                "kind": 2,
-                "startTimeUnixNano": nanos(s.start),
-                "endTimeUnixNano": nanos(s.end),
-                "attributes": attributes,
-                "status": status,
-            })
-        })
-        .collect();
-    json!({
-        "resourceSpans": [{
-            "resource": { "attributes": [
-                { "key": "service.name", "value": { "stringValue": "colibri" } },
-                { "key": "service.version", "value": { "stringValue": env!("CARGO_PKG_VERSION") } }
-            ]},
-            "scopeSpans": [{
-                "scope": { "name": "coli-serve" },
-                "spans": spans
-            }]
-        }]
-    })
-}
-
-async fn post(target: &Target, body: &str) -> Result<()> {
-    let connect = tokio::net::TcpStream::connect((target.host.as_str(), target.port));
-    let mut stream = tokio::time::timeout(Duration::from_secs(5), connect)
-        .await
-        .context("connecting timed out")?
-        .context("connecting")?;
-    let request = format!(
-        "POST {} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
-        target.path,
-        target.host,
-        target.port,
-        body.len(),
-        body
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut head = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut head))
-        .await
-        .context("waiting for the collector's answer timed out")??;
-    let line = String::from_utf8_lossy(&head[..n]);
-    let status = line.split_whitespace().nth(1).unwrap_or("");
-    if !status.starts_with('2') {
-        bail!(
-            "the collector answered `{}`",
-            line.lines().next().unwrap_or("")
-        );
+                .join()
+                .map_err(|_| anyhow::anyhow!("building the OTLP HTTP client panicked"))?
+                .context("building the OTLP HTTP client")?;
+                builder
+                    .with_http()
+                    .with_http_client(client)
+                    .with_protocol(if protocol == OtlpProtocol::HttpJson {
+                        Protocol::HttpJson
+                    } else {
+                        Protocol::HttpBinary
+                    })
+                    .with_endpoint(traces_url(endpoint))
+                    .with_timeout(EXPORT_TIMEOUT)
+                    .build()
+            }
+            OtlpProtocol::Grpc => {
+                let mut b = builder
+                    .with_tonic()
+                    .with_protocol(Protocol::Grpc)
+                    .with_endpoint(endpoint)
+                    .with_timeout(EXPORT_TIMEOUT);
+                if endpoint.starts_with("https://") {
+                    b = b.with_tls_config(
+                        opentelemetry_otlp::tonic_types::transport::ClientTlsConfig::new()
+                            .with_native_roots(),
+                    );
+                }
+                b.build()
+            }
+        }
+        .with_context(|| format!("otlp_endpoint `{endpoint}`: setting up the OTLP exporter"))?;
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_resource(
+                Resource::builder()
+                    .with_service_name("colibri")
+                    .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+                    .build(),
+            )
+            .build();
+        let tracer = provider.tracer("coli-serve");
+        Ok(Exporter { provider, tracer })
     }
-    Ok(())
+
+    /// Queue a finished request's span (never blocks; a full queue drops it).
+    pub fn record(&self, span: SpanRecord) {
+        let attributes: Vec<KeyValue> = span
+            .attributes
+            .into_iter()
+            .map(|(k, v)| match v {
+                Attr::Str(s) => KeyValue::new(k, s),
+                Attr::Int(i) => KeyValue::new(k, i),
+                Attr::Float(f) => KeyValue::new(k, f),
+            })
+            .collect();
+        let mut s = self
+            .tracer
+            .span_builder(span.name)
+            .with_kind(SpanKind::Server)
+            .with_start_time(span.start)
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &span.parent);
+        s.set_status(match span.error {
+            None => Status::Ok,
+            Some(m) => Status::error(m),
+        });
+        s.end_with_timestamp(span.end);
+    }
+
+    /// Export what is queued and stop; blocks until the collector answered or timed out, so
+    /// call it off the async threads (e.g. in `spawn_blocking`).
+    pub fn shutdown(&self) {
+        if let Err(e) = self.provider.shutdown() {
+            eprintln!("coli: warning: flushing the OTLP spans at shutdown: {e}");
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opentelemetry::trace::TraceContextExt;
 
     #[test]
-    fn endpoints_parse_with_default_port_and_base_path() {
+    fn protocols_parse_by_their_opentelemetry_names() {
         assert_eq!(
-            parse_endpoint("http://collector:4318").unwrap(),
-            Target {
-                host: "collector".into(),
-                port: 4318,
-                path: "/v1/traces".into()
-            }
+            OtlpProtocol::parse("http/protobuf"),
+            Some(OtlpProtocol::HttpProtobuf)
         );
         assert_eq!(
-            parse_endpoint("http://127.0.0.1/otel/").unwrap(),
-            Target {
-                host: "127.0.0.1".into(),
-                port: 4318,
-                path: "/otel/v1/traces".into()
-            }
+            OtlpProtocol::parse("http/json"),
+            Some(OtlpProtocol::HttpJson)
         );
-        let e = parse_endpoint("https://x:4318").unwrap_err().to_string();
-        assert!(e.contains("only http://"), "{e}");
-        assert!(parse_endpoint("http://x:notaport").is_err());
+        assert_eq!(OtlpProtocol::parse("grpc"), Some(OtlpProtocol::Grpc));
+        assert_eq!(OtlpProtocol::parse("http"), None);
+        assert_eq!(OtlpProtocol::parse("GRPC"), None);
     }
 
     #[test]
-    fn spans_encode_as_otlp_json() {
-        let start = UNIX_EPOCH + Duration::from_secs(10);
-        let body = encode(&[SpanRecord {
-            name: "POST /v1/completions".into(),
-            start,
-            end: start + Duration::from_millis(1500),
-            attributes: vec![
-                ("coli.slot", Attr::Int(3)),
-                ("coli.id", Attr::Str("cmpl-1".into())),
-            ],
-            error: None,
-        }]);
-        let span = &body["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
-        assert_eq!(span["name"], "POST /v1/completions");
-        assert_eq!(span["startTimeUnixNano"], "10000000000");
-        assert_eq!(span["endTimeUnixNano"], "11500000000");
-        assert_eq!(span["traceId"].as_str().unwrap().len(), 32);
-        assert_eq!(span["spanId"].as_str().unwrap().len(), 16);
-        assert_eq!(span["attributes"][0]["key"], "coli.slot");
-        assert_eq!(span["attributes"][0]["value"]["intValue"], "3");
-        assert_eq!(span["attributes"][1]["value"]["stringValue"], "cmpl-1");
-        assert_eq!(span["status"]["code"], 1);
+    fn the_traces_path_is_appended_to_the_base() {
+        assert_eq!(
+            traces_url("http://collector:4318"),
+            "http://collector:4318/v1/traces"
+        );
+        assert_eq!(traces_url("https://x/otel/"), "https://x/otel/v1/traces");
+    }
+
+    #[test]
+    fn the_parent_comes_from_traceparent() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+                .parse()
+                .unwrap(),
+        );
+        let cx = parent_context(&headers);
+        let span = cx.span();
+        let sc = span.span_context();
+        assert!(sc.is_valid() && sc.is_remote() && sc.is_sampled());
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(sc.span_id().to_string(), "00f067aa0ba902b7");
+
+        // Missing or malformed: a new trace (no valid parent).
+        assert!(!parent_context(&HeaderMap::new())
+            .span()
+            .span_context()
+            .is_valid());
+        headers.insert("traceparent", "00-zz-00f067aa0ba902b7-01".parse().unwrap());
+        assert!(!parent_context(&headers).span().span_context().is_valid());
     }
 }

@@ -145,6 +145,8 @@ pub struct Timing {
     /// The response id (`chatcmpl-…`, `cmpl-…`).
     pub id: String,
     pub arrived: Instant,
+    /// The caller's trace context, the parent of the request's span.
+    pub trace: opentelemetry::Context,
     /// When the previous token arrived.
     pub last: Option<Instant>,
     /// The slot that took the request.
@@ -152,18 +154,20 @@ pub struct Timing {
 }
 
 impl Timing {
-    /// The timing of a request that arrived at `arrived`.
+    /// The timing of a request that arrived at `arrived`, in the caller's trace `trace`.
     pub fn new(
         state: Arc<AppState>,
         endpoint: &'static str,
         id: String,
         arrived: Instant,
+        trace: opentelemetry::Context,
     ) -> Timing {
         Timing {
             state,
             endpoint,
             id,
             arrived,
+            trace,
             last: None,
             slot: None,
         }
@@ -232,6 +236,7 @@ impl Timing {
             }
             exporter.record(SpanRecord {
                 name: format!("POST {}", self.endpoint),
+                parent: self.trace.clone(),
                 start: end - self.arrived.elapsed(),
                 end,
                 attributes,
@@ -736,7 +741,13 @@ mod tests {
     }
 
     fn timing(endpoint: &'static str) -> Timing {
-        Timing::new(state(), endpoint, "test-id".into(), Instant::now())
+        Timing::new(
+            state(),
+            endpoint,
+            "test-id".into(),
+            Instant::now(),
+            opentelemetry::Context::new(),
+        )
     }
 
     fn answer_id(id: &str) -> AnswerId {

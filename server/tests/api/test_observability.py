@@ -174,8 +174,10 @@ def test_schemathesis_finds_no_server_errors(cap8_server, tmp_path):
 
 
 def test_a_span_per_request_goes_to_the_otlp_collector(start_server):
-    """With `--otlp-endpoint`, each request becomes one OTLP/HTTP JSON span carrying its slot,
-    token counts and timings; a refused request becomes a span with an error status."""
+    """With `--otlp-endpoint` and `--otlp-protocol http/json`, each request becomes one
+    OTLP/HTTP JSON span carrying its slot, token counts and timings; a refused request becomes a
+    span with an error status. (server/tests/otel_tls.rs covers protobuf, https and
+    `traceparent`.)"""
     import http.server
     import queue
     import threading
@@ -205,6 +207,8 @@ def test_a_span_per_request_goes_to_the_otlp_collector(start_server):
         s = start_server(
             "--otlp-endpoint",
             f"http://127.0.0.1:{collector.server_address[1]}",
+            "--otlp-protocol",
+            "http/json",
             "--slots",
             "1",
             "--drain-secs",
