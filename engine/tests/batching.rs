@@ -150,6 +150,7 @@ fn a_batch_acquires_each_layers_expert_union_once() {
             ])
             .unwrap();
         let together_misses = together.store_stats().unwrap().misses;
+        eprintln!("{arch}: {together_misses} experts read batched, {apart_misses} apart");
         assert_eq!(bits(&both[0]), bits(&la), "{arch}: a");
         assert_eq!(bits(&both[1]), bits(&lb), "{arch}: b");
         // An expert both sequences route to in a layer is read once, not twice.
@@ -214,6 +215,7 @@ fn deepseek_v4_requests_batch_in_fewer_steps_with_the_tokens_each_gets_alone() {
         assert_eq!(tokens, alone[i], "request {i}");
     }
     let together = steps(&scheduler);
+    eprintln!("deepseek_v4: {together} steps batched, {steps_alone} one at a time");
     assert!(
         together < steps_alone,
         "{together} steps batched, {steps_alone} one at a time"

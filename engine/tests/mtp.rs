@@ -226,6 +226,7 @@ fn drafts_never_change_the_tokens(arch: &str) {
                 let (got, stats) =
                     generate_with_drafts(m.as_ref(), None, &ids, &p, policy, |_| {}, |_| {})
                         .unwrap();
+                eprintln!("{arch}: {policy:?}: {} tokens, {stats:?}", got.tokens.len());
                 assert_eq!(got.tokens, want.tokens, "{arch}: {policy:?}");
                 assert!(stats.drafted > 0, "{arch}: {stats:?}");
             }

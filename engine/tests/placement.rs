@@ -177,6 +177,10 @@ fn deepseek_v4_prefetches_the_next_layers_experts_as_deepseek_v3_does() {
             "{arch}: prefetch changed a bit"
         );
         let s = m.store_stats().expect("tiered store keeps stats");
+        eprintln!(
+            "{arch}: {} prefetch reads, {} of {} needed experts guessed",
+            s.prefetch_reads, s.prefetch_guessed, s.prefetch_needed
+        );
         assert!(
             s.prefetch_reads > 0 && s.prefetch_needed > 0,
             "{arch}: hints were given before the layers that used them: {s:?}"

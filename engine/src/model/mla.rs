@@ -619,6 +619,7 @@ pub struct CompressedIndexer {
 }
 
 /// Which entries a DeepSeek-V4 attention layer adds to its sliding window.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum Compression {
     /// The window only.
     Sliding,

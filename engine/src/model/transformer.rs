@@ -86,6 +86,7 @@ impl SelfAttention {
 }
 
 /// How a layer's two parts read the residual and write their output back into it.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum Residual {
     /// One residual row per token: `h += f(Norm(h))`.
     Plain,
@@ -143,6 +144,7 @@ impl Residual {
 }
 
 /// The layout of the residual of every token, from the embedding to the final norm.
+#[allow(clippy::large_enum_variant)] // one per model, never moved in a hot path
 pub enum Streams {
     /// One row of `hidden_size` values.
     One,
@@ -244,6 +246,7 @@ pub struct MtpHead {
 }
 
 /// How an [`MtpHead`] joins the normed embedding `e` and the normed hidden state `h`.
+#[allow(clippy::large_enum_variant)] // one per model, never moved in a hot path
 pub enum MtpInput {
     /// `eh_proj([e ; h])`, `eh_proj` `[D, 2D]` (DeepSeek-V3, GLM-5).
     Joined(Linear),
