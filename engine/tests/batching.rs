@@ -30,6 +30,7 @@ fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
         "glm4_moe",
         "deepseek_v3",
         "glm_moe_dsa",
+        "deepseek_v4",
     ] {
         let m = model::load(&fixture(arch)).unwrap();
         let ids = prompt(arch);
@@ -99,6 +100,126 @@ fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
         assert!(step2[2].is_empty(), "{arch}: Logits::None returns no rows");
         assert_eq!(cb.len, b.len(), "{arch}: b's cache advanced all the same");
     }
+}
+
+/// Misses of a store that holds no expert: every expert of every acquire is read, so the
+/// count is the sum of the acquired unions' sizes.
+fn streamed(arch: &str) -> Box<dyn model::CausalLm> {
+    let dir = fixture(arch);
+    let resident = model::load(&dir).unwrap().info().dense_bytes as u64;
+    let opts = colibri::store::StoreOptions {
+        ram_budget: Some(resident),
+        io_threads: 2,
+        prefetch: false,
+        learn: false,
+        ..Default::default()
+    };
+    model::load_with(&dir, &model::LoadOptions::from(opts)).unwrap()
+}
+
+#[test]
+fn a_batch_acquires_each_layers_expert_union_once() {
+    for arch in ["deepseek_v3", "deepseek_v4"] {
+        let ids = prompt(arch);
+        // Apart: each sequence its own forward pass on its own fresh store.
+        let apart = streamed(arch);
+        let vocab = apart.info().vocab_size as u32;
+        let a: Vec<u32> = ids.clone();
+        let b: Vec<u32> = ids.iter().map(|&t| (t * 5 + 1) % vocab).collect();
+        let mut ca = apart.new_cache(64);
+        let mut cb = apart.new_cache(64);
+        let la = apart.forward(&a, &mut ca, Logits::All).unwrap();
+        let lb = apart.forward(&b, &mut cb, Logits::All).unwrap();
+        let apart_misses = apart.store_stats().unwrap().misses;
+        // Together: one batch.
+        let together = streamed(arch);
+        let mut ca = together.new_cache(64);
+        let mut cb = together.new_cache(64);
+        let both = together
+            .forward_batch(&mut [
+                BatchItem {
+                    tokens: &a,
+                    cache: &mut ca,
+                    logits: Logits::All,
+                },
+                BatchItem {
+                    tokens: &b,
+                    cache: &mut cb,
+                    logits: Logits::All,
+                },
+            ])
+            .unwrap();
+        let together_misses = together.store_stats().unwrap().misses;
+        eprintln!("{arch}: {together_misses} experts read batched, {apart_misses} apart");
+        assert_eq!(bits(&both[0]), bits(&la), "{arch}: a");
+        assert_eq!(bits(&both[1]), bits(&lb), "{arch}: b");
+        // An expert both sequences route to in a layer is read once, not twice.
+        assert!(
+            together_misses < apart_misses,
+            "{arch}: {together_misses} experts read batched, {apart_misses} apart"
+        );
+    }
+}
+
+#[test]
+fn deepseek_v4_requests_batch_in_fewer_steps_with_the_tokens_each_gets_alone() {
+    let dir = fixture("deepseek_v4");
+    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
+    let vocab = loaded.model.info().vocab_size as u32;
+    let base = prompt("deepseek_v4");
+    // Four prompts of different lengths (windows, compressed entries and indexer picks
+    // differ per sequence), four seeds.
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            (0..(5 + i as usize * 4))
+                .map(|j| (base[j % base.len()] + i * 17 + j as u32) % vocab)
+                .collect()
+        })
+        .collect();
+    let config = |slots: usize| SchedulerConfig {
+        slots,
+        context: 64,
+        prefill_chunk: 4,
+        queue_limit: 16,
+        queue_timeout: Duration::from_secs(120),
+        persist_dir: None,
+        history_save_interval: Duration::from_secs(60),
+    };
+    let steps = |s: &Scheduler| s.stats().steps.load(std::sync::atomic::Ordering::Relaxed);
+    // Alone: each request on a scheduler of its own.
+    let mut alone = Vec::new();
+    let mut steps_alone = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let scheduler = Scheduler::start(loaded.clone(), config(1));
+        let (r, rx) = request(p.clone(), 40 + i as u64, 10);
+        scheduler.submit(r).unwrap();
+        let (tokens, end) = collect(rx);
+        assert_eq!(end.unwrap().completion_tokens, 10);
+        alone.push(tokens);
+        steps_alone += steps(&scheduler);
+    }
+    // Together: four slots, everything submitted at once.
+    let scheduler = Scheduler::start(loaded.clone(), config(4));
+    let receivers: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (r, rx) = request(p.clone(), 40 + i as u64, 10);
+            scheduler.submit(r).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in receivers.into_iter().enumerate() {
+        let (tokens, end) = collect(rx);
+        assert_eq!(end.unwrap().completion_tokens, 10);
+        assert_eq!(tokens, alone[i], "request {i}");
+    }
+    let together = steps(&scheduler);
+    eprintln!("deepseek_v4: {together} steps batched, {steps_alone} one at a time");
+    assert!(
+        together < steps_alone,
+        "{together} steps batched, {steps_alone} one at a time"
+    );
 }
 
 /// Collect a request's events: its tokens and how it ended.

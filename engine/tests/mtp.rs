@@ -1,6 +1,9 @@
 //! Multi-token-prediction drafts on a real MLA model: the deepseek_v3 fixture with an MTP block
-//! added at layer `num_hidden_layers` (its decoder layer copied from layer 2, fresh `eh_proj`).
-//! Drafting never changes a token — greedy or seeded sampling, resident or streamed. A random
+//! added at layer `num_hidden_layers` (its decoder layer copied from layer 2, fresh `eh_proj`),
+//! and on DeepSeek-V4: its fixture with the hub's `mtp.0.*` block (layer 2, a sliding-window
+//! learned-routed layer, copied with its hyper-connections; fresh `e_proj`, `h_proj` and
+//! `hc_head_*`). Drafting never changes a token — greedy or seeded sampling, resident or
+//! streamed. A random
 //! head's drafts are all rejected, so an "oracle" drafter that knows the answer except at every
 //! third position also runs the real model through accepted drafts (two-row verification steps
 //! whose second row is used) and rejected ones (the draft's cache row dropped).
@@ -88,6 +91,79 @@ fn with_mtp(to: &Path) {
     w.finish().unwrap();
 }
 
+/// The DeepSeek-V4 fixture plus the hub's MTP block (`mtp.0.*`).
+fn with_v4_mtp(to: &Path) {
+    let src = fixture("deepseek_v4");
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(src.join(f), to.join(f)).unwrap();
+    }
+    let ck = Checkpoint::open(&src).unwrap();
+    let (d, hc) = (64, 2);
+    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+    for n in ck.tensors().keys() {
+        let t = ck.tensor_any_shape(n).unwrap();
+        let bytes = t.storage.bytes().to_vec();
+        tensors.push((n.clone(), t.dtype, t.shape.clone(), bytes.clone()));
+        if let Some(rest) = n.strip_prefix("model.layers.2.") {
+            tensors.push((format!("mtp.0.{rest}"), t.dtype, t.shape.clone(), bytes));
+        }
+    }
+    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut x = 0x9e37_79b9u32;
+    let mut random = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32 - 0.5) * scale
+            })
+            .collect()
+    };
+    let e_proj = random(d * d, 0.3);
+    let h_proj = random(d * d, 0.3);
+    let hc_fn = random(hc * hc * d, 0.1);
+    for (name, shape, bytes) in [
+        ("enorm.weight", vec![d], f32s(vec![1.0; d])),
+        ("hnorm.weight", vec![d], f32s(vec![1.0; d])),
+        ("norm.weight", vec![d], f32s(vec![1.0; d])),
+        ("e_proj.weight", vec![d, d], f32s(e_proj)),
+        ("h_proj.weight", vec![d, d], f32s(h_proj)),
+        ("hc_head_fn", vec![hc, hc * d], f32s(hc_fn)),
+        ("hc_head_base", vec![hc], f32s(vec![0.0; hc])),
+        ("hc_head_scale", vec![1], f32s(vec![1.0])),
+    ] {
+        tensors.push((format!("mtp.0.{name}"), DType::F32, shape, bytes));
+    }
+    let specs = tensors
+        .iter()
+        .map(|(name, dtype, shape, _)| TensorSpec {
+            name: name.clone(),
+            dtype: *dtype,
+            shape: shape.clone(),
+        })
+        .collect();
+    let mut w = SafetensorsWriter::create(&to.join("model.safetensors"), specs).unwrap();
+    for (_, _, _, bytes) in &tensors {
+        w.write(bytes).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// The fixture `arch` with an MTP block, written into `to`.
+fn with_head(arch: &str, to: &Path) {
+    match arch {
+        "deepseek_v3" => with_mtp(to),
+        "deepseek_v4" => with_v4_mtp(to),
+        other => panic!("no MTP fixture for {other}"),
+    }
+}
+
 fn params(sampling: SamplingParams, n: usize) -> GenerateParams {
     GenerateParams {
         max_tokens: n,
@@ -110,9 +186,15 @@ fn seeded() -> SamplingParams {
 
 #[test]
 fn mtp_drafts_never_change_the_tokens() {
+    for arch in ["deepseek_v3", "deepseek_v4"] {
+        drafts_never_change_the_tokens(arch);
+    }
+}
+
+fn drafts_never_change_the_tokens(arch: &str) {
     let dir = tempfile::tempdir().unwrap();
-    with_mtp(dir.path());
-    let ids = prompt("deepseek_v3");
+    with_head(arch, dir.path());
+    let ids = prompt(arch);
     let plain_model = model::load(dir.path()).unwrap();
     assert!(
         plain_model.drafter().is_none(),
@@ -144,8 +226,9 @@ fn mtp_drafts_never_change_the_tokens() {
                 let (got, stats) =
                     generate_with_drafts(m.as_ref(), None, &ids, &p, policy, |_| {}, |_| {})
                         .unwrap();
-                assert_eq!(got.tokens, want.tokens, "{policy:?}");
-                assert!(stats.drafted > 0, "{stats:?}");
+                eprintln!("{arch}: {policy:?}: {} tokens, {stats:?}", got.tokens.len());
+                assert_eq!(got.tokens, want.tokens, "{arch}: {policy:?}");
+                assert!(stats.drafted > 0, "{arch}: {stats:?}");
             }
         }
     }
@@ -216,9 +299,15 @@ impl Drafter for Oracle {
 
 #[test]
 fn accepted_and_rejected_drafts_keep_the_greedy_tokens() {
+    for arch in ["deepseek_v3", "deepseek_v4"] {
+        oracle_drafts_keep_the_greedy_tokens(arch);
+    }
+}
+
+fn oracle_drafts_keep_the_greedy_tokens(arch: &str) {
     let dir = tempfile::tempdir().unwrap();
-    with_mtp(dir.path());
-    let ids = prompt("deepseek_v3");
+    with_head(arch, dir.path());
+    let ids = prompt(arch);
     let opts = LoadOptions {
         draft: Draft::Mtp,
         ..LoadOptions::default()
@@ -233,9 +322,25 @@ fn accepted_and_rejected_drafts_keep_the_greedy_tokens() {
     };
     let (got, stats) =
         generate_with_drafts(&oracle, None, &ids, &p, DraftPolicy::Always, |_| {}, |_| {}).unwrap();
-    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.tokens, want.tokens, "{arch}");
     assert!(
         stats.accepted >= 5 && stats.accepted < stats.drafted,
-        "{stats:?}"
+        "{arch}: {stats:?}"
+    );
+}
+
+#[test]
+fn deepseek_v4_without_its_mtp_block_refuses_draft_mtp_naming_it() {
+    let opts = LoadOptions {
+        draft: Draft::Mtp,
+        ..LoadOptions::default()
+    };
+    let err = model::load_with(&fixture("deepseek_v4"), &opts)
+        .err()
+        .expect("the fixture has no MTP block")
+        .to_string();
+    assert!(
+        err.contains("mtp.0.e_proj.weight") && err.contains("--draft mtp"),
+        "{err}"
     );
 }

@@ -152,6 +152,46 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
     );
 }
 
+#[test]
+fn deepseek_v4_prefetches_the_next_layers_experts_as_deepseek_v3_does() {
+    for arch in ["deepseek_v3", "deepseek_v4"] {
+        let dir = fixture(arch);
+        let ids = prompt(arch);
+        let plain = model::load(&dir).unwrap();
+        let resident = plain.info().dense_bytes as u64;
+        let want = outputs(plain.as_ref(), &ids);
+        // A cache for no expert, so each hint starts reads the next layer then finds in flight.
+        let m = model::load_with(
+            &dir,
+            &colibri::model::LoadOptions::from(StoreOptions {
+                ram_budget: Some(resident),
+                io_threads: 2,
+                prefetch: true,
+                ..StoreOptions::default()
+            }),
+        )
+        .unwrap();
+        assert_eq!(
+            outputs(m.as_ref(), &ids),
+            want,
+            "{arch}: prefetch changed a bit"
+        );
+        let s = m.store_stats().expect("tiered store keeps stats");
+        eprintln!(
+            "{arch}: {} prefetch reads, {} of {} needed experts guessed",
+            s.prefetch_reads, s.prefetch_guessed, s.prefetch_needed
+        );
+        assert!(
+            s.prefetch_reads > 0 && s.prefetch_needed > 0,
+            "{arch}: hints were given before the layers that used them: {s:?}"
+        );
+        if arch == "deepseek_v4" {
+            // Layer 1 routes by token id, so the hint after layer 0's attention is exact.
+            assert!(s.prefetch_guessed > 0, "{s:?}");
+        }
+    }
+}
+
 /// Copy `arch`'s fixture split into two shards (so a mirror can hold only one of them).
 fn sharded_copy(arch: &str, to: &Path) {
     use colibri::format::write::{SafetensorsWriter, TensorSpec};

@@ -16,7 +16,8 @@ use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
 use super::olmoe::qwen_style_expert_names;
 use super::transformer::{
-    standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
+    standard_info, Block, Ffn, MtpHead, MtpInput, Residual, SelfAttention, StandardConfig, Streams,
+    Transformer,
 };
 use super::LoadOptions;
 use crate::format::config::{ModelConfig, RopeKind, MAX_DIM};
@@ -408,6 +409,7 @@ pub fn load_mla_stack(
                 eps,
             )?,
             ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
+            residual: Residual::Plain,
         })
     };
     let mut blocks = Vec::with_capacity(layers);
@@ -420,8 +422,15 @@ pub fn load_mla_stack(
         Some(MtpHead {
             enorm: RmsNorm::load(ckpt, &format!("{p}.enorm.weight"), d, eps)?,
             hnorm: RmsNorm::load(ckpt, &format!("{p}.hnorm.weight"), d, eps)?,
-            eh_proj: Linear::load(ckpt, &format!("{p}.eh_proj"), d, 2 * d, false)?,
+            input: MtpInput::Joined(Linear::load(
+                ckpt,
+                &format!("{p}.eh_proj"),
+                d,
+                2 * d,
+                false,
+            )?),
             block: block(layers)?,
+            streams: Streams::One,
             norm: RmsNorm::load(ckpt, &format!("{p}.shared_head.norm.weight"), d, eps)?,
             head: if ckpt.contains(&format!("{head_name}.weight")) {
                 Linear::load(ckpt, &head_name, vocab, d, false)?
@@ -462,5 +471,6 @@ pub fn load_mla_stack(
         info,
         store: Some(store),
         mtp,
+        streams: Streams::One,
     })
 }

@@ -257,6 +257,39 @@ impl Rope {
             }
         }
     }
+
+    /// Interleaved rotation of the trailing `rotary_dim` dims of every `width`-wide head of
+    /// `x` (`[tokens, heads, width]`), token `t` at `positions[t]`; `inverse` rotates back
+    /// (DeepSeek-V4, whose heads keep their rope part last and whose attention output is
+    /// rotated back at the query position). The same angles and products as [`Rope::apply`].
+    pub fn apply_trailing(&self, x: &mut [f32], width: usize, positions: &[usize], inverse: bool) {
+        let rd = self.rotary_dim;
+        let heads = x.len() / (positions.len() * width);
+        let sign = if inverse { -1.0 } else { 1.0 };
+        for (t, &pos) in positions.iter().enumerate() {
+            for i in 0..rd / 2 {
+                let f = pos as f32 * self.inv_freq[i];
+                let (c, s) = (f.cos() * self.scaling, sign * f.sin() * self.scaling);
+                for h in 0..heads {
+                    let base = (t * heads + h) * width + width - rd;
+                    let (a, b) = (x[base + 2 * i], x[base + 2 * i + 1]);
+                    x[base + 2 * i] = a * c - b * s;
+                    x[base + 2 * i + 1] = b * c + a * s;
+                }
+            }
+        }
+    }
+}
+
+/// `x · rsqrt(mean(x²) + eps)` over rows of `width` (an RMSNorm without weight).
+pub fn unweighted_rms(x: &mut [f32], width: usize, eps: f32) {
+    for row in x.chunks_mut(width) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / width as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for v in row.iter_mut() {
+            *v *= r;
+        }
+    }
 }
 
 /// Normalisation of queries and keys before RoPE.
@@ -730,7 +763,259 @@ impl MoeBlock {
     }
 }
 
-fn union_of(routes: &[Vec<(usize, f32)>]) -> Vec<usize> {
+/// A MoE block routed by token id (DeepSeek-V4's `hash_moe` layers): `tid2eid` fixes the
+/// `top_k` experts of every vocabulary entry; the router's `sqrt(softplus(·))` scores of
+/// those experts, renormalised and scaled, weight them.
+pub struct HashRoutedMoe {
+    pub moe: MoeBlock,
+    /// `top_k` expert ids per vocabulary entry, row-major.
+    pub tid2eid: Vec<usize>,
+}
+
+impl HashRoutedMoe {
+    /// The `k` (expert, weight) choices of every row of `x`, row `t` holding token `tokens[t]`.
+    pub fn route(&self, x: &[f32], tokens: &[u32]) -> Result<Vec<Vec<(usize, f32)>>> {
+        let k = self.moe.top_k;
+        let scaling = match self.moe.router {
+            Router::SqrtSoftplus { scaling } => scaling,
+            _ => 1.0,
+        };
+        self.moe
+            .gate
+            .forward(x)
+            .chunks(self.moe.num_experts)
+            .zip(tokens)
+            .map(|(lg, &tok)| {
+                let scores: Vec<f32> = lg.iter().map(|&v| sqrt_softplus(v)).collect();
+                let at = tok as usize * k;
+                let ids = self.tid2eid.get(at..at + k).ok_or_else(|| {
+                    crate::Error::Invalid(format!(
+                        "token id {tok} is outside the hash-routing table of layer {} ({} \
+                         entries)",
+                        self.moe.layer,
+                        self.tid2eid.len() / k.max(1)
+                    ))
+                })?;
+                Ok(weights_of(&scores, ids, scaling))
+            })
+            .collect()
+    }
+
+    /// The sorted union of the experts `tokens` are routed to (what a prefetch hints: exact,
+    /// since the table alone decides).
+    pub fn route_union(&self, tokens: &[u32]) -> Vec<usize> {
+        let k = self.moe.top_k;
+        let mut union: Vec<usize> = tokens
+            .iter()
+            .filter_map(|&t| self.tid2eid.get(t as usize * k..(t as usize + 1) * k))
+            .flatten()
+            .copied()
+            .collect();
+        union.sort_unstable();
+        union.dedup();
+        union
+    }
+
+    /// Apply to `[T, D]`, row `t` holding token `tokens[t]`.
+    pub fn forward(&self, x: &[f32], tokens: &[u32]) -> Result<Vec<f32>> {
+        let routes = self.route(x, tokens)?;
+        self.moe.forward_routes(x, &routes)
+    }
+}
+
+/// Manifold-constrained hyper-connection (mHC) weights of one sub-block (DeepSeek-V4): the
+/// residual is `hc` streams per token; the sub-block reads a `pre`-weighted sum of them and
+/// its output re-enters as `X'_i = post_i · y + Σ_j comb[j, i] · X_j`, `comb` a
+/// Sinkhorn-normalised `hc × hc` matrix. Every weight comes from the token's own streams.
+pub struct HyperConnection {
+    /// `[(2 + hc)·hc, hc·D]`.
+    pub proj: Linear,
+    pub base: Vec<f32>,
+    pub scale: Vec<f32>,
+    /// Streams per token.
+    pub hc: usize,
+    /// Sinkhorn iterations.
+    pub iters: usize,
+    /// `hc_eps`.
+    pub eps: f32,
+    /// The streams' RMS normalisation epsilon.
+    pub norm_eps: f32,
+}
+
+/// What a [`HyperConnection`] computed for a step's rows: their mixing weights.
+pub struct HyperMix {
+    /// `hc` per row.
+    post: Vec<f32>,
+    /// `hc × hc` per row, row-major.
+    comb: Vec<f32>,
+}
+
+impl HyperConnection {
+    /// Load `{prefix}_fn`, `{prefix}_base` and `{prefix}_scale` for `hc` streams of width `d`.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hc: usize,
+        d: usize,
+        iters: usize,
+        eps: f32,
+        norm_eps: f32,
+    ) -> Result<Self> {
+        let n = (2 + hc) * hc;
+        Ok(HyperConnection {
+            proj: Linear::from_tensor(ckpt.weight(&format!("{prefix}_fn"), &[n, hc * d])?),
+            base: ckpt.vector_f32(&format!("{prefix}_base"), n)?,
+            scale: ckpt.vector_f32(&format!("{prefix}_scale"), 3)?,
+            hc,
+            iters,
+            eps,
+            norm_eps,
+        })
+    }
+
+    /// For streams `x` (`[T, hc, D]`): the collapsed sub-block input `[T, D]`, and the
+    /// weights [`HyperConnection::mix`] needs.
+    pub fn weights(&self, x: &[f32], d: usize) -> (Vec<f32>, HyperMix) {
+        let hc = self.hc;
+        let mut flat = x.to_vec();
+        unweighted_rms(&mut flat, hc * d, self.norm_eps);
+        let m = self.proj.forward(&flat);
+        let n = (2 + hc) * hc;
+        let t_len = x.len() / (hc * d);
+        let mut collapsed = vec![0.0f32; t_len * d];
+        let mut post = vec![0.0f32; t_len * hc];
+        let mut comb = vec![0.0f32; t_len * hc * hc];
+        for t in 0..t_len {
+            let mt = &m[t * n..(t + 1) * n];
+            let pre: Vec<f32> = (0..hc)
+                .map(|i| sigmoid(mt[i] * self.scale[0] + self.base[i]) + self.eps)
+                .collect();
+            for i in 0..hc {
+                post[t * hc + i] = 2.0 * sigmoid(mt[hc + i] * self.scale[1] + self.base[hc + i]);
+            }
+            let c = &mut comb[t * hc * hc..(t + 1) * hc * hc];
+            for r in 0..hc {
+                let row = &mut c[r * hc..(r + 1) * hc];
+                for (j, v) in row.iter_mut().enumerate() {
+                    let k = 2 * hc + r * hc + j;
+                    *v = mt[k] * self.scale[2] + self.base[k];
+                }
+                softmax_inplace(row);
+                for v in row.iter_mut() {
+                    *v += self.eps;
+                }
+            }
+            let col_norm = |c: &mut [f32]| {
+                for j in 0..hc {
+                    let s: f32 = (0..hc).map(|r| c[r * hc + j]).sum::<f32>() + self.eps;
+                    for r in 0..hc {
+                        c[r * hc + j] /= s;
+                    }
+                }
+            };
+            let row_norm = |c: &mut [f32]| {
+                for r in 0..hc {
+                    let s: f32 = c[r * hc..(r + 1) * hc].iter().sum::<f32>() + self.eps;
+                    for v in &mut c[r * hc..(r + 1) * hc] {
+                        *v /= s;
+                    }
+                }
+            };
+            col_norm(c);
+            for _ in 1..self.iters {
+                row_norm(c);
+                col_norm(c);
+            }
+            let out = &mut collapsed[t * d..(t + 1) * d];
+            for (i, &p) in pre.iter().enumerate() {
+                let xi = &x[(t * hc + i) * d..(t * hc + i + 1) * d];
+                for (o, v) in out.iter_mut().zip(xi) {
+                    *o += p * v;
+                }
+            }
+        }
+        (collapsed, HyperMix { post, comb })
+    }
+
+    /// `X'_i = post_i · y + Σ_j comb[j, i] · X_j` in place, `y` the sub-block's output `[T, D]`.
+    pub fn mix(&self, x: &mut [f32], y: &[f32], w: &HyperMix, d: usize) {
+        let hc = self.hc;
+        let (post, comb) = (&w.post, &w.comb);
+        for (t, yt) in y.chunks(d).enumerate() {
+            let old = x[t * hc * d..(t + 1) * hc * d].to_vec();
+            for i in 0..hc {
+                let out = &mut x[(t * hc + i) * d..(t * hc + i + 1) * d];
+                let p = post[t * hc + i];
+                for (k, o) in out.iter_mut().enumerate() {
+                    let mut acc = p * yt[k];
+                    for j in 0..hc {
+                        acc += comb[t * hc * hc + j * hc + i] * old[j * d + k];
+                    }
+                    *o = acc;
+                }
+            }
+        }
+    }
+}
+
+/// The collapse of hyper-connection streams before the final norm (DeepSeek-V4's
+/// `hc_head`): `y = Σ_i (sigmoid(mix_i · scale + base_i) + eps) · X_i`, the mixes a projection
+/// of the token's RMS-normalised streams.
+pub struct HyperHead {
+    /// `[hc, hc·D]`.
+    pub proj: Linear,
+    pub base: Vec<f32>,
+    pub scale: f32,
+    pub hc: usize,
+    /// `hc_eps`.
+    pub eps: f32,
+    /// The streams' RMS normalisation epsilon.
+    pub norm_eps: f32,
+}
+
+impl HyperHead {
+    /// Load `{prefix}fn`, `{prefix}base` and `{prefix}scale` for `hc` streams of width `d`.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hc: usize,
+        d: usize,
+        eps: f32,
+        norm_eps: f32,
+    ) -> Result<Self> {
+        Ok(HyperHead {
+            proj: Linear::from_tensor(ckpt.weight(&format!("{prefix}fn"), &[hc, hc * d])?),
+            base: ckpt.vector_f32(&format!("{prefix}base"), hc)?,
+            scale: ckpt.vector_f32(&format!("{prefix}scale"), 1)?[0],
+            hc,
+            eps,
+            norm_eps,
+        })
+    }
+
+    /// Streams `x` (`[T, hc, D]`) collapsed to `[T, D]`, token by token.
+    pub fn collapse(&self, x: &[f32], d: usize) -> Vec<f32> {
+        let hc = self.hc;
+        let mut ys = Vec::with_capacity(x.len() / hc);
+        for xt in x.chunks(hc * d) {
+            let mut flat = xt.to_vec();
+            unweighted_rms(&mut flat, hc * d, self.norm_eps);
+            let mixes = self.proj.forward(&flat);
+            let mut y = vec![0.0f32; d];
+            for i in 0..hc {
+                let pre = sigmoid(mixes[i] * self.scale + self.base[i]) + self.eps;
+                for (o, v) in y.iter_mut().zip(&xt[i * d..(i + 1) * d]) {
+                    *o += pre * v;
+                }
+            }
+            ys.extend(y);
+        }
+        ys
+    }
+}
+
+/// The sorted union of the experts in `routes`.
+pub fn union_of(routes: &[Vec<(usize, f32)>]) -> Vec<usize> {
     let mut union: Vec<usize> = routes.iter().flatten().map(|r| r.0).collect();
     union.sort_unstable();
     union.dedup();

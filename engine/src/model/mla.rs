@@ -16,6 +16,11 @@
 //! indexer scores highest (all of them while it has seen fewer); "shared" indexer layers reuse
 //! the selection of the layer before. Attention over a selection uses the same loop as dense
 //! attention, keys in ascending order, so selecting every key reproduces dense MLA exactly.
+//!
+//! DeepSeek-V4's attention ([`CompressedAttention`]) is the successor of both: low-rank
+//! queries and one shared key/value head over a sliding window, plus entries compressed from
+//! windows of tokens (HCA), or overlapping windows picked by a lightning indexer (CSA), with
+//! learned sinks.
 
 use rayon::prelude::*;
 
@@ -476,5 +481,461 @@ impl Mla {
             }
         });
         out
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek-V4's compressed attention.
+
+/// A compressor (DeepSeek-V4): the `wkv`/`wgate` rows of every token become one entry per
+/// window of `rate` tokens, a per-channel softmax-gated sum normalised and rotated at the
+/// window's first position.
+pub struct Compressor {
+    pub wkv: Linear,
+    pub wgate: Linear,
+    /// `[rate, width]` per-slot gate bias.
+    pub ape: Vec<f32>,
+    pub norm: RmsNorm,
+    pub rate: usize,
+    /// Entry dimension.
+    pub dim: usize,
+    /// CSA: entries overlap the previous window (rows are `[Ca | Cb]`, `width = 2·dim`).
+    pub overlap: bool,
+}
+
+impl Compressor {
+    /// Load `{p}.{wkv,wgate,ape,norm}` for entries of `dim` over windows of `rate` tokens.
+    pub fn load(
+        ckpt: &crate::format::safetensors::Checkpoint,
+        p: &str,
+        d: usize,
+        dim: usize,
+        rate: usize,
+        overlap: bool,
+        eps: f64,
+    ) -> crate::Result<Self> {
+        let width = if overlap { 2 * dim } else { dim };
+        Ok(Compressor {
+            wkv: Linear::load(ckpt, &format!("{p}.wkv"), width, d, false)?,
+            wgate: Linear::load(ckpt, &format!("{p}.wgate"), width, d, false)?,
+            ape: ckpt
+                .weight(&format!("{p}.ape"), &[rate, width])?
+                .to_f32_vec()?,
+            norm: RmsNorm::load(ckpt, &format!("{p}.norm.weight"), dim, eps)?,
+            rate,
+            dim,
+            overlap,
+        })
+    }
+
+    /// Raw values one token keeps: `[wkv | wgate]`.
+    pub fn raw_width(&self) -> usize {
+        2 * if self.overlap { 2 * self.dim } else { self.dim }
+    }
+
+    /// Raw rows of `x` (`[T, D]`).
+    fn raw(&self, x: &[f32]) -> Vec<f32> {
+        let (c, z) = (self.wkv.forward(x), self.wgate.forward(x));
+        let w = self.raw_width() / 2;
+        let mut out = Vec::with_capacity(c.len() * 2);
+        for (cr, zr) in c.chunks(w).zip(z.chunks(w)) {
+            out.extend_from_slice(cr);
+            out.extend_from_slice(zr);
+        }
+        out
+    }
+
+    /// Entry `w` from the raw rows of every token (`raw`, `[len, raw_width]`), normalised
+    /// and rotated at position `w · rate`.
+    fn entry(&self, raw: &[f32], w: usize, rope: &Rope) -> Vec<f32> {
+        let (rate, dim) = (self.rate, self.dim);
+        let rw = self.raw_width();
+        let half = rw / 2;
+        // Slots: (kv, gate) per channel.
+        let mut slots: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(2 * rate);
+        let slot = |tok: usize, j: usize, off: usize| -> (Vec<f32>, Vec<f32>) {
+            let row = &raw[tok * rw..(tok + 1) * rw];
+            let kv = row[off..off + dim].to_vec();
+            let gate: Vec<f32> = (0..dim)
+                .map(|c| row[half + off + c] + self.ape[j * half + off + c])
+                .collect();
+            (kv, gate)
+        };
+        if self.overlap {
+            for j in 0..rate {
+                if w == 0 {
+                    slots.push((vec![0.0; dim], vec![f32::NEG_INFINITY; dim]));
+                } else {
+                    slots.push(slot((w - 1) * rate + j, j, 0));
+                }
+            }
+            for j in 0..rate {
+                slots.push(slot(w * rate + j, j, dim));
+            }
+        } else {
+            for j in 0..rate {
+                slots.push(slot(w * rate + j, j, 0));
+            }
+        }
+        let mut out = vec![0.0f32; dim];
+        let mut g = vec![0.0f32; slots.len()];
+        for (c, o) in out.iter_mut().enumerate() {
+            for (k, s) in slots.iter().enumerate() {
+                g[k] = s.1[c];
+            }
+            softmax_inplace(&mut g);
+            for (k, s) in slots.iter().enumerate() {
+                *o += s.0[c] * g[k];
+            }
+        }
+        self.norm.forward_inplace(&mut out);
+        rope.apply_trailing(&mut out, dim, &[w * rate], false);
+        out
+    }
+}
+
+/// The lightning indexer of DeepSeek-V4's CSA layers: its own compressor, queries from the
+/// query latent, per-head weights from the layer input.
+pub struct CompressedIndexer {
+    pub compressor: Compressor,
+    pub wq_b: Linear,
+    pub weights_proj: Linear,
+    pub heads: usize,
+    pub dim: usize,
+    pub top_k: usize,
+}
+
+/// Which entries a DeepSeek-V4 attention layer adds to its sliding window.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
+pub enum Compression {
+    /// The window only.
+    Sliding,
+    /// Heavily compressed: every complete window of `rate` tokens is one entry, all visible.
+    Hca(Compressor),
+    /// Compressed sparse: overlapping windows, the indexer picking what each query sees.
+    Csa(Compressor, Box<CompressedIndexer>),
+}
+
+/// DeepSeek-V4's attention: low-rank queries (`wq_a` → `q_norm` → `wq_b`, then an unweighted
+/// RMSNorm per head), one key/value head (`wkv` → `norm`; the same vector is key and value),
+/// interleaved RoPE on the trailing dims, a sliding window plus the compressed entries of
+/// [`Compression`], learned sinks, the output's rope dims rotated back at the query position,
+/// and a grouped low-rank output (`wo_a` per head group, then `wo_b`).
+///
+/// Cache per layer: `k` the rotated key/value of every token; `v` the compressor's raw
+/// `[wkv | wgate]` rows of every token; `aux` per token `[entry | indexer raw rows | indexer
+/// entry]`, the entries stored at the row of the token that completes their window (zeros
+/// elsewhere). Per-token rows make truncation and KV files work as for every other kind.
+pub struct CompressedAttention {
+    pub wq_a: Linear,
+    pub q_norm: RmsNorm,
+    pub wq_b: Linear,
+    pub wkv: Linear,
+    pub kv_norm: RmsNorm,
+    pub wo_a: Linear,
+    pub wo_b: Linear,
+    pub sinks: Vec<f32>,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub groups: usize,
+    pub o_rank: usize,
+    pub window: usize,
+    /// "main" rope for sliding layers, "compress" for CSA/HCA.
+    pub rope: Rope,
+    /// The "compress" rope (compressors and indexer).
+    pub compress_rope: Rope,
+    pub compression: Compression,
+    /// Epsilon of the per-head query normalisation.
+    pub eps: f32,
+}
+
+/// Per-token aux layout of a layer: `[entry | indexer raw rows | indexer entry]`, their
+/// widths and the total.
+struct AuxLayout {
+    entry: usize,
+    idx_raw: usize,
+    width: usize,
+}
+
+/// The row-wise projections of a step for [`CompressedAttention`] (all sequences stacked).
+pub struct CompressedRows {
+    /// Queries `[T, heads · head_dim]`, normalised per head, not rotated.
+    q: Vec<f32>,
+    /// Keys/values `[T, head_dim]`, normalised, not rotated.
+    k: Vec<f32>,
+    /// The compressor's raw rows (compressed layers).
+    raw: Option<Vec<f32>>,
+    /// The indexer's raw rows, queries `[T, nI · dI]` (not rotated) and head weights `[T, nI]`.
+    index: Option<(Vec<f32>, Vec<f32>, Vec<f32>)>,
+}
+
+impl CompressedRows {
+    /// Rows `start..start + n` (one sequence's part).
+    pub fn segment(&self, start: usize, n: usize, tokens: usize) -> CompressedRows {
+        let seg = |t: &[f32]| {
+            let w = t.len() / tokens;
+            t[start * w..(start + n) * w].to_vec()
+        };
+        CompressedRows {
+            q: seg(&self.q),
+            k: seg(&self.k),
+            raw: self.raw.as_deref().map(seg),
+            index: self
+                .index
+                .as_ref()
+                .map(|(r, q, w)| (seg(r), seg(q), seg(w))),
+        }
+    }
+}
+
+impl CompressedAttention {
+    fn aux_layout(&self) -> AuxLayout {
+        match &self.compression {
+            Compression::Sliding => AuxLayout {
+                entry: 0,
+                idx_raw: 0,
+                width: 0,
+            },
+            Compression::Hca(c) => AuxLayout {
+                entry: c.dim,
+                idx_raw: 0,
+                width: c.dim,
+            },
+            Compression::Csa(c, ix) => {
+                let r = ix.compressor.raw_width();
+                AuxLayout {
+                    entry: c.dim,
+                    idx_raw: r,
+                    width: c.dim + r + ix.dim,
+                }
+            }
+        }
+    }
+
+    /// Bytes one token adds to this layer's cache (f32 key/value, raw compressor rows, aux).
+    pub fn cache_bytes_per_token(&self) -> usize {
+        let raw = match &self.compression {
+            Compression::Sliding => 0,
+            Compression::Hca(c) | Compression::Csa(c, _) => c.raw_width(),
+        };
+        4 * (self.head_dim + raw + self.aux_layout().width)
+    }
+
+    /// The projections of rows `x` (`[T, D]`, normed; any number of sequences: row-wise, so
+    /// a batch gives each row the bits it gets alone).
+    pub fn project(&self, x: &[f32]) -> CompressedRows {
+        let q_res = self.q_norm.forward(&self.wq_a.forward(x));
+        let mut q = self.wq_b.forward(&q_res);
+        super::layers::unweighted_rms(&mut q, self.head_dim, self.eps);
+        let mut k = self.wkv.forward(x);
+        self.kv_norm.forward_inplace(&mut k);
+        let (raw, index) = match &self.compression {
+            Compression::Sliding => (None, None),
+            Compression::Hca(c) => (Some(c.raw(x)), None),
+            Compression::Csa(c, ix) => (
+                Some(c.raw(x)),
+                Some((
+                    ix.compressor.raw(x),
+                    ix.wq_b.forward(&q_res),
+                    ix.weights_proj.forward(x),
+                )),
+            ),
+        };
+        CompressedRows { q, k, raw, index }
+    }
+
+    /// One sequence's attention from its projected rows (tokens at positions `start..`),
+    /// appending to `kv`: the entries these tokens complete, the indexer's picks (CSA), and
+    /// attention with sinks over the window and the visible entries. Returns the rows before
+    /// the output projection (`[T, heads · head_dim]`, rope dims rotated back).
+    pub fn attend_sequence(
+        &self,
+        rows: CompressedRows,
+        start: usize,
+        kv: &mut LayerKv,
+    ) -> Vec<f32> {
+        let (h, hd) = (self.heads, self.head_dim);
+        let CompressedRows {
+            mut q,
+            mut k,
+            raw,
+            index,
+        } = rows;
+        let t_len = k.len() / hd;
+        let positions: Vec<usize> = (start..start + t_len).collect();
+        self.rope.apply_trailing(&mut q, hd, &positions, false);
+        self.rope.apply_trailing(&mut k, hd, &positions, false);
+        kv.k.extend(&k);
+
+        // Compressed entries completed by these tokens, and (CSA) the indexer's picks.
+        let layout = self.aux_layout();
+        let mut picks: Option<Vec<Vec<usize>>> = None;
+        match &self.compression {
+            Compression::Sliding => {}
+            Compression::Hca(c) | Compression::Csa(c, _) => {
+                kv.v.extend(raw.as_deref().unwrap_or_default());
+                let idx_raw = index.as_ref().map(|(r, _, _)| r);
+                for (t, &pos) in positions.iter().enumerate() {
+                    let mut row = vec![0.0f32; layout.width];
+                    if let Some(r) = idx_raw {
+                        let w = layout.idx_raw;
+                        row[layout.entry..layout.entry + w].copy_from_slice(&r[t * w..(t + 1) * w]);
+                    }
+                    kv.aux.extend(&row);
+                    if (pos + 1) % c.rate == 0 {
+                        let w = pos / c.rate;
+                        let e = c.entry(kv.v.f32(), w, &self.compress_rope);
+                        let at = pos * layout.width;
+                        kv.aux.f32_mut()[at..at + c.dim].copy_from_slice(&e);
+                        if let Compression::Csa(_, ix) = &self.compression {
+                            let raws: Vec<f32> = kv
+                                .aux
+                                .f32()
+                                .chunks(layout.width)
+                                .flat_map(|r| {
+                                    r[layout.entry..layout.entry + layout.idx_raw].to_vec()
+                                })
+                                .collect();
+                            let ie = ix.compressor.entry(&raws, w, &self.compress_rope);
+                            let off = at + layout.entry + layout.idx_raw;
+                            kv.aux.f32_mut()[off..off + ix.dim].copy_from_slice(&ie);
+                        }
+                    }
+                }
+                if let (Compression::Csa(c, ix), Some((_, iq, iw))) = (&self.compression, index) {
+                    picks = Some(self.select(ix, c.rate, iq, &iw, &positions, kv, &layout));
+                }
+            }
+        }
+
+        // Attention with sinks over the window and the visible entries.
+        let isa = Isa::detect();
+        let scale = (hd as f32).powf(-0.5);
+        let rate = match &self.compression {
+            Compression::Hca(c) | Compression::Csa(c, _) => c.rate,
+            Compression::Sliding => 0,
+        };
+        let mut out = vec![0.0f32; t_len * h * hd];
+        out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+            let (t, head) = (idx / h, idx % h);
+            let pos = start + t;
+            let qv = &q[idx * hd..(idx + 1) * hd];
+            let first = (pos + 1).saturating_sub(self.window);
+            let mut keys: Vec<&[f32]> = (first..=pos)
+                .map(|j| &kv.k.f32()[j * hd..(j + 1) * hd])
+                .collect();
+            if let Some(visible) = (pos + 1).checked_div(rate) {
+                let entries: Vec<usize> = match &picks {
+                    Some(p) => p[t].clone(),
+                    None => (0..visible).collect(),
+                };
+                for w in entries {
+                    let at = ((w + 1) * rate - 1) * layout.width;
+                    keys.push(&kv.aux.f32()[at..at + hd]);
+                }
+            }
+            let mut scores: Vec<f32> = keys
+                .iter()
+                .map(|kj| dot(isa, qv, WeightData::F32(kj)) * scale)
+                .collect();
+            let sink = self.sinks[head];
+            let max = scores.iter().copied().fold(sink, f32::max);
+            let mut sum = (sink - max).exp();
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            for (s, kj) in scores.iter().zip(&keys) {
+                let p = s / sum;
+                for (a, v) in o.iter_mut().zip(kj.iter()) {
+                    *a += p * v;
+                }
+            }
+        });
+        self.rope.apply_trailing(&mut out, hd, &positions, true);
+        out
+    }
+
+    /// The grouped low-rank output of attention rows `out` (`[T, heads · head_dim]`, any
+    /// number of sequences): group `g` of every row through its `wo_a` rows, then `wo_b`.
+    pub fn output(&self, out: &[f32]) -> Vec<f32> {
+        let (h, hd) = (self.heads, self.head_dim);
+        let t_len = out.len() / (h * hd);
+        let g = self.groups;
+        let gw = h * hd / g;
+        let wo_a = self.wo_a.weight.view().expect("checked at load");
+        let mut mid = vec![0.0f32; t_len * g * self.o_rank];
+        for gi in 0..g {
+            let xs: Vec<f32> = (0..t_len)
+                .flat_map(|t| out[t * h * hd + gi * gw..t * h * hd + (gi + 1) * gw].to_vec())
+                .collect();
+            let part = crate::tensor::matmul::matmul_new(
+                &xs,
+                &wo_a.rows_range(gi * self.o_rank, self.o_rank),
+            );
+            for t in 0..t_len {
+                mid[(t * g + gi) * self.o_rank..(t * g + gi + 1) * self.o_rank]
+                    .copy_from_slice(&part[t * self.o_rank..(t + 1) * self.o_rank]);
+            }
+        }
+        self.wo_b.forward(&mid)
+    }
+
+    /// The indexer's picks: for each query, the best `top_k` entries it may see, ascending.
+    /// Ties are broken as transformers' `torch.topk` breaks them over the row it scores in
+    /// the same forward call: every entry complete by the call's last token, the ones the
+    /// query may not see yet masked ([`torch_topk_set`]).
+    #[allow(clippy::too_many_arguments)]
+    fn select(
+        &self,
+        ix: &CompressedIndexer,
+        rate: usize,
+        mut q: Vec<f32>,
+        w: &[f32],
+        positions: &[usize],
+        kv: &LayerKv,
+        layout: &AuxLayout,
+    ) -> Vec<Vec<usize>> {
+        let (nh, dim) = (ix.heads, ix.dim);
+        self.compress_rope
+            .apply_trailing(&mut q, dim, positions, false);
+        let isa = Isa::detect();
+        let (score_scale, head_scale) = ((dim as f32).powf(-0.5), (nh as f32).powf(-0.5));
+        // The entries transformers scores for every query of this call.
+        let entries = positions.last().map_or(0, |&p| (p + 1) / rate);
+        positions
+            .par_iter()
+            .enumerate()
+            .map(|(t, &pos)| {
+                let visible = (pos + 1) / rate;
+                if visible <= ix.top_k {
+                    return (0..visible).collect();
+                }
+                let mut scores: Vec<f32> = (0..visible)
+                    .map(|e| {
+                        let at =
+                            ((e + 1) * rate - 1) * layout.width + layout.entry + layout.idx_raw;
+                        let key = &kv.aux.f32()[at..at + dim];
+                        let mut total = 0.0f32;
+                        for hh in 0..nh {
+                            let d = dot(
+                                isa,
+                                &q[(t * nh + hh) * dim..(t * nh + hh + 1) * dim],
+                                WeightData::F32(key),
+                            );
+                            total += d.max(0.0) * score_scale * (w[t * nh + hh] * head_scale);
+                        }
+                        total
+                    })
+                    .collect();
+                scores.resize(entries, f32::NEG_INFINITY);
+                let mut p: Vec<usize> = torch_topk_set(&scores, ix.top_k)
+                    .into_iter()
+                    .filter(|&e| e < visible)
+                    .collect();
+                p.sort_unstable();
+                p
+            })
+            .collect()
     }
 }

@@ -272,7 +272,7 @@ fn abilities(model_type: &str) -> Abilities {
     );
     Abilities {
         latent_attention: mla,
-        mtp: mla,
+        mtp: mla || model_type == "deepseek_v4",
     }
 }
 

@@ -1,12 +1,21 @@
-//! The standard pre-norm decoder stack shared by llama, mixtral, olmoe and qwen3_moe:
-//! `h += Attn(Norm(h)); h += Ffn(Norm(h))`, then a final norm and the LM head. Families
-//! differ only in how they fill these parts from their checkpoint (see their files).
+//! The standard pre-norm decoder stack every family runs: per layer an attention part and a
+//! feed-forward part, each reading `Norm(h)` and writing back through the layer's
+//! [`Residual`] (`h += f(Norm(h))`, or hyper-connection streams), then a final norm and the LM
+//! head. Families differ only in how they fill these parts from their checkpoint (see their
+//! files): the attention kind ([`SelfAttention`]), the feed-forward kind ([`Ffn`]), the
+//! residual kind and the residual's layout ([`Streams`]). So batching (one `forward_batch`
+//! over every sequence's rows), prefetch and the MTP drafter reach every family.
 
 use std::time::Instant;
 
+use std::borrow::Cow;
+
 use super::cache::KvCache;
-use super::layers::{add_assign, embed, Attention, Linear, Mlp, MoeBlock, RmsNorm};
-use super::mla::{Mla, Selection};
+use super::layers::{
+    add_assign, embed, Attention, HashRoutedMoe, HyperConnection, HyperHead, HyperMix, Linear, Mlp,
+    MoeBlock, RmsNorm,
+};
+use super::mla::{CompressedAttention, Mla, Selection};
 use super::telemetry::{self, Part};
 use super::{BatchItem, CausalLm, Logits, ModelInfo};
 use crate::tensor::Tensor;
@@ -15,8 +24,24 @@ use crate::{Error, Result};
 /// A decoder layer's feed-forward part.
 #[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum Ffn {
+    /// A dense (SwiGLU) MLP.
     Dense(Mlp),
+    /// A routed mixture of experts, the router choosing from the hidden state.
     Moe(MoeBlock),
+    /// A mixture of experts whose experts are fixed by the token id (DeepSeek-V4's hash
+    /// layers).
+    HashMoe(HashRoutedMoe),
+}
+
+impl Ffn {
+    /// The routed-expert block, if the part has one.
+    pub fn moe(&self) -> Option<&MoeBlock> {
+        match self {
+            Ffn::Dense(_) => None,
+            Ffn::Moe(m) => Some(m),
+            Ffn::HashMoe(h) => Some(&h.moe),
+        }
+    }
 }
 
 /// A decoder layer's attention part.
@@ -26,14 +51,18 @@ pub enum SelfAttention {
     Gqa(Attention),
     /// Multi-head latent attention, optionally sparse (DSA).
     Mla(Mla),
+    /// DeepSeek-V4's attention: one key/value head over a sliding window and compressed
+    /// entries, with learned sinks.
+    Compressed(CompressedAttention),
 }
 
 impl SelfAttention {
-    /// The output projection.
-    pub fn output(&self) -> &Linear {
+    /// The output projection of attention rows (any number of sequences, stacked).
+    pub fn output(&self, rows: &[f32]) -> Vec<f32> {
         match self {
-            SelfAttention::Gqa(a) => &a.o,
-            SelfAttention::Mla(m) => &m.o,
+            SelfAttention::Gqa(a) => a.o.forward(rows),
+            SelfAttention::Mla(m) => m.o.forward(rows),
+            SelfAttention::Compressed(c) => c.output(rows),
         }
     }
 
@@ -49,6 +78,111 @@ impl SelfAttention {
                 m.cache_bytes_per_token(),
                 4 * m.heads * (m.nope_dim + m.rope_dim + m.v_dim),
             ),
+            SelfAttention::Compressed(c) => {
+                (c.cache_bytes_per_token(), 4 * 2 * c.heads * c.head_dim)
+            }
+        }
+    }
+}
+
+/// How a layer's two parts read the residual and write their output back into it.
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
+pub enum Residual {
+    /// One residual row per token: `h += f(Norm(h))`.
+    Plain,
+    /// Manifold-constrained hyper-connections (DeepSeek-V4): the residual is several streams
+    /// per token ([`Streams::Hyper`]); each part reads a weighted sum of them and its output
+    /// is mixed back in by the part's own Sinkhorn-normalised weights.
+    Hyper {
+        attn: HyperConnection,
+        ffn: HyperConnection,
+    },
+}
+
+/// Which of a layer's two parts the residual is serving.
+#[derive(Clone, Copy)]
+enum Sublayer {
+    Attention,
+    Ffn,
+}
+
+impl Residual {
+    /// The input of `part` (before its norm) from the residual rows `h`, and what
+    /// [`Residual::write`] needs to put the part's output back.
+    fn read<'h>(
+        &self,
+        part: Sublayer,
+        h: &'h [f32],
+        d: usize,
+    ) -> (Cow<'h, [f32]>, Option<HyperMix>) {
+        match self {
+            Residual::Plain => (Cow::Borrowed(h), None),
+            Residual::Hyper { attn, ffn } => {
+                let hc = match part {
+                    Sublayer::Attention => attn,
+                    Sublayer::Ffn => ffn,
+                };
+                let (u, mix) = hc.weights(h, d);
+                (Cow::Owned(u), Some(mix))
+            }
+        }
+    }
+
+    /// Put `part`'s output `y` (`[T, D]`) back into the residual rows `h`.
+    fn write(&self, part: Sublayer, h: &mut [f32], y: &[f32], mix: Option<HyperMix>, d: usize) {
+        match (self, mix) {
+            (Residual::Hyper { attn, ffn }, Some(mix)) => {
+                let hc = match part {
+                    Sublayer::Attention => attn,
+                    Sublayer::Ffn => ffn,
+                };
+                hc.mix(h, y, &mix, d);
+            }
+            _ => add_assign(h, y),
+        }
+    }
+}
+
+/// The layout of the residual of every token, from the embedding to the final norm.
+#[allow(clippy::large_enum_variant)] // one per model, never moved in a hot path
+pub enum Streams {
+    /// One row of `hidden_size` values.
+    One,
+    /// `head.hc` hyper-connection streams, each a copy of the embedding at the start,
+    /// collapsed by `head` before the final norm.
+    Hyper(HyperHead),
+}
+
+impl Streams {
+    /// Residual values per token for rows of `d`.
+    pub fn width(&self, d: usize) -> usize {
+        match self {
+            Streams::One => d,
+            Streams::Hyper(head) => head.hc * d,
+        }
+    }
+
+    /// The residual rows of embeddings `e` (`[T, D]`).
+    fn spread(&self, e: Vec<f32>, d: usize) -> Vec<f32> {
+        match self {
+            Streams::One => e,
+            Streams::Hyper(head) => {
+                let mut x = Vec::with_capacity(e.len() * head.hc);
+                for row in e.chunks(d) {
+                    for _ in 0..head.hc {
+                        x.extend_from_slice(row);
+                    }
+                }
+                x
+            }
+        }
+    }
+
+    /// Residual rows collapsed to one row of `d` per token, for the final norm.
+    fn collapse<'x>(&self, x: &'x [f32], d: usize) -> Cow<'x, [f32]> {
+        match self {
+            Streams::One => Cow::Borrowed(x),
+            Streams::Hyper(head) => Cow::Owned(head.collapse(x, d)),
         }
     }
 }
@@ -59,6 +193,8 @@ pub struct Block {
     pub attn: SelfAttention,
     pub ffn_norm: RmsNorm,
     pub ffn: Ffn,
+    /// How the two parts read and write the residual.
+    pub residual: Residual,
 }
 
 /// One sequence's share of a block's rows: `rows` rows at positions `start..`, its cache
@@ -81,6 +217,8 @@ pub struct Transformer {
     pub store: Option<std::sync::Arc<dyn crate::store::ExpertStore>>,
     /// The multi-token-prediction head, when the checkpoint has one and drafting asked for it.
     pub mtp: Option<MtpHead>,
+    /// The residual's layout (one row, or hyper-connection streams, per token).
+    pub streams: Streams,
 }
 
 /// A DeepSeek-style multi-token-prediction (MTP) head: from the main model's final-normed
@@ -90,14 +228,30 @@ pub struct Transformer {
 /// Checkpoints carry it as layer `num_hidden_layers` (`enorm`, `hnorm`, `eh_proj`,
 /// `shared_head.{norm,head}` and a full decoder layer); transformers does not run it, so no
 /// oracle checks it. Its drafts are only ever proposals the main model verifies.
+///
+/// With hyper-connection streams (DeepSeek-V4, `mtp.0.*`) the hidden state is the main model's
+/// streams before their final collapse; each stream `i` becomes
+/// `e_proj(enorm(embed(t))) + h_proj(hnorm(h_i))`, the block mixes them as the main layers do,
+/// and the head's own collapse (`hc_head_*`) precedes its norm.
 pub struct MtpHead {
     pub enorm: RmsNorm,
     pub hnorm: RmsNorm,
-    /// `[D, 2D]`.
-    pub eh_proj: Linear,
+    /// How the embedding and the hidden state are joined.
+    pub input: MtpInput,
     pub block: Block,
+    /// The residual's layout in the head (its collapse before `norm`).
+    pub streams: Streams,
     pub norm: RmsNorm,
     pub head: Linear,
+}
+
+/// How an [`MtpHead`] joins the normed embedding `e` and the normed hidden state `h`.
+#[allow(clippy::large_enum_variant)] // one per model, never moved in a hot path
+pub enum MtpInput {
+    /// `eh_proj([e ; h])`, `eh_proj` `[D, 2D]` (DeepSeek-V3, GLM-5).
+    Joined(Linear),
+    /// Per stream `e_proj(e) + h_proj(h_i)`, both `[D, D]` (DeepSeek-V4).
+    PerStream { e_proj: Linear, h_proj: Linear },
 }
 
 impl CausalLm for Transformer {
@@ -185,9 +339,10 @@ impl super::Drafter for Transformer {
             .as_ref()
             .ok_or_else(|| Error::Invalid("this model has no MTP head loaded".into()))?;
         let d = self.info.hidden_size;
-        if hidden.len() != next.len() * d || next.is_empty() {
+        let width = self.streams.width(d);
+        if hidden.len() != next.len() * width || next.is_empty() {
             return Err(Error::Invalid(format!(
-                "MTP draft: {} hidden values for {} tokens of width {d}",
+                "MTP draft: {} hidden values for {} tokens of width {width}",
                 hidden.len(),
                 next.len()
             )));
@@ -198,12 +353,25 @@ impl super::Drafter for Transformer {
         rayon::scope(|_| {
             let e = mtp.enorm.forward(&embed(&self.embed, next)?);
             let hn = mtp.hnorm.forward(hidden);
-            let mut joined = Vec::with_capacity(2 * e.len());
-            for (er, hr) in e.chunks(d).zip(hn.chunks(d)) {
-                joined.extend_from_slice(er);
-                joined.extend_from_slice(hr);
-            }
-            let mut h = mtp.eh_proj.forward(&joined);
+            let mut h = match &mtp.input {
+                MtpInput::Joined(eh_proj) => {
+                    let mut joined = Vec::with_capacity(2 * e.len());
+                    for (er, hr) in e.chunks(d).zip(hn.chunks(d)) {
+                        joined.extend_from_slice(er);
+                        joined.extend_from_slice(hr);
+                    }
+                    eh_proj.forward(&joined)
+                }
+                MtpInput::PerStream { e_proj, h_proj } => {
+                    let (ep, mut hp) = (e_proj.forward(&e), h_proj.forward(&hn));
+                    for (er, hr) in ep.chunks(d).zip(hp.chunks_mut(width)) {
+                        for stream in hr.chunks_mut(d) {
+                            add_assign(stream, er);
+                        }
+                    }
+                    hp
+                }
+            };
             let mut selection = None;
             let mut seqs = [SeqPart {
                 rows: next.len(),
@@ -211,10 +379,10 @@ impl super::Drafter for Transformer {
                 kv: &mut cache.layers[0],
                 selection: &mut selection,
             }];
-            self.block_forward(&mtp.block, &mut h, &mut seqs, |_| {})?;
+            self.block_forward(&mtp.block, &mut h, &mut seqs, next, |_| {})?;
             cache.len += next.len();
-            let last = &h[(next.len() - 1) * d..];
-            Ok(mtp.head.forward(&mtp.norm.forward(last)))
+            let last = mtp.streams.collapse(&h[(next.len() - 1) * width..], d);
+            Ok(mtp.head.forward(&mtp.norm.forward(&last)))
         })
     }
 }
@@ -244,8 +412,9 @@ impl Transformer {
         Ok(self.run_batch(items)?.0)
     }
 
-    /// [`Self::forward_batch_on_pool`], also returning the final-normed hidden rows the
-    /// logits were computed from (the input of a multi-token-prediction head).
+    /// [`Self::forward_batch_on_pool`], also returning the hidden rows the logits were
+    /// computed from (the input of a multi-token-prediction head): final-normed, or with
+    /// hyper-connection streams the streams before their collapse.
     fn run_batch(&self, items: &mut [BatchItem<'_>]) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
         for it in items.iter() {
             if it.tokens.is_empty() {
@@ -265,7 +434,8 @@ impl Transformer {
             .iter()
             .flat_map(|it| it.tokens.iter().copied())
             .collect();
-        let mut h = embed(&self.embed, &all)?;
+        let width = self.streams.width(d);
+        let mut h = self.streams.spread(embed(&self.embed, &all)?, d);
         // Each sequence's sparse-attention pick, handed from a layer to the next.
         let mut selections: Vec<Option<Selection>> = vec![None; items.len()];
         for (l, block) in self.blocks.iter().enumerate() {
@@ -279,7 +449,9 @@ impl Transformer {
                     selection: sel,
                 })
                 .collect();
-            self.block_forward(block, &mut h, &mut seqs, |h| self.prefetch_next(l, h))?;
+            self.block_forward(block, &mut h, &mut seqs, &all, |h| {
+                self.prefetch_next(l, h, &all)
+            })?;
         }
         for it in items.iter_mut() {
             it.cache.len += it.tokens.len();
@@ -298,7 +470,7 @@ impl Transformer {
                 Logits::Last => (row + n - 1, 1),
                 Logits::None => (row, 0),
             };
-            rows.extend_from_slice(&h[first * d..(first + count) * d]);
+            rows.extend_from_slice(&h[first * width..(first + count) * width]);
             counts.push(count);
             row += n;
         }
@@ -306,9 +478,13 @@ impl Transformer {
             return Ok((vec![Vec::new(); items.len()], Vec::new()));
         }
         let t0 = Instant::now();
-        let x = self.norm.forward(&rows);
+        let x = self.norm.forward(&self.streams.collapse(&rows, d));
         let out = self.lm_head.forward(&x);
         telemetry::add(Part::LmHead, t0);
+        let hidden = match self.streams {
+            Streams::One => x,
+            Streams::Hyper(_) => rows,
+        };
         let vocab = out.len() / counts.iter().sum::<usize>();
         let mut result = Vec::with_capacity(items.len());
         let mut at = 0;
@@ -316,23 +492,28 @@ impl Transformer {
             result.push(out[at * vocab..(at + c) * vocab].to_vec());
             at += c;
         }
-        Ok((result, x))
+        Ok((result, hidden))
     }
 
-    /// One decoder layer over the stacked rows `h` of several sequences (in place):
-    /// norms, projections and the FFN over all rows at once (each weight read once per
-    /// step), attention per sequence over its own cache. `after_attention` sees the hidden
-    /// state between the two halves (the prefetcher's hook).
+    /// One decoder layer over the stacked residual rows `h` of several sequences (in place;
+    /// row `t` holds token `tokens[t]`): norms, projections and the FFN over all rows at
+    /// once (each weight read once per step), attention per sequence over its own cache, each
+    /// part reading and writing the residual through the block's [`Residual`].
+    /// `after_attention` sees the residual between the two parts (the prefetcher's hook).
     fn block_forward(
         &self,
         block: &Block,
         h: &mut [f32],
         seqs: &mut [SeqPart<'_>],
+        tokens: &[u32],
         after_attention: impl FnOnce(&[f32]),
     ) -> Result<()> {
+        let d = self.info.hidden_size;
         let total: usize = seqs.iter().map(|s| s.rows).sum();
         let t0 = Instant::now();
-        let x = block.attn_norm.forward(h);
+        let (u, mix) = block.residual.read(Sublayer::Attention, h, d);
+        let x = block.attn_norm.forward(&u);
+        drop(u);
         let mut heads_out = Vec::new();
         let mut row = 0;
         match &block.attn {
@@ -364,12 +545,25 @@ impl Transformer {
                     row += s.rows;
                 }
             }
+            SelfAttention::Compressed(c) => {
+                let rows = c.project(&x);
+                for s in seqs.iter_mut() {
+                    heads_out.extend(c.attend_sequence(
+                        rows.segment(row, s.rows, total),
+                        s.start,
+                        s.kv,
+                    ));
+                    row += s.rows;
+                }
+            }
         }
-        let a = block.attn.output().forward(&heads_out);
-        add_assign(h, &a);
+        let a = block.attn.output(&heads_out);
+        block.residual.write(Sublayer::Attention, h, &a, mix, d);
         telemetry::add(Part::Attention, t0);
         after_attention(h);
-        let x = block.ffn_norm.forward(h);
+        let (u, mix) = block.residual.read(Sublayer::Ffn, h, d);
+        let x = block.ffn_norm.forward(&u);
+        drop(u);
         let f = match &block.ffn {
             Ffn::Dense(mlp) => {
                 let t0 = Instant::now();
@@ -378,28 +572,34 @@ impl Transformer {
                 y
             }
             Ffn::Moe(moe) => moe.forward(&x)?,
+            Ffn::HashMoe(moe) => moe.forward(&x, tokens)?,
         };
-        add_assign(h, &f);
+        block.residual.write(Sublayer::Ffn, h, &f, mix, d);
         Ok(())
     }
 
-    /// One-layer-ahead prefetch: apply layer `l + 1`'s norm and router to the hidden state
-    /// after layer `l`'s attention and hint the store with the experts it would choose. A
-    /// guess only starts reads; it never changes a result.
-    fn prefetch_next(&self, l: usize, h: &[f32]) {
-        let Some(Block {
-            ffn_norm,
-            ffn: Ffn::Moe(next),
-            ..
-        }) = self.blocks.get(l + 1)
-        else {
+    /// One-layer-ahead prefetch: apply layer `l + 1`'s residual read, norm and router to the
+    /// residual after layer `l`'s attention (a hash-routed layer's experts follow from the
+    /// tokens alone) and hint the store with the experts it would choose. A guess only starts
+    /// reads; it never changes a result.
+    fn prefetch_next(&self, l: usize, h: &[f32], tokens: &[u32]) {
+        let Some(next) = self.blocks.get(l + 1) else {
             return;
         };
-        if !next.store.wants_hints() {
+        let Some(moe) = next.ffn.moe() else {
+            return;
+        };
+        if !moe.store.wants_hints() {
             return;
         }
-        let x = ffn_norm.forward(h);
-        next.store.hint(l + 1, &next.route_union(&x));
+        let union = match &next.ffn {
+            Ffn::HashMoe(hash) => hash.route_union(tokens),
+            _ => {
+                let (u, _) = next.residual.read(Sublayer::Ffn, h, self.info.hidden_size);
+                moe.route_union(&next.ffn_norm.forward(&u))
+            }
+        };
+        moe.store.hint(l + 1, &union);
     }
 }
 
@@ -553,6 +753,7 @@ pub fn load_standard(
                 sc.rms_norm_eps,
             )?,
             ffn: parts.ffn,
+            residual: Residual::Plain,
         });
     }
     let norm = RmsNorm::load(ckpt, "model.norm.weight", d, sc.rms_norm_eps)?;
@@ -565,6 +766,7 @@ pub fn load_standard(
         info,
         store,
         mtp: None,
+        streams: Streams::One,
     })
 }
 
@@ -598,7 +800,7 @@ pub(crate) fn standard_info(
     let mut moe_layers = 0;
     let (mut routed, mut active, mut expert_params) = (0, 0, 0);
     for b in blocks {
-        if let Ffn::Moe(m) = &b.ffn {
+        if let Some(m) = b.ffn.moe() {
             moe_layers += 1;
             routed = m.num_experts;
             active = m.top_k;
@@ -608,9 +810,10 @@ pub(crate) fn standard_info(
     }
     let active_expert_params: usize = blocks
         .iter()
-        .filter_map(|b| match &b.ffn {
-            Ffn::Moe(m) => Some(m.top_k * 3 * m.gate.weight.shape[1] * expert_intermediate(m)),
-            Ffn::Dense(_) => None,
+        .filter_map(|b| {
+            b.ffn
+                .moe()
+                .map(|m| m.top_k * 3 * m.gate.weight.shape[1] * expert_intermediate(m))
         })
         .sum();
     Ok(ModelInfo {
@@ -629,10 +832,7 @@ pub(crate) fn standard_info(
         routed_experts: routed,
         shared_experts: blocks
             .iter()
-            .find_map(|b| match &b.ffn {
-                Ffn::Moe(m) => m.shared.as_ref().map(|_| 1),
-                Ffn::Dense(_) => None,
-            })
+            .find_map(|b| b.ffn.moe().and_then(|m| m.shared.as_ref().map(|_| 1)))
             .unwrap_or(0),
         kv_bytes_per_token: blocks
             .iter()

@@ -150,7 +150,7 @@ pub fn generate_with_drafts(
         return Err(Error::Invalid("stop strings need a tokenizer".into()));
     }
     let info = model.info();
-    let (vocab, d) = (info.vocab_size, info.hidden_size);
+    let vocab = info.vocab_size;
     let ctx = info.max_position_embeddings.max(1);
     if prompt.len() >= ctx {
         return Err(Error::Invalid(format!(
@@ -194,6 +194,9 @@ pub fn generate_with_drafts(
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let n = prompt.len();
+    // Hidden values per position: `hidden_size`, or more where the residual is several
+    // streams (DeepSeek-V4's hyper-connections).
+    let d = hidden.len() / n;
     let mut last = sampler.sample(&logits[(n - 1) * vocab..], &history);
     let mut going = emit(last, &mut tokens, &mut history, &mut finish_reason)?;
     // The head has not seen these (hidden row, next token) pairs yet.
