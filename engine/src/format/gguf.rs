@@ -1423,3 +1423,16 @@ impl GgufWriter {
         super::write::commit(self.out, &self.tmp, &self.path)
     }
 }
+
+/// Whether `path` is a GGUF file (by its magic), not a directory.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    if !path.is_file() {
+        return false;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}

@@ -6,13 +6,29 @@
 use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
-use super::olmoe::qwen_style_expert_names;
+use super::registry::{Abilities, Experts, Family, Gguf, GgufReads, StackNames};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::Result;
+
+/// Qwen3-MoE in the registry (GGUF `qwen3moe`).
+pub const FAMILY: Family = Family {
+    model_types: &["qwen3_moe"],
+    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
+    abilities: Abilities::NONE,
+    normalize: None,
+    names: StackNames::STANDARD,
+    experts: Some(Experts::QWEN),
+    gguf: Some(Gguf {
+        arch: "qwen3moe",
+        reads: GgufReads::All,
+        also_reads: &[],
+        permute_qk: false,
+    }),
+};
 
 /// Build a Qwen3-MoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
@@ -38,7 +54,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         None
     };
     let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &moe, experts)?;
+    let names = Experts::QWEN.table(ckpt, cfg, "model", &moe, experts)?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");

@@ -1,6 +1,8 @@
 //! A GGUF file seen as a model checkpoint: llama.cpp's architecture names, hyper-parameter
 //! keys and tensor names mapped onto the Hugging Face `config.json` fields and tensor names
-//! our families load, so one loader per family serves both formats.
+//! our families load, so one loader per family serves both formats. Which architecture
+//! becomes which family, and where each family keeps its experts and routers, come from the
+//! [`super::registry`]; the container itself is [`crate::format::gguf`].
 //!
 //! Routed experts stored fused (`blk.N.ffn_{gate,up,down}_exps.weight`, `[E, rows, cols]`)
 //! become one tensor description per expert, each a contiguous slice of the fused tensor, so
@@ -47,35 +49,13 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use super::config::ModelConfig;
-use super::gguf::{GgufFile, GgufTensor, MAX_TENSORS};
-use super::safetensors::{numbered_parts, Access, Checkpoint, TensorDesc};
+use super::registry::{self, Experts, Family};
+use crate::format::config::ModelConfig;
+use crate::format::gguf::{GgmlType, GgufFile, GgufTensor, MAX_TENSORS};
+use crate::format::safetensors::{numbered_parts, Access, Checkpoint, TensorDesc};
 use crate::tensor::quant::QuantType;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
-
-/// The GGUF architectures this build maps, with the family each becomes.
-pub const SUPPORTED_ARCHITECTURES: &[(&str, &str)] = &[
-    ("llama", "llama (mixtral when it has experts)"),
-    ("qwen2", "llama with q/k/v biases"),
-    ("olmoe", "olmoe"),
-    ("qwen3moe", "qwen3_moe"),
-    ("deepseek2", "deepseek_v3 (MLA: DeepSeek-V3 / R1, Kimi K2)"),
-    ("glm4moe", "glm4_moe (GLM-4.5 / 4.6 / 4.7)"),
-];
-
-/// Whether `path` is a GGUF file (by its magic), not a directory.
-pub fn is_gguf(path: &Path) -> bool {
-    use std::io::Read;
-    if !path.is_file() {
-        return false;
-    }
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
-        && &magic == b"GGUF"
-}
 
 /// Open a GGUF model: its metadata as a `config.json`-shaped configuration and its tensors
 /// under Hugging Face names.
@@ -133,24 +113,15 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         }
         Ok(used)
     };
-    let model_type = match (arch.as_str(), experts) {
-        ("llama", 0) | ("qwen2", _) => "llama",
-        ("llama", _) => "mixtral",
-        ("olmoe", _) => "olmoe",
-        ("qwen3moe", _) => "qwen3_moe",
-        ("deepseek2", _) => "deepseek_v3",
-        ("glm4moe", _) => "glm4_moe",
-        (other, _) => {
+    let model_type = match registry::by_gguf_arch(&arch, experts > 0) {
+        Some(family) => family.model_type(),
+        None => {
             return Err(Error::config(
                 &path,
                 "general.architecture",
                 format!(
-                    "GGUF architecture `{other}` is not supported by this build (supported: {})",
-                    SUPPORTED_ARCHITECTURES
-                        .iter()
-                        .map(|(a, _)| *a)
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    "GGUF architecture `{arch}` is not supported by this build (supported: {})",
+                    registry::gguf_architectures().join(", ")
                 ),
             ))
         }
@@ -313,7 +284,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     }
     if let Some(t) = g.get_tensor("rope_freqs.weight") {
         // Llama 3 style scaling: one divisor per rotated pair, as f32.
-        if t.ggml_type != super::gguf::GgmlType::F32 || t.shape.len() != 1 {
+        if t.ggml_type != GgmlType::F32 || t.shape.len() != 1 {
             return Err(Error::tensor(
                 &path,
                 "rope_freqs.weight",
@@ -509,8 +480,9 @@ fn experts_in_file(g: &GgufFile) -> usize {
         .fold(fused, usize::max)
 }
 
-/// The HF name of a llama.cpp per-layer tensor suffix (`attn_q.weight` → `self_attn.q_proj.weight`).
-fn hf_layer_name(rest: &str, mixtral: bool, glm: bool) -> Option<String> {
+/// The HF name of a llama.cpp per-layer tensor suffix (`attn_q.weight` → `self_attn.q_proj.weight`),
+/// the router under the family's MoE block (`experts`).
+fn hf_layer_name(rest: &str, experts: &Experts, glm: bool) -> Option<String> {
     if rest == "exp_probs_b.bias" || rest == "exp_probs_b.weight" {
         return Some("mlp.gate.e_score_correction_bias".into());
     }
@@ -537,24 +509,21 @@ fn hf_layer_name(rest: &str, mixtral: bool, glm: bool) -> Option<String> {
         "ffn_gate_shexp" => "mlp.shared_experts.gate_proj",
         "ffn_up_shexp" => "mlp.shared_experts.up_proj",
         "ffn_down_shexp" => "mlp.shared_experts.down_proj",
-        "ffn_gate_inp" if mixtral => "block_sparse_moe.gate",
-        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_inp" => return Some(format!("{}.gate.{ext}", experts.block)),
         _ => return None,
     };
     Some(format!("{mapped}.{ext}"))
 }
 
-/// The HF name of expert `e`'s matrix (`gate`, `up` or `down`) in layer `l`.
-fn expert_name(l: usize, e: usize, which: &str, mixtral: bool) -> String {
-    if mixtral {
-        let w = match which {
-            "gate" => "w1",
-            "down" => "w2",
-            _ => "w3",
-        };
-        format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")
-    } else {
-        format!("model.layers.{l}.mlp.experts.{e}.{which}_proj.weight")
+/// The HF name of expert `e`'s matrix `which` (llama.cpp's `gate`, `up` or `down`) in layer
+/// `l`, where the family keeps its experts; another `which` keeps its own name.
+fn expert_name(l: usize, e: usize, which: &str, experts: &Experts) -> String {
+    let names = experts.names("model", l, e);
+    match which {
+        "gate" => names.gate,
+        "up" => names.up,
+        "down" => names.down,
+        other => format!("{}.experts.{e}.{other}.weight", experts.block("model", l)),
     }
 }
 
@@ -588,8 +557,10 @@ fn hf_tensors(
     g: &GgufFile,
     cfg: &ModelConfig,
 ) -> Result<(BTreeMap<String, TensorDesc>, Vec<Built>)> {
-    let model_type = cfg.model_type()?;
-    let mixtral = model_type == "mixtral";
+    let family: &Family = registry::family_of(cfg)?;
+    let model_type = family.model_type();
+    // Where the family keeps experts and routers (a dense llama file has neither).
+    let experts = family.experts.unwrap_or(Experts::QWEN);
     let glm = model_type == "glm4_moe";
     let layers = cfg.usize("num_hidden_layers")?;
     let mut out = BTreeMap::new();
@@ -684,7 +655,7 @@ fn hf_tensors(
                 let shape = vec![t.shape[1] / 2, t.shape[2]];
                 for e in 0..n {
                     for (half, part) in ["gate", "up"].into_iter().enumerate() {
-                        let name = expert_name(l, e, part, mixtral);
+                        let name = expert_name(l, e, part, &experts);
                         let offset = t.offset + e * per + half * per / 2;
                         put(name.clone(), desc(&name, shape.clone(), offset, per / 2)?);
                     }
@@ -692,7 +663,7 @@ fn hf_tensors(
                 continue;
             }
             for e in 0..n {
-                let name = expert_name(l, e, which, mixtral);
+                let name = expert_name(l, e, which, &experts);
                 put(
                     name.clone(),
                     desc(&name, t.shape[1..].to_vec(), t.offset + e * per, per)?,
@@ -716,12 +687,12 @@ fn hf_tensors(
         if parts.len() == 3 && parts[2] == "weight" {
             if let (Some(which), Ok(e)) = (parts[0].strip_prefix("ffn_"), parts[1].parse::<usize>())
             {
-                let name = expert_name(l, e, which, true);
+                let name = expert_name(l, e, which, &super::mixtral::EXPERTS);
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);
                 continue;
             }
         }
-        match hf_layer_name(rest, mixtral, glm) {
+        match hf_layer_name(rest, &experts, glm) {
             Some(suffix) => {
                 let name = format!("model.layers.{l}.{suffix}");
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);

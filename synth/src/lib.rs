@@ -2,6 +2,11 @@
 //! (config.json, safetensors shards with an index when large, tokenizer.json,
 //! tokenizer_config.json with a chat template, generation_config.json), deterministic from
 //! `--seed`. Written into a temporary directory that is renamed into place when complete.
+//!
+//! The `coli synth` command and the demo model (server/src/demo.rs) use it; [`tokenizer`] is the
+//! tokenizer and chat template every synthetic model gets.
+
+pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
@@ -1038,7 +1043,7 @@ fn write_all(
     progress: bool,
 ) -> Result<()> {
     // Text side first: the tokenizer decides the special token ids.
-    let tok = crate::demo::tokenizer_for(args.vocab, &crate::demo::SPECIALS)?;
+    let tok = tokenizer::tokenizer_for(args.vocab, &tokenizer::SPECIALS)?;
     tok.save(&dir.join("tokenizer.json"))?;
     let id = |s: &str| tok.token_to_id(s).unwrap_or(0);
     let eos = vec![id("<|endoftext|>"), id("<|im_end|>")];
@@ -1048,7 +1053,7 @@ fn write_all(
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "model_max_length": 4096,
-        "chat_template": crate::demo::CHATML_TEMPLATE,
+        "chat_template": tokenizer::CHATML_TEMPLATE,
     });
     write_atomic(
         &dir.join("tokenizer_config.json"),
