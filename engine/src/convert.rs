@@ -185,6 +185,24 @@ fn gguf_family(cfg: &ModelConfig) -> Result<(&'static Family, Gguf)> {
     }
 }
 
+/// The `general.*` keys every file gets: architecture `arch`, the name (the model
+/// directory's), the mix's `file_type` and the quantization version.
+fn general_metadata(dir: &Path, arch: &str, mix: ConvertType) -> Vec<(String, GgufValue)> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    vec![
+        (
+            "general.architecture".into(),
+            GgufValue::String(arch.into()),
+        ),
+        ("general.name".into(), GgufValue::String(name)),
+        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
+        ("general.quantization_version".into(), GgufValue::U32(2)),
+    ]
+}
+
 /// Options of [`convert_with`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ConvertOptions {
@@ -249,18 +267,8 @@ pub fn convert_with(
     // Metadata.
     let a = gguf.arch;
     let u32v = |v: usize| GgufValue::U32(v as u32);
-    let mut md: Vec<(String, GgufValue)> = vec![
-        ("general.architecture".into(), GgufValue::String(a.into())),
-        (
-            "general.name".into(),
-            GgufValue::String(
-                dir.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "model".into()),
-            ),
-        ),
-        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
-        ("general.quantization_version".into(), GgufValue::U32(2)),
+    let mut md = general_metadata(dir, a, mix);
+    md.extend([
         (format!("{a}.block_count"), u32v(layers)),
         (
             format!("{a}.context_length"),
@@ -281,7 +289,7 @@ pub fn convert_with(
             GgufValue::F32(rope.theta as f32),
         ),
         (format!("{a}.vocab_size"), u32v(cfg.usize("vocab_size")?)),
-    ];
+    ]);
     if let Some(c) = cfg.get("clip_qkv").and_then(|v| v.as_f64()) {
         md.push((format!("{a}.attention.clamp_kqv"), GgufValue::F32(c as f32)));
     }
@@ -341,24 +349,10 @@ pub fn convert_with(
     // Tensors, in llama.cpp's order: embeddings, layers, final norm, output.
     let vocab = cfg.usize("vocab_size")?;
     let mut plans = Vec::new();
-    let plan_one =
-        |name: String, src: String, permute: Option<usize>, layer: Option<usize>| -> Result<Plan> {
-            let d = ckpt.desc(&src)?;
-            let shape = d.shape.clone();
-            let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
-                QuantType::F32
-            } else {
-                choose_type(mix, &name, *shape.last().unwrap(), layer, layers)
-            };
-            Ok(Plan {
-                name,
-                shape,
-                ty,
-                sources: vec![src],
-                rows: permute.map_or(Rows::Plain, Rows::Permute),
-                computed: None,
-            })
-        };
+    let plan_one = |name: String, src: String, permute: Option<usize>, layer: Option<usize>| {
+        let rows = permute.map_or(Rows::Plain, Rows::Permute);
+        plan_tensor(&ckpt, mix, layers, name, src, rows, layer)
+    };
     macro_rules! plan {
         ($($a:expr),*) => { plans.push(plan_one($($a),*)?) };
     }
@@ -524,6 +518,34 @@ pub fn convert_with(
     write_plans(&ckpt, out, &md, plans, warnings, &mut progress)
 }
 
+/// Source tensor `src` written as `name` with its rows as `rows` says: vectors (norms, biases)
+/// and routers in f32, the rest in the type the mix gives `name` in `layer` of `blocks`.
+fn plan_tensor(
+    ckpt: &Checkpoint,
+    mix: ConvertType,
+    blocks: usize,
+    name: String,
+    src: String,
+    rows: Rows,
+    layer: Option<usize>,
+) -> Result<Plan> {
+    let shape = ckpt.desc(&src)?.shape.clone();
+    let ty = match shape.last() {
+        Some(&cols) if shape.len() > 1 && !name.contains("ffn_gate_inp") => {
+            choose_type(mix, &name, cols, layer, blocks)
+        }
+        _ => QuantType::F32,
+    };
+    Ok(Plan {
+        name,
+        shape,
+        ty,
+        sources: vec![src],
+        rows,
+        computed: None,
+    })
+}
+
 /// Write `plans` with metadata `md` to `out`, reading every source from `ckpt`.
 fn write_plans(
     ckpt: &Checkpoint,
@@ -616,15 +638,7 @@ fn convert_deepseek_family(
     let shared = cfg.usize_or("n_shared_experts", 0)?;
     let moe_inter = cfg.usize("moe_intermediate_size")?;
     let dense_lead = cfg.usize_or("first_k_dense_replace", 0)?;
-    if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
-        if f != "sigmoid" {
-            return Err(Error::config(
-                cfg.path(),
-                "scoring_func",
-                format!("`{f}` is not supported (this family routes with `sigmoid`)"),
-            ));
-        }
-    }
+    crate::model::deepseek_v3::check_sigmoid_scoring(&cfg)?;
     if let Some(list) = cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
         let leading = list
             .iter()
@@ -642,18 +656,8 @@ fn convert_deepseek_family(
     let u32v = |v: usize| GgufValue::U32(v as u32);
     let f32v = |v: f64| GgufValue::F32(v as f32);
     let key = |k: &str| format!("{a}.{k}");
-    let mut md: Vec<(String, GgufValue)> = vec![
-        ("general.architecture".into(), GgufValue::String(a.into())),
-        (
-            "general.name".into(),
-            GgufValue::String(
-                dir.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "model".into()),
-            ),
-        ),
-        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
-        ("general.quantization_version".into(), GgufValue::U32(2)),
+    let mut md = general_metadata(dir, a, mix);
+    md.extend([
         (
             key("context_length"),
             u32v(cfg.usize_or("max_position_embeddings", 4096)?),
@@ -676,7 +680,7 @@ fn convert_deepseek_family(
             key("expert_weights_norm"),
             GgufValue::Bool(cfg.bool_or("norm_topk_prob", true)?),
         ),
-    ];
+    ]);
     if let Some(s) = cfg.opt_f64("routed_scaling_factor")? {
         md.push((key("expert_weights_scale"), f32v(s)));
     }
@@ -818,22 +822,8 @@ fn convert_deepseek_family(
 
     // Tensors.
     let blocks = layers + nextn;
-    let plan = |name: String, src: String, layer: Option<usize>| -> Result<Plan> {
-        let d = ckpt.desc(&src)?;
-        let shape = d.shape.clone();
-        let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
-            QuantType::F32
-        } else {
-            choose_type(mix, &name, *shape.last().unwrap(), layer, blocks)
-        };
-        Ok(Plan {
-            name,
-            shape,
-            ty,
-            sources: vec![src],
-            rows: Rows::Plain,
-            computed: None,
-        })
+    let plan = |name: String, src: String, layer: Option<usize>| {
+        plan_tensor(&ckpt, mix, blocks, name, src, Rows::Plain, layer)
     };
     let mut plans = vec![plan(
         "token_embd.weight".into(),

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
 pub use super::registry::StackNames;
-use super::registry::{Abilities, Experts, Family, Gguf, GgufReads};
+use super::registry::{boxed_load, Abilities, Experts, Family, Gguf, GgufReads};
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, SelfAttention, StandardConfig, Transformer,
 };
@@ -33,40 +33,22 @@ pub const EXPERTS: Experts = Experts {
 
 /// DeepSeek-V3 / R1 and Kimi K2 (whose own `model_type` transformers remaps to deepseek_v3) in
 /// the registry; GGUF `deepseek2`.
-pub const FAMILY: Family = Family {
-    model_types: &["deepseek_v3", "kimi_k2"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::LATENT_ATTENTION_AND_MTP,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(EXPERTS),
-    gguf: Some(Gguf {
-        arch: "deepseek2",
-        reads: GgufReads::All,
-        also_reads: &[],
-        permute_qk: false,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["deepseek_v3", "kimi_k2"], boxed_load!(load))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("deepseek2"));
 
 /// Kimi K2.5's text model in the registry: a DeepSeek-V3 config in `text_config`, tensors
 /// under `language_model.*`; written to GGUF as `deepseek2` (read back as DeepSeek-V3).
-pub const KIMI_K25: Family = Family {
-    model_types: &["kimi_k25"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load_kimi_k25(ckpt, cfg, opts)?)),
-    abilities: Abilities::LATENT_ATTENTION_AND_MTP,
-    normalize: Some(kimi_k25_text_config),
-    names: StackNames {
+pub const KIMI_K25: Family = Family::new(&["kimi_k25"], boxed_load!(load_kimi_k25))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_normalize(kimi_k25_text_config)
+    .with_names(StackNames {
         model: "language_model.model",
         lm_head: "language_model.lm_head",
-    },
-    experts: Some(EXPERTS),
-    gguf: Some(Gguf {
-        arch: "deepseek2",
-        reads: GgufReads::Never,
-        also_reads: &[],
-        permute_qk: false,
-    }),
-};
+    })
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("deepseek2").reading(GgufReads::Never));
 
 /// Build a DeepSeek-V3 model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
@@ -122,6 +104,18 @@ pub fn kimi_k25_text_config(cfg: &ModelConfig) -> Result<ModelConfig> {
     Ok(ModelConfig::from_value(cfg.path().to_path_buf(), text))
 }
 
+/// Refuse a `scoring_func` other than `sigmoid`, the only one the DeepSeek MoE routes with.
+pub fn check_sigmoid_scoring(cfg: &ModelConfig) -> Result<()> {
+    match cfg.get("scoring_func").and_then(|v| v.as_str()) {
+        Some(f) if f != "sigmoid" => Err(Error::config(
+            cfg.path(),
+            "scoring_func",
+            format!("`{f}` is not supported (this family routes with `sigmoid`)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The DeepSeek MoE settings of a config (shared by deepseek_v3, kimi, glm4_moe and
 /// glm_moe_dsa).
 pub struct DeepseekMoe {
@@ -151,15 +145,7 @@ impl DeepseekMoe {
                 ),
             ));
         }
-        if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
-            if f != "sigmoid" {
-                return Err(Error::config(
-                    cfg.path(),
-                    "scoring_func",
-                    format!("`{f}` is not supported (this family routes with `sigmoid`)"),
-                ));
-            }
-        }
+        check_sigmoid_scoring(cfg)?;
         let is_moe = match cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
             Some(list) => {
                 if list.len() != layers {

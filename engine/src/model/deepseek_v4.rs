@@ -581,22 +581,17 @@ pub struct DeepseekV4 {
 /// DeepSeek-V4 in the registry: its own stack; llama.cpp has no layout for it. `normalize` is
 /// left out because the loader applies [`normalize_config`] itself, once the layer count is
 /// checked against the checkpoint (normalizing builds per-layer lists).
-pub const FAMILY: super::registry::Family = super::registry::Family {
-    model_types: &["deepseek_v4"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: super::registry::Abilities::NONE,
-    normalize: None,
-    names: super::registry::StackNames {
-        model: "model",
-        lm_head: "head",
-    },
-    experts: Some(super::registry::Experts {
-        count: "n_routed_experts",
-        block: "ffn",
-        matrices: ["w1", "w3", "w2"],
-    }),
-    gguf: None,
-};
+pub const FAMILY: super::registry::Family =
+    super::registry::Family::new(&["deepseek_v4"], super::registry::boxed_load!(load))
+        .with_names(super::registry::StackNames {
+            model: "model",
+            lm_head: "head",
+        })
+        .with_experts(super::registry::Experts {
+            count: "n_routed_experts",
+            block: "ffn",
+            matrices: ["w1", "w3", "w2"],
+        });
 
 /// The config in transformers' modern form: hub checkpoints ship the legacy keys
 /// (`compress_ratios` per layer, `compress_rate_csa` / `compress_rate_hca`, `num_hash_layers`,

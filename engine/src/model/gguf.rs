@@ -70,41 +70,65 @@ pub fn open(path: &Path, access: Access) -> Result<(GgufFile, ModelConfig, Check
     Ok((gguf, config, ckpt))
 }
 
+/// The `{arch}.*` metadata keys of a GGUF file, read with the file and the key named in errors.
+struct ArchKeys<'a> {
+    g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl ArchKeys<'_> {
+    /// The full key of `k` (`qwen3moe.block_count`).
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// An integer that must be there.
+    fn need(&self, k: &str) -> Result<u64> {
+        self.g.get_u64(&self.key(k))?.ok_or_else(|| {
+            Error::config(self.g.path(), self.key(k), "missing from the GGUF metadata")
+        })
+    }
+
+    /// An integer that may be missing.
+    fn opt_u(&self, k: &str) -> Result<Option<u64>> {
+        self.g.get_u64(&self.key(k))
+    }
+
+    /// A float that may be missing.
+    fn opt_f(&self, k: &str) -> Result<Option<f64>> {
+        self.g.get_f64(&self.key(k))
+    }
+}
+
 /// Build the `config.json` our loaders read from the GGUF metadata.
 pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let arch = g.architecture()?.to_string();
     let path = g.path().to_path_buf();
-    let key = |k: &str| format!("{arch}.{k}");
-    let need = |k: &str| -> Result<u64> {
-        g.get_u64(&key(k))?
-            .ok_or_else(|| Error::config(&path, key(k), "missing from the GGUF metadata"))
-    };
-    let opt_u = |k: &str| g.get_u64(&key(k));
-    let opt_f = |k: &str| g.get_f64(&key(k));
+    let meta = ArchKeys { g, arch: &arch };
     let embd = g
         .get_tensor("token_embd.weight")
         .ok_or_else(|| Error::tensor(&path, "token_embd.weight", "missing from the GGUF file"))?;
     let vocab = embd.shape[0];
     // Counts are checked against the tensors the file holds before anything is built per
     // block or per expert.
-    let experts = opt_u("expert_count")?.unwrap_or(0);
+    let experts = meta.opt_u("expert_count")?.unwrap_or(0);
     if experts > 0 {
         let present = experts_in_file(g);
         if experts > present as u64 {
             return Err(Error::config(
                 &path,
-                key("expert_count"),
+                meta.key("expert_count"),
                 format!("is {experts}, but the file has tensors for only {present} experts"),
             ));
         }
     }
     let used_count = || -> Result<u64> {
-        let experts = need("expert_count")?;
-        let used = need("expert_used_count")?;
+        let experts = meta.need("expert_count")?;
+        let used = meta.need("expert_used_count")?;
         if used == 0 || used > experts {
             return Err(Error::config(
                 &path,
-                key("expert_used_count"),
+                meta.key("expert_used_count"),
                 format!(
                     "is {used}, but each token is routed to at least one and at most all of the \
                      {experts} experts (expert_count)"
@@ -127,23 +151,23 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         }
     };
     let deepseek_family = matches!(arch.as_str(), "deepseek2" | "glm4moe");
-    let heads = need("attention.head_count")?;
-    let hidden = need("embedding_length")?;
+    let heads = meta.need("attention.head_count")?;
+    let hidden = meta.need("embedding_length")?;
     // MTP ("nextn") blocks are counted in block_count and come last.
-    let blocks = need("block_count")?;
+    let blocks = meta.need("block_count")?;
     let present = numbered_parts(g.tensors().iter().map(|t| t.name.as_str()), "blk");
     if blocks > present as u64 {
         return Err(Error::config(
             &path,
-            key("block_count"),
+            meta.key("block_count"),
             format!("is {blocks}, but the file has tensors for only {present} blocks (blk.N)"),
         ));
     }
-    let nextn = opt_u("nextn_predict_layers")?.unwrap_or(0);
+    let nextn = meta.opt_u("nextn_predict_layers")?.unwrap_or(0);
     if nextn >= blocks {
         return Err(Error::config(
             &path,
-            key("nextn_predict_layers"),
+            meta.key("nextn_predict_layers"),
             format!("is {nextn}, but block_count is only {blocks}"),
         ));
     }
@@ -160,34 +184,36 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     c.insert("num_attention_heads".into(), json!(heads));
     c.insert(
         "num_key_value_heads".into(),
-        json!(opt_u("attention.head_count_kv")?.unwrap_or(heads)),
+        json!(meta.opt_u("attention.head_count_kv")?.unwrap_or(heads)),
     );
     if arch != "deepseek2" {
         // (deepseek2's key_length is the latent "MQA head" or nope + rope, never head_dim.)
-        if let Some(hd) = opt_u("attention.key_length")? {
+        if let Some(hd) = meta.opt_u("attention.key_length")? {
             c.insert("head_dim".into(), json!(hd));
         }
     }
     c.insert(
         "rms_norm_eps".into(),
-        json!(opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5)),
+        json!(meta
+            .opt_f("attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-5)),
     );
     c.insert(
         "rope_theta".into(),
-        json!(opt_f("rope.freq_base")?.unwrap_or(10000.0)),
+        json!(meta.opt_f("rope.freq_base")?.unwrap_or(10000.0)),
     );
     c.insert(
         "max_position_embeddings".into(),
-        json!(opt_u("context_length")?.unwrap_or(4096)),
+        json!(meta.opt_u("context_length")?.unwrap_or(4096)),
     );
     c.insert(
         "tie_word_embeddings".into(),
         json!(g.get_tensor("output.weight").is_none()),
     );
-    if let Some(ff) = opt_u("feed_forward_length")? {
+    if let Some(ff) = meta.opt_u("feed_forward_length")? {
         c.insert("intermediate_size".into(), json!(ff));
     }
-    if let Some(clip) = opt_f("attention.clamp_kqv")? {
+    if let Some(clip) = meta.opt_f("attention.clamp_kqv")? {
         c.insert("clip_qkv".into(), json!(clip));
     }
     // llama.cpp keeps keys and values in f16 by default; run GGUF files the same way. (Not
@@ -208,14 +234,14 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         c.insert("num_experts".into(), json!(experts));
         c.insert("num_local_experts".into(), json!(experts));
         c.insert("num_experts_per_tok".into(), json!(used));
-        if let Some(ff) = opt_u("expert_feed_forward_length")? {
+        if let Some(ff) = meta.opt_u("expert_feed_forward_length")? {
             c.insert("moe_intermediate_size".into(), json!(ff));
             if model_type != "qwen3_moe" {
                 c.insert("intermediate_size".into(), json!(ff));
             }
         }
         // Layers without a router are dense (a Qwen3-MoE `mlp_only_layers` checkpoint).
-        let layers = need("block_count")? as usize;
+        let layers = meta.need("block_count")? as usize;
         let dense: Vec<usize> = (0..layers)
             .filter(|l| {
                 g.get_tensor(&format!("blk.{l}.ffn_gate_inp.weight"))
@@ -228,25 +254,27 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         // llama.cpp renormalises the top-k weights for qwen3moe (and mixtral), not olmoe.
         c.insert("norm_topk_prob".into(), json!(model_type != "olmoe"));
     }
-    match g.get_str(&key("rope.scaling.type"))? {
+    match g.get_str(&meta.key("rope.scaling.type"))? {
         None | Some("none") => {}
         Some("linear") => {
-            let factor = opt_f("rope.scaling.factor")?.unwrap_or(1.0);
+            let factor = meta.opt_f("rope.scaling.factor")?.unwrap_or(1.0);
             c.insert(
                 "rope_scaling".into(),
                 json!({"rope_type": "linear", "factor": factor}),
             );
         }
         Some("yarn") => {
-            let factor = opt_f("rope.scaling.factor")?.unwrap_or(1.0);
-            let orig = opt_u("rope.scaling.original_context_length")?.unwrap_or(4096);
+            let factor = meta.opt_f("rope.scaling.factor")?.unwrap_or(1.0);
+            let orig = meta
+                .opt_u("rope.scaling.original_context_length")?
+                .unwrap_or(4096);
             let mut yarn = json!({"rope_type": "yarn", "factor": factor,
                                   "original_max_position_embeddings": orig});
             for (k, field) in [
                 ("rope.scaling.yarn_beta_fast", "beta_fast"),
                 ("rope.scaling.yarn_beta_slow", "beta_slow"),
             ] {
-                if let Some(b) = opt_f(k)? {
+                if let Some(b) = meta.opt_f(k)? {
                     yarn[field] = json!(b);
                 }
             }
@@ -258,16 +286,16 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
                     "rope.scaling.attn_factor",
                     "rope.scaling.yarn_ext_factor",
                 ] {
-                    if let Some(v) = opt_f(k)?.filter(|&v| v != 1.0) {
+                    if let Some(v) = meta.opt_f(k)?.filter(|&v| v != 1.0) {
                         return Err(Error::config(
                             &path,
-                            key(k),
+                            meta.key(k),
                             format!("is {v}; this build runs deepseek2 yarn with 1 only"),
                         ));
                     }
                 }
                 yarn["attention_factor"] = json!(1.0);
-                if let Some(m) = opt_f("rope.scaling.yarn_log_multiplier")? {
+                if let Some(m) = meta.opt_f("rope.scaling.yarn_log_multiplier")? {
                     // Undo the converter's 0.1 in f32, as llama.cpp's loader does.
                     yarn["mscale_all_dim"] = json!((m as f32 / 0.1f32) as f64);
                 }
@@ -277,7 +305,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         Some(other) => {
             return Err(Error::config(
                 &path,
-                key("rope.scaling.type"),
+                meta.key("rope.scaling.type"),
                 format!("rope scaling `{other}` is not supported (supported: none, linear, yarn)"),
             ))
         }
@@ -321,18 +349,12 @@ fn deepseek_family_config(
     experts_used: u64,
 ) -> Result<()> {
     let path = g.path().to_path_buf();
-    let key = |k: &str| format!("{arch}.{k}");
-    let need = |k: &str| -> Result<u64> {
-        g.get_u64(&key(k))?
-            .ok_or_else(|| Error::config(&path, key(k), "missing from the GGUF metadata"))
-    };
-    let opt_u = |k: &str| g.get_u64(&key(k));
-    let opt_f = |k: &str| g.get_f64(&key(k));
+    let meta = ArchKeys { g, arch };
 
     // Routing. llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax over the
     // selected experts. Without the key llama.cpp routes deepseek2 with softmax (DeepSeek-V2
     // / V2.5 files), except GLM-4.7-Flash-sized ones, and glm4moe with sigmoid.
-    let gating = opt_u("expert_gating_func")?;
+    let gating = meta.opt_u("expert_gating_func")?;
     let sigmoid = match gating {
         Some(2) => true,
         Some(_) => false,
@@ -353,62 +375,70 @@ fn deepseek_family_config(
                  this build does not run (it routes with sigmoid, expert_gating_func = 2)"
             ),
         };
-        return Err(Error::config(&path, key("expert_gating_func"), message));
+        return Err(Error::config(
+            &path,
+            meta.key("expert_gating_func"),
+            message,
+        ));
     }
-    let experts = need("expert_count")?;
+    let experts = meta.need("expert_count")?;
     c.insert("n_routed_experts".into(), json!(experts));
     c.insert("num_experts_per_tok".into(), json!(experts_used));
     c.insert(
         "moe_intermediate_size".into(),
-        json!(need("expert_feed_forward_length")?),
+        json!(meta.need("expert_feed_forward_length")?),
     );
     c.insert(
         "n_shared_experts".into(),
-        json!(opt_u("expert_shared_count")?.unwrap_or(0)),
+        json!(meta.opt_u("expert_shared_count")?.unwrap_or(0)),
     );
-    let dense = opt_u("leading_dense_block_count")?.unwrap_or(0);
+    let dense = meta.opt_u("leading_dense_block_count")?.unwrap_or(0);
     c.insert("first_k_dense_replace".into(), json!(dense));
     if dense > 0 {
         c.insert(
             "intermediate_size".into(),
-            json!(need("feed_forward_length")?),
+            json!(meta.need("feed_forward_length")?),
         );
     }
-    let groups = opt_u("expert_group_count")?.unwrap_or(0).max(1);
+    let groups = meta.opt_u("expert_group_count")?.unwrap_or(0).max(1);
     c.insert("n_group".into(), json!(groups));
     c.insert(
         "topk_group".into(),
-        json!(opt_u("expert_group_used_count")?
+        json!(meta
+            .opt_u("expert_group_used_count")?
             .filter(|&n| n > 0)
             .unwrap_or(groups)),
     );
     c.insert(
         "norm_topk_prob".into(),
-        json!(g.get_bool(&key("expert_weights_norm"))?.unwrap_or(false)),
+        json!(g
+            .get_bool(&meta.key("expert_weights_norm"))?
+            .unwrap_or(false)),
     );
     c.insert(
         "routed_scaling_factor".into(),
-        json!(opt_f("expert_weights_scale")?
+        json!(meta
+            .opt_f("expert_weights_scale")?
             .filter(|&s| s != 0.0)
             .unwrap_or(1.0)),
     );
     c.insert("scoring_func".into(), json!("sigmoid"));
 
     if arch == "deepseek2" {
-        let kv_lora = need("attention.kv_lora_rank")?;
-        let rope = need("rope.dimension_count")?;
-        let (qk, qk_key) = match opt_u("attention.key_length_mla")? {
+        let kv_lora = meta.need("attention.kv_lora_rank")?;
+        let rope = meta.need("rope.dimension_count")?;
+        let (qk, qk_key) = match meta.opt_u("attention.key_length_mla")? {
             Some(k) => (k, "attention.key_length_mla"),
-            None => (need("attention.key_length")?, "attention.key_length"),
+            None => (meta.need("attention.key_length")?, "attention.key_length"),
         };
-        let v = match opt_u("attention.value_length_mla")? {
+        let v = match meta.opt_u("attention.value_length_mla")? {
             Some(v) => v,
-            None => need("attention.value_length")?,
+            None => meta.need("attention.value_length")?,
         };
         if qk <= rope || rope % 2 != 0 {
             return Err(Error::config(
                 &path,
-                key(qk_key),
+                meta.key(qk_key),
                 format!(
                     "is {qk}, which leaves no even split into nope + rope with rope.dimension_count = {rope}"
                 ),
@@ -418,14 +448,14 @@ fn deepseek_family_config(
         c.insert("qk_rope_head_dim".into(), json!(rope));
         c.insert("qk_nope_head_dim".into(), json!(qk - rope));
         c.insert("v_head_dim".into(), json!(v));
-        match opt_u("attention.q_lora_rank")?.filter(|&q| q > 0) {
+        match meta.opt_u("attention.q_lora_rank")?.filter(|&q| q > 0) {
             Some(q) => {
                 c.insert("q_lora_rank".into(), json!(q));
             }
             None if g.get_tensor("blk.0.attn_q_a.weight").is_some() => {
                 return Err(Error::config(
                     &path,
-                    key("attention.q_lora_rank"),
+                    meta.key("attention.q_lora_rank"),
                     "missing from the GGUF metadata, but the file has low-rank queries (blk.0.attn_q_a)",
                 ))
             }
@@ -437,15 +467,15 @@ fn deepseek_family_config(
         let hd = match c.get("head_dim").and_then(|v| v.as_u64()) {
             Some(hd) => hd,
             None => hidden
-                .checked_div(need("attention.head_count")?)
-                .ok_or_else(|| Error::config(&path, key("attention.head_count"), "is 0"))?,
+                .checked_div(meta.need("attention.head_count")?)
+                .ok_or_else(|| Error::config(&path, meta.key("attention.head_count"), "is 0"))?,
         };
-        let rot = opt_u("rope.dimension_count")?.unwrap_or(hd);
+        let rot = meta.opt_u("rope.dimension_count")?.unwrap_or(hd);
         let partial = rot as f64 / hd.max(1) as f64;
         if rot > hd || rot % 2 != 0 || (hd as f64 * partial) as u64 != rot {
             return Err(Error::config(
                 &path,
-                key("rope.dimension_count"),
+                meta.key("rope.dimension_count"),
                 format!("is {rot}, which is no even part of the head dimension {hd}"),
             ));
         }

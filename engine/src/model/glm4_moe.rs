@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::deepseek_v3::{DeepseekMoe, EXPERTS};
 use super::layers::{QkNorm, RmsNorm};
-use super::registry::{Abilities, Family, Gguf, GgufReads, StackNames};
+use super::registry::{boxed_load, Family, Gguf};
 use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -17,20 +17,9 @@ use crate::store::{self, ExpertStore};
 use crate::Result;
 
 /// GLM-4.5 / 4.6 / 4.7 in the registry (GGUF `glm4moe`).
-pub const FAMILY: Family = Family {
-    model_types: &["glm4_moe"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::NONE,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(EXPERTS),
-    gguf: Some(Gguf {
-        arch: "glm4moe",
-        reads: GgufReads::All,
-        also_reads: &[],
-        permute_qk: false,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["glm4_moe"], boxed_load!(load))
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("glm4moe"));
 
 /// Build a GLM-4 MoE model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {

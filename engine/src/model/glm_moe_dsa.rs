@@ -10,7 +10,7 @@
 use super::deepseek_v3::{load_mla_stack, EXPERTS};
 use super::layers::Linear;
 use super::mla::{Indexer, LayerNorm, Sparse};
-use super::registry::{Abilities, Family, StackNames};
+use super::registry::{boxed_load, Abilities, Family, StackNames};
 use super::transformer::Transformer;
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -18,15 +18,9 @@ use crate::format::safetensors::Checkpoint;
 use crate::{Error, Result};
 
 /// GLM-5 in the registry; llama.cpp has no layout for it.
-pub const FAMILY: Family = Family {
-    model_types: &["glm_moe_dsa"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::LATENT_ATTENTION_AND_MTP,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(EXPERTS),
-    gguf: None,
-};
+pub const FAMILY: Family = Family::new(&["glm_moe_dsa"], boxed_load!(load))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_experts(EXPERTS);
 
 /// Whether each layer runs its own indexer (`true`) or shares the previous pick.
 pub fn indexer_types(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {

@@ -2,7 +2,7 @@
 //! linear, llama3 or yarn scaling), grouped-query attention with optional biases, SwiGLU MLP.
 
 use super::layers::{Mlp, QkNorm};
-use super::registry::{Abilities, Family, Gguf, GgufReads, StackNames};
+use super::registry::{boxed_load, Family, Gguf, GgufReads};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -11,20 +11,12 @@ use crate::Result;
 
 /// Llama in the registry; GGUF `llama` files without experts (llama.cpp permutes their Q/K),
 /// and `qwen2` files (llama with q/k/v biases).
-pub const FAMILY: Family = Family {
-    model_types: &["llama"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::NONE,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: None,
-    gguf: Some(Gguf {
-        arch: "llama",
-        reads: GgufReads::WithoutExperts,
-        also_reads: &["qwen2"],
-        permute_qk: true,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["llama"], boxed_load!(load)).with_gguf(
+    Gguf::new("llama")
+        .reading(GgufReads::WithoutExperts)
+        .also_reading(&["qwen2"])
+        .permuted(),
+);
 
 /// Build a Llama model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &LoadOptions) -> Result<Transformer> {

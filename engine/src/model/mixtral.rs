@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::experts_per_token;
 use super::layers::{Linear, MoeBlock, QkNorm, Router};
-use super::registry::{Abilities, Experts, Family, Gguf, GgufReads, StackNames};
+use super::registry::{boxed_load, Experts, Family, Gguf, GgufReads};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -23,20 +23,13 @@ pub const EXPERTS: Experts = Experts {
 };
 
 /// Mixtral in the registry; llama.cpp writes it as `llama` (with experts, Q/K permuted).
-pub const FAMILY: Family = Family {
-    model_types: &["mixtral"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::NONE,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(EXPERTS),
-    gguf: Some(Gguf {
-        arch: "llama",
-        reads: GgufReads::WithExperts,
-        also_reads: &[],
-        permute_qk: true,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["mixtral"], boxed_load!(load))
+    .with_experts(EXPERTS)
+    .with_gguf(
+        Gguf::new("llama")
+            .reading(GgufReads::WithExperts)
+            .permuted(),
+    );
 
 /// Build a Mixtral model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::layers::{Linear, MoeBlock, QkNorm, RmsNorm, Router};
-use super::registry::{Abilities, Experts, Family, Gguf, GgufReads, StackNames};
+use super::registry::{boxed_load, Experts, Family, Gguf};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -14,20 +14,9 @@ use crate::store::{self, ExpertStore};
 use crate::Result;
 
 /// OLMoE in the registry (GGUF `olmoe`).
-pub const FAMILY: Family = Family {
-    model_types: &["olmoe"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::NONE,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(Experts::QWEN),
-    gguf: Some(Gguf {
-        arch: "olmoe",
-        reads: GgufReads::All,
-        also_reads: &[],
-        permute_qk: false,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["olmoe"], boxed_load!(load))
+    .with_experts(Experts::QWEN)
+    .with_gguf(Gguf::new("olmoe"));
 
 /// Build an OLMoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {

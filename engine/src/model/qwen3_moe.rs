@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
-use super::registry::{Abilities, Experts, Family, Gguf, GgufReads, StackNames};
+use super::registry::{boxed_load, Experts, Family, Gguf};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
@@ -15,20 +15,9 @@ use crate::store::{self, ExpertStore};
 use crate::Result;
 
 /// Qwen3-MoE in the registry (GGUF `qwen3moe`).
-pub const FAMILY: Family = Family {
-    model_types: &["qwen3_moe"],
-    load: |ckpt, cfg, opts| Ok(Box::new(load(ckpt, cfg, opts)?)),
-    abilities: Abilities::NONE,
-    normalize: None,
-    names: StackNames::STANDARD,
-    experts: Some(Experts::QWEN),
-    gguf: Some(Gguf {
-        arch: "qwen3moe",
-        reads: GgufReads::All,
-        also_reads: &[],
-        permute_qk: false,
-    }),
-};
+pub const FAMILY: Family = Family::new(&["qwen3_moe"], boxed_load!(load))
+    .with_experts(Experts::QWEN)
+    .with_gguf(Gguf::new("qwen3moe"));
 
 /// Build a Qwen3-MoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {

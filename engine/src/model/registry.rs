@@ -30,6 +30,14 @@ pub const FAMILIES: &[&Family] = &[
     &super::deepseek_v4::FAMILY,
 ];
 
+/// A [`LoadFn`] from a family's `load` that returns its own model type.
+macro_rules! boxed_load {
+    ($load:path) => {
+        |ckpt, cfg, opts| Ok(Box::new($load(ckpt, cfg, opts)?))
+    };
+}
+pub(crate) use boxed_load;
+
 /// Build a family's model from an opened checkpoint and its `config.json`.
 pub type LoadFn = fn(&Checkpoint, &ModelConfig, &LoadOptions) -> Result<Box<dyn CausalLm>>;
 
@@ -193,7 +201,88 @@ pub struct Gguf {
     pub permute_qk: bool,
 }
 
+impl Gguf {
+    /// Architecture `arch`, every file of it read as the family, Q/K as stored.
+    pub const fn new(arch: &'static str) -> Gguf {
+        Gguf {
+            arch,
+            reads: GgufReads::All,
+            also_reads: &[],
+            permute_qk: false,
+        }
+    }
+
+    /// Only these files of the architecture are the family.
+    pub const fn reading(self, reads: GgufReads) -> Gguf {
+        Gguf { reads, ..self }
+    }
+
+    /// Also every file of these architectures.
+    pub const fn also_reading(self, also_reads: &'static [&'static str]) -> Gguf {
+        Gguf { also_reads, ..self }
+    }
+
+    /// Q and K rows permuted for llama.cpp's adjacent-pair RoPE.
+    pub const fn permuted(self) -> Gguf {
+        Gguf {
+            permute_qk: true,
+            ..self
+        }
+    }
+}
+
 impl Family {
+    /// A dense family on the standard stack names (`model.*`, `lm_head`) with no abilities,
+    /// normalization or GGUF layout; the `with_*` methods add what it has.
+    pub const fn new(model_types: &'static [&'static str], load: LoadFn) -> Family {
+        Family {
+            model_types,
+            load,
+            abilities: Abilities::NONE,
+            normalize: None,
+            names: StackNames::STANDARD,
+            experts: None,
+            gguf: None,
+        }
+    }
+
+    /// With these abilities.
+    pub const fn with_abilities(self, abilities: Abilities) -> Family {
+        Family { abilities, ..self }
+    }
+
+    /// With its config normalized by `normalize` before loading or converting.
+    pub const fn with_normalize(
+        self,
+        normalize: fn(&ModelConfig) -> Result<ModelConfig>,
+    ) -> Family {
+        Family {
+            normalize: Some(normalize),
+            ..self
+        }
+    }
+
+    /// With its stack under these names.
+    pub const fn with_names(self, names: StackNames) -> Family {
+        Family { names, ..self }
+    }
+
+    /// With routed experts laid out so.
+    pub const fn with_experts(self, experts: Experts) -> Family {
+        Family {
+            experts: Some(experts),
+            ..self
+        }
+    }
+
+    /// With this GGUF layout.
+    pub const fn with_gguf(self, gguf: Gguf) -> Family {
+        Family {
+            gguf: Some(gguf),
+            ..self
+        }
+    }
+
     /// The `model_type` it writes.
     pub fn model_type(&self) -> &'static str {
         self.model_types[0]
