@@ -463,23 +463,9 @@ pub fn convert_with(
                 let sources: Vec<String> = (0..experts)
                     .map(|e| layout.matrix("model", l, e, i))
                     .collect();
-                let first = ckpt.desc(&sources[0])?.shape.clone();
-                for s in &sources {
-                    if ckpt.desc(s)?.shape != first {
-                        return Err(Error::tensor(dir, s, "experts of a layer differ in shape"));
-                    }
-                }
-                let mut shape = vec![experts];
-                shape.extend(&first);
-                let ty = choose_type(mix, &name, first[1], Some(l), layers);
-                plans.push(Plan {
-                    name,
-                    shape,
-                    ty,
-                    sources,
-                    rows: Rows::Plain,
-                    computed: None,
-                });
+                plans.push(plan_fused_experts(
+                    &ckpt, dir, mix, layers, name, sources, l,
+                )?);
             }
         } else {
             for (g, h) in [
@@ -542,6 +528,53 @@ fn plan_tensor(
         ty,
         sources: vec![src],
         rows,
+        computed: None,
+    })
+}
+
+/// Layer `layer`'s routed experts fused into one tensor `name` (`[experts, rows, cols]`, as
+/// llama.cpp's `ffn_{gate,up,down}_exps`), one source per expert, all of one shape.
+fn plan_fused_experts(
+    ckpt: &Checkpoint,
+    dir: &Path,
+    mix: ConvertType,
+    blocks: usize,
+    name: String,
+    sources: Vec<String>,
+    layer: usize,
+) -> Result<Plan> {
+    let Some(first) = sources.first() else {
+        return Err(Error::tensor(
+            dir,
+            name,
+            "a MoE layer needs at least one routed expert",
+        ));
+    };
+    let first = ckpt.desc(first)?.shape.clone();
+    for src in &sources {
+        if ckpt.desc(src)?.shape != first {
+            return Err(Error::tensor(
+                dir,
+                src,
+                "experts of a layer differ in shape",
+            ));
+        }
+    }
+    let Some(&cols) = first.last() else {
+        return Err(Error::tensor(
+            dir,
+            &sources[0],
+            "an expert matrix has no dimensions",
+        ));
+    };
+    let mut shape = vec![sources.len()];
+    shape.extend(&first);
+    Ok(Plan {
+        ty: choose_type(mix, &name, cols, Some(layer), blocks),
+        name,
+        shape,
+        sources,
+        rows: Rows::Plain,
         computed: None,
     })
 }
@@ -954,27 +987,9 @@ fn convert_deepseek_family(
                 let sources: Vec<String> = (0..experts)
                     .map(|e| format!("{p}.mlp.experts.{e}.{which}_proj.weight"))
                     .collect();
-                let first = ckpt.desc(&sources[0])?.shape.clone();
-                for src in &sources {
-                    if ckpt.desc(src)?.shape != first {
-                        return Err(Error::tensor(
-                            dir,
-                            src,
-                            "experts of a layer differ in shape",
-                        ));
-                    }
-                }
-                let mut shape = vec![experts];
-                shape.extend(&first);
-                let ty = choose_type(mix, &name, *first.last().unwrap(), s, blocks);
-                plans.push(Plan {
-                    name,
-                    shape,
-                    ty,
-                    sources,
-                    rows: Rows::Plain,
-                    computed: None,
-                });
+                plans.push(plan_fused_experts(
+                    &ckpt, dir, mix, blocks, name, sources, l,
+                )?);
             }
             if shared > 0 {
                 for which in ["gate", "up", "down"] {

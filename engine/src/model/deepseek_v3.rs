@@ -353,7 +353,7 @@ pub fn load_mla_stack(
     let lm_head = if tie && !ckpt.contains(&head_name) {
         Linear::from_tensor(embed.clone())
     } else {
-        Linear::load(ckpt, &names.lm_head, vocab, d, false)?
+        Linear::load(ckpt, names.lm_head, vocab, d, false)?
     };
     let mut block = |l: usize| -> Result<Block> {
         let p = format!("{m}.layers.{l}");
