@@ -30,6 +30,7 @@ use serde_json::Value;
 use crate::format::config::ModelConfig;
 use crate::format::gguf::{GgmlType, GgufArray, GgufTensorSpec, GgufValue, GgufWriter};
 use crate::format::safetensors::Checkpoint;
+use crate::model::registry::{self, Family, Gguf, FAMILIES};
 use crate::tensor::quant::{quantize_row, QuantType};
 use crate::tensor::Tensor;
 use crate::{Error, Result};
@@ -160,61 +161,46 @@ fn ggml(q: QuantType) -> GgmlType {
     GgmlType::from_id(q.ggml_id()).expect("every QuantType is a ggml type")
 }
 
-/// The llama.cpp architecture name and per-family facts.
-struct Family {
-    arch: &'static str,
-    permute_qk: bool,
-    experts: usize,
-    expert_prefix: fn(usize, usize) -> String,
-    expert_names: [&'static str; 3],
-    router: fn(usize) -> String,
+/// The registry's family of `cfg`, if llama.cpp has a layout for it (its descriptor's `gguf`).
+fn gguf_family(cfg: &ModelConfig) -> Result<(&'static Family, Gguf)> {
+    let convertible = || {
+        FAMILIES
+            .iter()
+            .filter(|f| f.gguf.is_some())
+            .flat_map(|f| f.model_types.iter().copied())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mt = cfg.model_type()?;
+    match registry::by_model_type(&mt) {
+        Some(family @ Family { gguf: Some(g), .. }) => Ok((family, *g)),
+        _ => Err(Error::config(
+            cfg.path(),
+            "model_type",
+            format!(
+                "converting `{mt}` to GGUF is not supported (supported: {})",
+                convertible()
+            ),
+        )),
+    }
 }
 
-fn family(cfg: &ModelConfig) -> Result<Family> {
-    let mt = cfg.model_type()?;
-    let qwen_prefix = |l: usize, e: usize| format!("model.layers.{l}.mlp.experts.{e}");
-    let qwen_router = |l: usize| format!("model.layers.{l}.mlp.gate.weight");
-    Ok(match mt.as_str() {
-        "llama" => Family {
-            arch: "llama",
-            permute_qk: true,
-            experts: 0,
-            expert_prefix: qwen_prefix,
-            expert_names: ["gate_proj", "up_proj", "down_proj"],
-            router: qwen_router,
-        },
-        "mixtral" => Family {
-            arch: "llama",
-            permute_qk: true,
-            experts: cfg.usize("num_local_experts")?,
-            expert_prefix: |l, e| format!("model.layers.{l}.block_sparse_moe.experts.{e}"),
-            expert_names: ["w1", "w3", "w2"],
-            router: |l| format!("model.layers.{l}.block_sparse_moe.gate.weight"),
-        },
-        "olmoe" => Family {
-            arch: "olmoe",
-            permute_qk: false,
-            experts: cfg.usize("num_experts")?,
-            expert_prefix: qwen_prefix,
-            expert_names: ["gate_proj", "up_proj", "down_proj"],
-            router: qwen_router,
-        },
-        "qwen3_moe" => Family {
-            arch: "qwen3moe",
-            permute_qk: false,
-            experts: cfg.usize("num_experts")?,
-            expert_prefix: qwen_prefix,
-            expert_names: ["gate_proj", "up_proj", "down_proj"],
-            router: qwen_router,
-        },
-        other => {
-            return Err(Error::config(
-                cfg.path(),
-                "model_type",
-                format!("converting `{other}` to GGUF is not supported (supported: llama, mixtral, olmoe, qwen3_moe, deepseek_v3, kimi_k25, glm4_moe)"),
-            ))
-        }
-    })
+/// The `general.*` keys every file gets: architecture `arch`, the name (the model
+/// directory's), the mix's `file_type` and the quantization version.
+fn general_metadata(dir: &Path, arch: &str, mix: ConvertType) -> Vec<(String, GgufValue)> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    vec![
+        (
+            "general.architecture".into(),
+            GgufValue::String(arch.into()),
+        ),
+        ("general.name".into(), GgufValue::String(name)),
+        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
+        ("general.quantization_version".into(), GgufValue::U32(2)),
+    ]
 }
 
 /// Options of [`convert_with`].
@@ -247,13 +233,16 @@ pub fn convert_with(
     mut progress: impl FnMut(u64, u64),
 ) -> Result<ConvertReport> {
     let cfg = ModelConfig::from_model_dir(dir)?;
-    if matches!(
-        cfg.model_type()?.as_str(),
-        "deepseek_v3" | "kimi_k25" | "glm4_moe"
-    ) {
-        return convert_deepseek_family(dir, out, mix, opts, &cfg, &mut progress);
+    let (family, gguf) = gguf_family(&cfg)?;
+    if matches!(gguf.arch, "deepseek2" | "glm4moe") {
+        return convert_deepseek_family(dir, out, mix, opts, family, &cfg, &mut progress);
     }
-    let fam = family(&cfg)?;
+    // Where the experts are, and how many (a dense family has none).
+    let moe = match family.experts {
+        Some(experts) => Some((experts, cfg.usize(experts.count)?)),
+        None => None,
+    };
+    let experts = moe.map_or(0, |(_, n)| n);
     let ckpt = Checkpoint::open(dir)?;
     let mut warnings = Vec::new();
     let layers = cfg.usize("num_hidden_layers")?;
@@ -263,7 +252,7 @@ pub fn convert_with(
     let head_dim = cfg.usize_or("head_dim", hidden / heads)?;
     let rope = cfg.rope(10000.0)?;
     if let Some(w) = cfg.get("sliding_window").and_then(|v| v.as_u64()) {
-        if fam.arch == "llama" {
+        if gguf.arch == "llama" {
             warnings.push(format!(
                 "config.json has sliding_window = {w}; GGUF's llama architecture has none, so llama.cpp (and colibri on this file) attend to the whole context"
             ));
@@ -276,20 +265,10 @@ pub fn convert_with(
     }
 
     // Metadata.
-    let a = fam.arch;
+    let a = gguf.arch;
     let u32v = |v: usize| GgufValue::U32(v as u32);
-    let mut md: Vec<(String, GgufValue)> = vec![
-        ("general.architecture".into(), GgufValue::String(a.into())),
-        (
-            "general.name".into(),
-            GgufValue::String(
-                dir.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "model".into()),
-            ),
-        ),
-        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
-        ("general.quantization_version".into(), GgufValue::U32(2)),
+    let mut md = general_metadata(dir, a, mix);
+    md.extend([
         (format!("{a}.block_count"), u32v(layers)),
         (
             format!("{a}.context_length"),
@@ -310,7 +289,7 @@ pub fn convert_with(
             GgufValue::F32(rope.theta as f32),
         ),
         (format!("{a}.vocab_size"), u32v(cfg.usize("vocab_size")?)),
-    ];
+    ]);
     if let Some(c) = cfg.get("clip_qkv").and_then(|v| v.as_f64()) {
         md.push((format!("{a}.attention.clamp_kqv"), GgufValue::F32(c as f32)));
     }
@@ -333,14 +312,14 @@ pub fn convert_with(
             )))
         }
     }
-    let inter_key = if fam.experts > 0 && cfg.get("moe_intermediate_size").is_some() {
+    let inter_key = if experts > 0 && cfg.get("moe_intermediate_size").is_some() {
         "moe_intermediate_size"
     } else {
         "intermediate_size"
     };
     let expert_inter = cfg.usize(inter_key)?;
-    if fam.experts > 0 {
-        md.push((format!("{a}.expert_count"), u32v(fam.experts)));
+    if experts > 0 {
+        md.push((format!("{a}.expert_count"), u32v(experts)));
         md.push((
             format!("{a}.expert_used_count"),
             u32v(cfg.usize("num_experts_per_tok")?),
@@ -349,8 +328,8 @@ pub fn convert_with(
             format!("{a}.expert_feed_forward_length"),
             u32v(expert_inter),
         ));
-        let norm = cfg.bool_or("norm_topk_prob", fam.arch == "llama")?;
-        let llama_norm = fam.arch != "olmoe";
+        let norm = cfg.bool_or("norm_topk_prob", gguf.arch == "llama")?;
+        let llama_norm = gguf.arch != "olmoe";
         if norm != llama_norm {
             warnings.push(format!(
                 "config.json has norm_topk_prob = {norm}, but llama.cpp's `{a}` always uses {llama_norm}: llama.cpp will route differently from colibri on this file"
@@ -370,24 +349,10 @@ pub fn convert_with(
     // Tensors, in llama.cpp's order: embeddings, layers, final norm, output.
     let vocab = cfg.usize("vocab_size")?;
     let mut plans = Vec::new();
-    let plan_one =
-        |name: String, src: String, permute: Option<usize>, layer: Option<usize>| -> Result<Plan> {
-            let d = ckpt.desc(&src)?;
-            let shape = d.shape.clone();
-            let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
-                QuantType::F32
-            } else {
-                choose_type(mix, &name, *shape.last().unwrap(), layer, layers)
-            };
-            Ok(Plan {
-                name,
-                shape,
-                ty,
-                sources: vec![src],
-                rows: permute.map_or(Rows::Plain, Rows::Permute),
-                computed: None,
-            })
-        };
+    let plan_one = |name: String, src: String, permute: Option<usize>, layer: Option<usize>| {
+        let rows = permute.map_or(Rows::Plain, Rows::Permute);
+        plan_tensor(&ckpt, mix, layers, name, src, rows, layer)
+    };
     macro_rules! plan {
         ($($a:expr),*) => { plans.push(plan_one($($a),*)?) };
     }
@@ -429,7 +394,7 @@ pub fn convert_with(
         None,
         None
     );
-    let qk = |n: usize| if fam.permute_qk { Some(n) } else { None };
+    let qk = |n: usize| if gguf.permute_qk { Some(n) } else { None };
     for l in 0..layers {
         let p = format!("model.layers.{l}");
         let b = format!("blk.{l}");
@@ -479,36 +444,28 @@ pub fn convert_with(
         for (g, s, perm) in pairs {
             plan!(g, s, perm, Some(l));
         }
-        let router = (fam.router)(l);
-        if fam.experts > 0 && !ckpt.contains(&router) && fam.arch != "llama" {
+        let router = moe.map(|(x, _)| format!("{}.weight", x.router("model", l)));
+        let routed = router.as_ref().filter(|r| ckpt.contains(r));
+        if experts > 0 && routed.is_none() && gguf.arch != "llama" {
             warnings.push(format!(
                 "layer {l} is dense (no router): colibri runs this file, but llama.cpp's `{a}` expects every layer to be MoE and will refuse it"
             ));
         }
-        if fam.experts > 0 && ckpt.contains(&router) {
-            plan!(format!("{b}.ffn_gate_inp.weight"), router, None, Some(l));
-            for (which, hf) in ["gate", "up", "down"].iter().zip(fam.expert_names) {
+        if let (Some((layout, _)), Some(router), true) = (moe, routed, experts > 0) {
+            plan!(
+                format!("{b}.ffn_gate_inp.weight"),
+                router.clone(),
+                None,
+                Some(l)
+            );
+            for (i, which) in ["gate", "up", "down"].iter().enumerate() {
                 let name = format!("{b}.ffn_{which}_exps.weight");
-                let sources: Vec<String> = (0..fam.experts)
-                    .map(|e| format!("{}.{hf}.weight", (fam.expert_prefix)(l, e)))
+                let sources: Vec<String> = (0..experts)
+                    .map(|e| layout.matrix("model", l, e, i))
                     .collect();
-                let first = ckpt.desc(&sources[0])?.shape.clone();
-                for s in &sources {
-                    if ckpt.desc(s)?.shape != first {
-                        return Err(Error::tensor(dir, s, "experts of a layer differ in shape"));
-                    }
-                }
-                let mut shape = vec![fam.experts];
-                shape.extend(&first);
-                let ty = choose_type(mix, &name, first[1], Some(l), layers);
-                plans.push(Plan {
-                    name,
-                    shape,
-                    ty,
-                    sources,
-                    rows: Rows::Plain,
-                    computed: None,
-                });
+                plans.push(plan_fused_experts(
+                    &ckpt, dir, mix, layers, name, sources, l,
+                )?);
             }
         } else {
             for (g, h) in [
@@ -545,6 +502,81 @@ pub fn convert_with(
     }
 
     write_plans(&ckpt, out, &md, plans, warnings, &mut progress)
+}
+
+/// Source tensor `src` written as `name` with its rows as `rows` says: vectors (norms, biases)
+/// and routers in f32, the rest in the type the mix gives `name` in `layer` of `blocks`.
+fn plan_tensor(
+    ckpt: &Checkpoint,
+    mix: ConvertType,
+    blocks: usize,
+    name: String,
+    src: String,
+    rows: Rows,
+    layer: Option<usize>,
+) -> Result<Plan> {
+    let shape = ckpt.desc(&src)?.shape.clone();
+    let ty = match shape.last() {
+        Some(&cols) if shape.len() > 1 && !name.contains("ffn_gate_inp") => {
+            choose_type(mix, &name, cols, layer, blocks)
+        }
+        _ => QuantType::F32,
+    };
+    Ok(Plan {
+        name,
+        shape,
+        ty,
+        sources: vec![src],
+        rows,
+        computed: None,
+    })
+}
+
+/// Layer `layer`'s routed experts fused into one tensor `name` (`[experts, rows, cols]`, as
+/// llama.cpp's `ffn_{gate,up,down}_exps`), one source per expert, all of one shape.
+fn plan_fused_experts(
+    ckpt: &Checkpoint,
+    dir: &Path,
+    mix: ConvertType,
+    blocks: usize,
+    name: String,
+    sources: Vec<String>,
+    layer: usize,
+) -> Result<Plan> {
+    let Some(first) = sources.first() else {
+        return Err(Error::tensor(
+            dir,
+            name,
+            "a MoE layer needs at least one routed expert",
+        ));
+    };
+    let first = ckpt.desc(first)?.shape.clone();
+    for src in &sources {
+        if ckpt.desc(src)?.shape != first {
+            return Err(Error::tensor(
+                dir,
+                src,
+                "experts of a layer differ in shape",
+            ));
+        }
+    }
+    let Some(&cols) = first.last() else {
+        return Err(Error::tensor(
+            dir,
+            &sources[0],
+            "an expert matrix has no dimensions",
+        ));
+    };
+    let mut shape = vec![sources.len()];
+    shape.extend(&first);
+    Ok(Plan {
+        ty: choose_type(mix, &name, cols, Some(layer), blocks),
+        name,
+        shape,
+        sources,
+        rows: Rows::Plain,
+        computed: None,
+    })
 }
 
 /// Write `plans` with metadata `md` to `out`, reading every source from `ckpt`.
@@ -610,35 +642,16 @@ fn convert_deepseek_family(
     out: &Path,
     mix: ConvertType,
     opts: ConvertOptions,
+    family: &Family,
     top: &ModelConfig,
     progress: &mut impl FnMut(u64, u64),
 ) -> Result<ConvertReport> {
     use crate::format::config::RopeKind;
     let mt = top.model_type()?;
-    let (cfg, m, lm_head) = if mt == "kimi_k25" {
-        let mut text = top.get("text_config").cloned().ok_or_else(|| {
-            Error::config(
-                top.path(),
-                "text_config",
-                "missing (a kimi_k25 config holds its DeepSeek-V3 text model there)",
-            )
-        })?;
-        text["tie_word_embeddings"] = Value::Bool(top.bool_or("tie_word_embeddings", true)?);
-        for key in ["eos_token_id", "bos_token_id"] {
-            if text.get(key).is_none_or(|v| v.is_null()) {
-                if let Some(v) = top.get(key) {
-                    text[key] = v.clone();
-                }
-            }
-        }
-        (
-            ModelConfig::from_value(top.path().to_path_buf(), text),
-            "language_model.model",
-            "language_model.lm_head",
-        )
-    } else {
-        (top.clone(), "model", "lm_head")
-    };
+    // The text model's config as the loader reads it (Kimi K2.5's `text_config`), and where
+    // its tensors are.
+    let cfg = family.config(top)?;
+    let (m, lm_head) = (family.names.model, family.names.lm_head);
     let mla = mt != "glm4_moe";
     let a = if mla { "deepseek2" } else { "glm4moe" };
     let ckpt = Checkpoint::open(dir)?;
@@ -658,15 +671,7 @@ fn convert_deepseek_family(
     let shared = cfg.usize_or("n_shared_experts", 0)?;
     let moe_inter = cfg.usize("moe_intermediate_size")?;
     let dense_lead = cfg.usize_or("first_k_dense_replace", 0)?;
-    if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
-        if f != "sigmoid" {
-            return Err(Error::config(
-                cfg.path(),
-                "scoring_func",
-                format!("`{f}` is not supported (this family routes with `sigmoid`)"),
-            ));
-        }
-    }
+    crate::model::deepseek_v3::check_sigmoid_scoring(&cfg)?;
     if let Some(list) = cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
         let leading = list
             .iter()
@@ -684,18 +689,8 @@ fn convert_deepseek_family(
     let u32v = |v: usize| GgufValue::U32(v as u32);
     let f32v = |v: f64| GgufValue::F32(v as f32);
     let key = |k: &str| format!("{a}.{k}");
-    let mut md: Vec<(String, GgufValue)> = vec![
-        ("general.architecture".into(), GgufValue::String(a.into())),
-        (
-            "general.name".into(),
-            GgufValue::String(
-                dir.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| "model".into()),
-            ),
-        ),
-        ("general.file_type".into(), GgufValue::U32(mix.file_type())),
-        ("general.quantization_version".into(), GgufValue::U32(2)),
+    let mut md = general_metadata(dir, a, mix);
+    md.extend([
         (
             key("context_length"),
             u32v(cfg.usize_or("max_position_embeddings", 4096)?),
@@ -718,7 +713,7 @@ fn convert_deepseek_family(
             key("expert_weights_norm"),
             GgufValue::Bool(cfg.bool_or("norm_topk_prob", true)?),
         ),
-    ];
+    ]);
     if let Some(s) = cfg.opt_f64("routed_scaling_factor")? {
         md.push((key("expert_weights_scale"), f32v(s)));
     }
@@ -860,22 +855,8 @@ fn convert_deepseek_family(
 
     // Tensors.
     let blocks = layers + nextn;
-    let plan = |name: String, src: String, layer: Option<usize>| -> Result<Plan> {
-        let d = ckpt.desc(&src)?;
-        let shape = d.shape.clone();
-        let ty = if shape.len() == 1 || name.contains("ffn_gate_inp") {
-            QuantType::F32
-        } else {
-            choose_type(mix, &name, *shape.last().unwrap(), layer, blocks)
-        };
-        Ok(Plan {
-            name,
-            shape,
-            ty,
-            sources: vec![src],
-            rows: Rows::Plain,
-            computed: None,
-        })
+    let plan = |name: String, src: String, layer: Option<usize>| {
+        plan_tensor(&ckpt, mix, blocks, name, src, Rows::Plain, layer)
     };
     let mut plans = vec![plan(
         "token_embd.weight".into(),
@@ -1006,27 +987,9 @@ fn convert_deepseek_family(
                 let sources: Vec<String> = (0..experts)
                     .map(|e| format!("{p}.mlp.experts.{e}.{which}_proj.weight"))
                     .collect();
-                let first = ckpt.desc(&sources[0])?.shape.clone();
-                for src in &sources {
-                    if ckpt.desc(src)?.shape != first {
-                        return Err(Error::tensor(
-                            dir,
-                            src,
-                            "experts of a layer differ in shape",
-                        ));
-                    }
-                }
-                let mut shape = vec![experts];
-                shape.extend(&first);
-                let ty = choose_type(mix, &name, *first.last().unwrap(), s, blocks);
-                plans.push(Plan {
-                    name,
-                    shape,
-                    ty,
-                    sources,
-                    rows: Rows::Plain,
-                    computed: None,
-                });
+                plans.push(plan_fused_experts(
+                    &ckpt, dir, mix, blocks, name, sources, l,
+                )?);
             }
             if shared > 0 {
                 for which in ["gate", "up", "down"] {

@@ -14,7 +14,6 @@ use std::path::Path;
 use colibri::convert::{convert, convert_with, ConvertOptions, ConvertType};
 use colibri::format::config::ModelConfig;
 use colibri::format::gguf::{GgmlType, GgufFile, GgufTensorSpec, GgufValue, GgufWriter};
-use colibri::format::gguf_model;
 use colibri::format::safetensors::{Access, Checkpoint};
 use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::{self, CausalLm, Logits};
@@ -264,7 +263,7 @@ fn glm4moe_gguf_matches_safetensors() {
     assert_eq!(greedy(m.as_ref(), &prompt, want_greedy.len()), want_greedy);
 
     // The same file with f32 K/V: the safetensors bits, so the mapping itself is exact.
-    let (_, cfg, ckpt) = gguf_model::open(&out, Access::Mapped).unwrap();
+    let (_, cfg, ckpt) = model::gguf::open(&out, Access::Mapped).unwrap();
     let mut json = cfg.json().clone();
     assert_eq!(json["kv_f16"], serde_json::json!(true));
     assert_eq!(json["partial_rotary_factor"], serde_json::json!(0.5));
@@ -399,7 +398,7 @@ fn split_and_unsplit_kv_b_load_to_the_same_model() {
                 file.display()
             );
             // kv_b is rebuilt in the file's type.
-            let (_, _, ckpt) = gguf_model::open(file, Access::Read).unwrap();
+            let (_, _, ckpt) = model::gguf::open(file, Access::Read).unwrap();
             let d = ckpt
                 .desc("model.layers.2.self_attn.kv_b_proj.weight")
                 .unwrap();
@@ -416,8 +415,8 @@ fn split_and_unsplit_kv_b_load_to_the_same_model() {
     let legacy = tmp.path().join("kv_b-f16.gguf");
     let mixed = tmp.path().join("split-mixed.gguf");
     split_kv_b(&legacy, &mixed, true);
-    let (_, _, ckpt) = gguf_model::open(&mixed, Access::Mapped).unwrap();
-    let (_, _, base_ckpt) = gguf_model::open(&legacy, Access::Mapped).unwrap();
+    let (_, _, ckpt) = model::gguf::open(&mixed, Access::Mapped).unwrap();
+    let (_, _, base_ckpt) = model::gguf::open(&legacy, Access::Mapped).unwrap();
     let name = "model.layers.1.self_attn.kv_b_proj.weight";
     let rebuilt = ckpt.tensor_any_shape(name).unwrap();
     assert_eq!(rebuilt.dtype, DType::F32);
@@ -531,7 +530,7 @@ fn nextn_layers_are_skipped() {
     let m = model::load(&out).unwrap();
     assert_eq!(m.info().layers, 3);
     assert_eq!(bits(&prompt_logits(m.as_ref(), &prompt)), bits(&want));
-    let (_, cfg, ckpt) = gguf_model::open(&out, Access::Mapped).unwrap();
+    let (_, cfg, ckpt) = model::gguf::open(&out, Access::Mapped).unwrap();
     assert_eq!(cfg.usize("num_hidden_layers").unwrap(), 3);
     assert_eq!(cfg.usize("num_nextn_predict_layers").unwrap(), 1);
     assert!(

@@ -40,7 +40,7 @@ fn f32_gguf_of_each_fixture_matches_transformers() {
             .zip(&want[..n])
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        // GGUF files run with llama.cpp's f16 KV precision (see gguf_model), hence 5e-3, not
+        // GGUF files run with llama.cpp's f16 KV precision (see model::gguf), hence 5e-3, not
         // the oracle's 1e-4; a wrong tensor mapping is off by ~1.
         assert!(worst <= 5e-3, "{arch}: max |Δlogit| {worst} from GGUF");
         if window < prompt.len() {

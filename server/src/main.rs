@@ -13,7 +13,6 @@ mod logits;
 mod machine;
 mod model_arg;
 mod serve;
-mod synth;
 mod tool_calls;
 
 use clap::{Parser, Subcommand};
@@ -45,7 +44,7 @@ enum Command {
     /// Mean KL divergence and top-1 agreement of a model against a reference on prompts.
     Kl(kl::KlArgs),
     /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
-    Synth(synth::SynthArgs),
+    Synth(colibri_synth::SynthArgs),
     /// Chat with a server (or with a model started in-process) from the terminal.
     Chat(chat_client::ChatArgs),
 }
@@ -74,7 +73,7 @@ fn main() {
         Command::Logits(a) => logits::run(a),
         Command::Info(a) => info::run(a),
         Command::Bench(a) => bench::run(a),
-        Command::Synth(a) => synth::run(a),
+        Command::Synth(a) => colibri_synth::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Kl(a) => kl::run(a),
         Command::Chat(a) => chat_client::run(a),

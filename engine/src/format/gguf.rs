@@ -1421,3 +1421,16 @@ impl GgufWriter {
         self.out.commit()
     }
 }
+
+/// Whether `path` is a GGUF file (by its magic), not a directory.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    if !path.is_file() {
+        return false;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}

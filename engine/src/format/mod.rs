@@ -5,7 +5,6 @@ pub mod chat_template;
 pub mod config;
 pub mod generation_config;
 pub mod gguf;
-pub mod gguf_model;
 pub mod gguf_vocab;
 pub mod safetensors;
 pub mod tokenizer;

@@ -9,12 +9,12 @@
 //! [`load_mla_stack`] builds any of these MLA models (GLM-5's `glm_moe_dsa` adds its indexer
 //! through it).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
-use super::olmoe::qwen_style_expert_names;
+pub use super::registry::StackNames;
+use super::registry::{boxed_load, Abilities, Experts, Family, Gguf, GgufReads};
 use super::transformer::{
     standard_info, Block, Ffn, MtpHead, MtpInput, Residual, SelfAttention, StandardConfig, Streams,
     Transformer,
@@ -25,23 +25,31 @@ use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::{Error, Result};
 
-/// Where a family keeps its tensors.
-pub struct StackNames {
-    /// Prefix of `embed_tokens`, `layers.{L}` and `norm` (`model`, or Kimi's
-    /// `language_model.model`).
-    pub model: String,
-    /// Name of the LM head without `.weight`.
-    pub lm_head: String,
-}
+/// Where DeepSeek-style MoE experts are: the qwen2_moe layout, counted by `n_routed_experts`
+/// (DeepSeek-V3, Kimi, GLM-4.5 and GLM-5).
+pub const EXPERTS: Experts = Experts {
+    count: "n_routed_experts",
+    ..Experts::QWEN
+};
 
-impl Default for StackNames {
-    fn default() -> StackNames {
-        StackNames {
-            model: "model".into(),
-            lm_head: "lm_head".into(),
-        }
-    }
-}
+/// DeepSeek-V3 / R1 and Kimi K2 (whose own `model_type` transformers remaps to deepseek_v3) in
+/// the registry; GGUF `deepseek2`.
+pub const FAMILY: Family = Family::new(&["deepseek_v3", "kimi_k2"], boxed_load!(load))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("deepseek2"));
+
+/// Kimi K2.5's text model in the registry: a DeepSeek-V3 config in `text_config`, tensors
+/// under `language_model.*`; written to GGUF as `deepseek2` (read back as DeepSeek-V3).
+pub const KIMI_K25: Family = Family::new(&["kimi_k25"], boxed_load!(load_kimi_k25))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_normalize(kimi_k25_text_config)
+    .with_names(StackNames {
+        model: "language_model.model",
+        lm_head: "language_model.lm_head",
+    })
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("deepseek2").reading(GgufReads::Never));
 
 /// Build a DeepSeek-V3 model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
@@ -57,28 +65,56 @@ pub fn load_kimi_k25(
     cfg: &ModelConfig,
     opts: &LoadOptions,
 ) -> Result<Transformer> {
-    let text = cfg.get("text_config").cloned().ok_or_else(|| {
+    let text_cfg = kimi_k25_text_config(cfg)?;
+    let interleave = text_cfg.bool_or("rope_interleave", true)?;
+    let mut model = load_mla_stack(ckpt, &text_cfg, opts, &KIMI_K25.names, interleave, |_| {
+        Ok(Sparse::None)
+    })?;
+    model.info.model_type = cfg.model_type()?;
+    Ok(model)
+}
+
+/// The DeepSeek-V3 configuration of a Kimi K2.5 checkpoint: its `text_config`, with what
+/// lives at the top level of a Kimi config: `tie_word_embeddings` (default true there) and the
+/// `eos_token_id` / `bos_token_id` the text config leaves out. The loader and the GGUF
+/// converter read this (through [`KIMI_K25`]'s `normalize`).
+pub fn kimi_k25_text_config(cfg: &ModelConfig) -> Result<ModelConfig> {
+    let mut text = cfg.get("text_config").cloned().ok_or_else(|| {
         Error::config(
             cfg.path(),
             "text_config",
             "missing (a kimi_k25 config holds its DeepSeek-V3 text model there)",
         )
     })?;
-    let mut text = text;
-    // The tie flag lives at the top level of a Kimi config (default true there).
-    let tie = cfg.bool_or("tie_word_embeddings", true)?;
-    text["tie_word_embeddings"] = serde_json::Value::Bool(tie);
-    let text_cfg = ModelConfig::from_value(PathBuf::from(cfg.path()), text);
-    let interleave = text_cfg.bool_or("rope_interleave", true)?;
-    let names = StackNames {
-        model: "language_model.model".into(),
-        lm_head: "language_model.lm_head".into(),
-    };
-    let mut model = load_mla_stack(ckpt, &text_cfg, opts, &names, interleave, |_| {
-        Ok(Sparse::None)
-    })?;
-    model.info.model_type = cfg.model_type()?;
-    Ok(model)
+    if !text.is_object() {
+        return Err(Error::config(
+            cfg.path(),
+            "text_config",
+            "is not an object (a kimi_k25 config holds its DeepSeek-V3 text model there)",
+        ));
+    }
+    text["tie_word_embeddings"] =
+        serde_json::Value::Bool(cfg.bool_or("tie_word_embeddings", true)?);
+    for key in ["eos_token_id", "bos_token_id"] {
+        if text.get(key).is_none_or(|v| v.is_null()) {
+            if let Some(v) = cfg.get(key) {
+                text[key] = v.clone();
+            }
+        }
+    }
+    Ok(ModelConfig::from_value(cfg.path().to_path_buf(), text))
+}
+
+/// Refuse a `scoring_func` other than `sigmoid`, the only one the DeepSeek MoE routes with.
+pub fn check_sigmoid_scoring(cfg: &ModelConfig) -> Result<()> {
+    match cfg.get("scoring_func").and_then(|v| v.as_str()) {
+        Some(f) if f != "sigmoid" => Err(Error::config(
+            cfg.path(),
+            "scoring_func",
+            format!("`{f}` is not supported (this family routes with `sigmoid`)"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The DeepSeek MoE settings of a config (shared by deepseek_v3, kimi, glm4_moe and
@@ -97,7 +133,7 @@ impl DeepseekMoe {
     /// Read the MoE keys: `mlp_layer_types` ("dense"/"sparse") if present, else the first
     /// `first_k_dense_replace` layers dense.
     pub fn read(cfg: &ModelConfig, ckpt: &Checkpoint, layers: usize) -> Result<DeepseekMoe> {
-        let experts = super::expert_count(cfg, ckpt, "n_routed_experts")?;
+        let experts = super::expert_count(cfg, ckpt, EXPERTS.count)?;
         let n_group = cfg.usize_or("n_group", 1)?.max(1);
         let topk_group = cfg.usize_or("topk_group", n_group)?;
         if experts % n_group != 0 || experts / n_group < 2 || topk_group > n_group {
@@ -110,15 +146,7 @@ impl DeepseekMoe {
                 ),
             ));
         }
-        if let Some(f) = cfg.get("scoring_func").and_then(|v| v.as_str()) {
-            if f != "sigmoid" {
-                return Err(Error::config(
-                    cfg.path(),
-                    "scoring_func",
-                    format!("`{f}` is not supported (this family routes with `sigmoid`)"),
-                ));
-            }
-        }
+        check_sigmoid_scoring(cfg)?;
         let is_moe = match cfg.get("mlp_layer_types").and_then(|v| v.as_array()) {
             Some(list) => {
                 if list.len() != layers {
@@ -262,7 +290,7 @@ pub fn load_mla_stack(
     }
     let form = opts.mla_form();
     let mut moe = DeepseekMoe::read(cfg, ckpt, layers)?;
-    let m = &names.model;
+    let m = names.model;
     let mtp_name = format!("{m}.layers.{layers}.eh_proj.weight");
     if opts.mtp() {
         if !ckpt.contains(&mtp_name) {
@@ -278,14 +306,7 @@ pub fn load_mla_stack(
         // The MTP block is a MoE layer; its experts join the store as layer `layers`.
         moe.is_moe.push(true);
     }
-    let expert_names = qwen_style_expert_names(
-        ckpt,
-        cfg,
-        "n_routed_experts",
-        &names.model,
-        &moe.is_moe,
-        moe.experts,
-    )?;
+    let expert_names = EXPERTS.table(ckpt, cfg, m, &moe.is_moe, moe.experts)?;
     // What is never loaded: tensors outside the text model (Kimi's vision tower) and an MTP
     // block left out.
     let mtp_prefix = format!("{m}.layers.{layers}.");
@@ -293,7 +314,7 @@ pub fn load_mla_stack(
     // (tensors, bytes) left out: outside the text model, and of the MTP block.
     let (mut outside_text, mut mtp_left) = ((0, 0), (0, 0));
     for (name, t) in ckpt.tensors() {
-        let outside = !name.starts_with(&format!("{m}.")) && !name.starts_with(&names.lm_head);
+        let outside = !name.starts_with(&format!("{m}.")) && !name.starts_with(names.lm_head);
         let mtp_block = !opts.mtp() && name.starts_with(&mtp_prefix);
         if outside || mtp_block {
             unused_bytes += t.len;
@@ -333,7 +354,7 @@ pub fn load_mla_stack(
     let lm_head = if tie && !ckpt.contains(&head_name) {
         Linear::from_tensor(embed.clone())
     } else {
-        Linear::load(ckpt, &names.lm_head, vocab, d, false)?
+        Linear::load(ckpt, names.lm_head, vocab, d, false)?
     };
     let mut block = |l: usize| -> Result<Block> {
         let p = format!("{m}.layers.{l}");

@@ -41,6 +41,26 @@ use crate::{Error, Result};
 /// Where the hub checkpoint keeps the MTP block.
 const MTP_PREFIX: &str = "mtp.0";
 
+/// DeepSeek-V4 in the registry: its own stack; llama.cpp has no layout for it. `normalize` is
+/// left out because the loader applies [`normalize_config`] itself, once the layer count is
+/// checked against the checkpoint (normalizing builds per-layer lists).
+pub const FAMILY: super::registry::Family =
+    super::registry::Family::new(&["deepseek_v4"], super::registry::boxed_load!(load))
+        .with_names(super::registry::StackNames {
+            model: "model",
+            lm_head: "head",
+        })
+        .with_experts(super::registry::Experts {
+            count: "n_routed_experts",
+            block: "ffn",
+            matrices: ["w1", "w3", "w2"],
+        })
+        // Its attention is not MLA; the MTP head (`mtp.0.*`) drafts.
+        .with_abilities(super::registry::Abilities {
+            latent_attention: false,
+            mtp: true,
+        });
+
 /// The config in transformers' modern form: hub checkpoints ship the legacy keys
 /// (`compress_ratios` per layer, `compress_rate_csa` / `compress_rate_hca`, `num_hash_layers`,
 /// `qk_rope_head_dim`, `rope_theta` + `compress_rope_theta` + a flat yarn `rope_scaling`),

@@ -6,15 +6,20 @@
 
 use std::sync::Arc;
 
-use super::deepseek_v3::DeepseekMoe;
+use super::deepseek_v3::{DeepseekMoe, EXPERTS};
 use super::layers::{QkNorm, RmsNorm};
-use super::olmoe::qwen_style_expert_names;
+use super::registry::{boxed_load, Family, Gguf};
 use super::transformer::{load_standard, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::Result;
+
+/// GLM-4.5 / 4.6 / 4.7 in the registry (GGUF `glm4moe`).
+pub const FAMILY: Family = Family::new(&["glm4_moe"], boxed_load!(load))
+    .with_experts(EXPERTS)
+    .with_gguf(Gguf::new("glm4moe"));
 
 /// Build a GLM-4 MoE model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
@@ -28,14 +33,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         sc.rope.partial_rotary_factor = 0.5;
     }
     let moe = DeepseekMoe::read(cfg, ckpt, sc.layers)?;
-    let names = qwen_style_expert_names(
-        ckpt,
-        cfg,
-        "n_routed_experts",
-        "model",
-        &moe.is_moe,
-        moe.experts,
-    )?;
+    let names = EXPERTS.table(ckpt, cfg, "model", &moe.is_moe, moe.experts)?;
     let store: Arc<dyn ExpertStore> = store::open(
         ckpt,
         &names,

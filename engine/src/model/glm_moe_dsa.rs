@@ -7,14 +7,20 @@
 //! The RoPE of the attention and the indexer is interleaved; the MTP block (layer
 //! `num_hidden_layers`) is not loaded.
 
-use super::deepseek_v3::{load_mla_stack, StackNames};
+use super::deepseek_v3::{load_mla_stack, EXPERTS};
 use super::layers::Linear;
 use super::mla::{Indexer, LayerNorm, Sparse};
+use super::registry::{boxed_load, Abilities, Family, StackNames};
 use super::transformer::Transformer;
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::{Error, Result};
+
+/// GLM-5 in the registry; llama.cpp has no layout for it.
+pub const FAMILY: Family = Family::new(&["glm_moe_dsa"], boxed_load!(load))
+    .with_abilities(Abilities::LATENT_ATTENTION_AND_MTP)
+    .with_experts(EXPERTS);
 
 /// Whether each layer runs its own indexer (`true`) or shares the previous pick.
 pub fn indexer_types(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {

@@ -2,11 +2,21 @@
 //! linear, llama3 or yarn scaling), grouped-query attention with optional biases, SwiGLU MLP.
 
 use super::layers::{Mlp, QkNorm};
+use super::registry::{boxed_load, Family, Gguf, GgufReads};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::Result;
+
+/// Llama in the registry; GGUF `llama` files without experts (llama.cpp permutes their Q/K),
+/// and `qwen2` files (llama with q/k/v biases).
+pub const FAMILY: Family = Family::new(&["llama"], boxed_load!(load)).with_gguf(
+    Gguf::new("llama")
+        .reading(GgufReads::WithoutExperts)
+        .also_reading(&["qwen2"])
+        .permuted(),
+);
 
 /// Build a Llama model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &LoadOptions) -> Result<Transformer> {

@@ -1,11 +1,13 @@
 //! Models: shared layers ([`layers`]), the standard decoder stack ([`transformer`]) and one
 //! file per architecture that maps its `config.json` and tensor names onto them.
 //!
-//! [`load`] reads a model directory and picks the family by `model_type`.
+//! [`load`] reads a model directory (or a GGUF file, [`gguf`]) and picks the family by
+//! `model_type` from the [`registry`].
 
 pub mod cache;
 pub mod deepseek_v3;
 pub mod deepseek_v4;
+pub mod gguf;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
 pub mod layers;
@@ -14,6 +16,7 @@ pub mod mixtral;
 pub mod mla;
 pub mod olmoe;
 pub mod qwen3_moe;
+pub mod registry;
 pub mod telemetry;
 pub mod torch_topk;
 pub mod transformer;
@@ -26,6 +29,8 @@ use crate::store::StoreOptions;
 use crate::{Error, Result};
 use cache::{KvCache, KvDType};
 use mla::MlaForm;
+pub use registry::supported;
+use registry::Abilities;
 
 /// How to load a model: where its weights live (the store's placement) and the choices about
 /// the model itself that are made at load time. A choice the family cannot honour is an error
@@ -185,20 +190,6 @@ pub trait Drafter: Send + Sync {
     fn draft(&self, hidden: &[f32], next: &[u32], cache: &mut KvCache) -> Result<Vec<f32>>;
 }
 
-/// The `model_type`s this build runs.
-pub const SUPPORTED: &[&str] = &[
-    "llama",
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "kimi_k2",
-    "kimi_k25",
-    "glm4_moe",
-    "glm_moe_dsa",
-    "deepseek_v4",
-];
-
 /// Load the model in `dir` with every weight resident.
 pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
     load_with(dir, &LoadOptions::default())
@@ -212,23 +203,13 @@ pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     } else {
         Access::Mapped
     };
-    if crate::format::gguf_model::is_gguf(dir) {
-        let (_, cfg, ckpt) = crate::format::gguf_model::open(dir, access)?;
+    if crate::format::gguf::is_gguf(dir) {
+        let (_, cfg, ckpt) = gguf::open(dir, access)?;
         return load_family(&ckpt, &cfg, opts);
     }
     let cfg = ModelConfig::from_model_dir(dir)?;
-    let model_type = cfg.model_type()?;
     // Check the family before touching the weights, so the error is about the real problem.
-    if !SUPPORTED.contains(&model_type.as_str()) {
-        return Err(Error::config(
-            cfg.path(),
-            "model_type",
-            format!(
-                "`{model_type}` is not supported by this build (supported: {})",
-                SUPPORTED.join(", ")
-            ),
-        ));
-    }
+    registry::family_of(&cfg)?;
     let ckpt = Checkpoint::open_with(dir, access)?;
     load_family(&ckpt, &cfg, opts)
 }
@@ -256,29 +237,8 @@ pub fn experts_per_token(cfg: &ModelConfig, experts: usize) -> Result<usize> {
     )
 }
 
-/// What a family can do beyond the plain forward pass, so an option it cannot honour is
-/// refused before any weight is read.
-struct Abilities {
-    /// Multi-head latent attention (`mla_form` and `kv_dtype` apply).
-    latent_attention: bool,
-    /// A multi-token-prediction drafter, when the checkpoint carries the head.
-    mtp: bool,
-}
-
-fn abilities(model_type: &str) -> Abilities {
-    let mla = matches!(
-        model_type,
-        "deepseek_v3" | "kimi_k2" | "kimi_k25" | "glm_moe_dsa"
-    );
-    Abilities {
-        latent_attention: mla,
-        mtp: mla || model_type == "deepseek_v4",
-    }
-}
-
 /// Refuse the options `model_type` cannot honour, saying why.
-fn check_options(model_type: &str, opts: &LoadOptions) -> Result<()> {
-    let can = abilities(model_type);
+fn check_options(model_type: &str, can: Abilities, opts: &LoadOptions) -> Result<()> {
     if let (Some(form), false) = (opts.mla_form, can.latent_attention) {
         return Err(Error::Invalid(format!(
             "mla_form `{}` (--mla-form) cannot apply: `{model_type}` has no multi-head latent \
@@ -307,30 +267,10 @@ fn load_family(
     cfg: &ModelConfig,
     opts: &LoadOptions,
 ) -> Result<Box<dyn CausalLm>> {
+    let family = registry::family_of(cfg)?;
     let model_type = cfg.model_type()?;
-    check_options(&model_type, opts)?;
-    let model: Box<dyn CausalLm> = match model_type.as_str() {
-        "llama" => Box::new(llama::load(ckpt, cfg, opts)?),
-        "mixtral" => Box::new(mixtral::load(ckpt, cfg, opts)?),
-        "olmoe" => Box::new(olmoe::load(ckpt, cfg, opts)?),
-        "qwen3_moe" => Box::new(qwen3_moe::load(ckpt, cfg, opts)?),
-        // Kimi K2's own model_type; transformers remaps it to deepseek_v3.
-        "deepseek_v3" | "kimi_k2" => Box::new(deepseek_v3::load(ckpt, cfg, opts)?),
-        "kimi_k25" => Box::new(deepseek_v3::load_kimi_k25(ckpt, cfg, opts)?),
-        "glm4_moe" => Box::new(glm4_moe::load(ckpt, cfg, opts)?),
-        "glm_moe_dsa" => Box::new(glm_moe_dsa::load(ckpt, cfg, opts)?),
-        "deepseek_v4" => Box::new(deepseek_v4::load(ckpt, cfg, opts)?),
-        other => {
-            return Err(Error::config(
-                cfg.path(),
-                "model_type",
-                format!(
-                    "`{other}` is not supported by this build (supported: {})",
-                    SUPPORTED.join(", ")
-                ),
-            ))
-        }
-    };
+    check_options(&model_type, family.abilities, opts)?;
+    let model = (family.load)(ckpt, cfg, opts)?;
     if opts.mtp() && model.drafter().is_none() {
         return Err(Error::Invalid(format!(
             "draft `mtp` (--draft mtp): this `{model_type}` model loaded no \

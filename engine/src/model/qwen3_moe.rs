@@ -6,13 +6,18 @@
 use std::sync::Arc;
 
 use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
-use super::olmoe::qwen_style_expert_names;
+use super::registry::{boxed_load, Experts, Family, Gguf};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::Result;
+
+/// Qwen3-MoE in the registry (GGUF `qwen3moe`).
+pub const FAMILY: Family = Family::new(&["qwen3_moe"], boxed_load!(load))
+    .with_experts(Experts::QWEN)
+    .with_gguf(Gguf::new("qwen3moe"));
 
 /// Build a Qwen3-MoE model from its checkpoint.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
@@ -38,7 +43,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         None
     };
     let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let names = qwen_style_expert_names(ckpt, cfg, "num_experts", "model", &moe, experts)?;
+    let names = Experts::QWEN.table(ckpt, cfg, "model", &moe, experts)?;
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, moe_inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");

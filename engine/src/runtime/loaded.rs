@@ -32,7 +32,7 @@ impl LoadedModel {
 
     /// Open `dir`, loading the model as `opts` says.
     pub fn open_with(dir: &Path, needs_text: bool, opts: &LoadOptions) -> Result<LoadedModel> {
-        if crate::format::gguf_model::is_gguf(dir) {
+        if crate::format::gguf::is_gguf(dir) {
             return Self::open_gguf(dir, needs_text, opts);
         }
         if dir.is_file() {

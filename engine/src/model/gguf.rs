@@ -1,6 +1,8 @@
 //! A GGUF file seen as a model checkpoint: llama.cpp's architecture names, hyper-parameter
 //! keys and tensor names mapped onto the Hugging Face `config.json` fields and tensor names
-//! our families load, so one loader per family serves both formats.
+//! our families load, so one loader per family serves both formats. Which architecture
+//! becomes which family, and where each family keeps its experts and routers, come from the
+//! [`super::registry`]; the container itself is [`crate::format::gguf`].
 //!
 //! Routed experts stored fused (`blk.N.ffn_{gate,up,down}_exps.weight`, `[E, rows, cols]`)
 //! become one tensor description per expert, each a contiguous slice of the fused tensor, so
@@ -47,35 +49,13 @@ use std::path::Path;
 
 use serde_json::{json, Map, Value};
 
-use super::config::ModelConfig;
-use super::gguf::{GgufFile, GgufTensor, MAX_TENSORS};
-use super::safetensors::{numbered_parts, Access, Checkpoint, TensorDesc};
+use super::registry::{self, Experts, Family};
+use crate::format::config::ModelConfig;
+use crate::format::gguf::{GgmlType, GgufFile, GgufTensor, MAX_TENSORS};
+use crate::format::safetensors::{numbered_parts, Access, Checkpoint, TensorDesc};
 use crate::tensor::quant::QuantType;
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
-
-/// The GGUF architectures this build maps, with the family each becomes.
-pub const SUPPORTED_ARCHITECTURES: &[(&str, &str)] = &[
-    ("llama", "llama (mixtral when it has experts)"),
-    ("qwen2", "llama with q/k/v biases"),
-    ("olmoe", "olmoe"),
-    ("qwen3moe", "qwen3_moe"),
-    ("deepseek2", "deepseek_v3 (MLA: DeepSeek-V3 / R1, Kimi K2)"),
-    ("glm4moe", "glm4_moe (GLM-4.5 / 4.6 / 4.7)"),
-];
-
-/// Whether `path` is a GGUF file (by its magic), not a directory.
-pub fn is_gguf(path: &Path) -> bool {
-    use std::io::Read;
-    if !path.is_file() {
-        return false;
-    }
-    let mut magic = [0u8; 4];
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_exact(&mut magic))
-        .is_ok()
-        && &magic == b"GGUF"
-}
 
 /// Open a GGUF model: its metadata as a `config.json`-shaped configuration and its tensors
 /// under Hugging Face names.
@@ -90,41 +70,65 @@ pub fn open(path: &Path, access: Access) -> Result<(GgufFile, ModelConfig, Check
     Ok((gguf, config, ckpt))
 }
 
+/// The `{arch}.*` metadata keys of a GGUF file, read with the file and the key named in errors.
+struct ArchKeys<'a> {
+    g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl ArchKeys<'_> {
+    /// The full key of `k` (`qwen3moe.block_count`).
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// An integer that must be there.
+    fn need(&self, k: &str) -> Result<u64> {
+        self.g.get_u64(&self.key(k))?.ok_or_else(|| {
+            Error::config(self.g.path(), self.key(k), "missing from the GGUF metadata")
+        })
+    }
+
+    /// An integer that may be missing.
+    fn opt_u(&self, k: &str) -> Result<Option<u64>> {
+        self.g.get_u64(&self.key(k))
+    }
+
+    /// A float that may be missing.
+    fn opt_f(&self, k: &str) -> Result<Option<f64>> {
+        self.g.get_f64(&self.key(k))
+    }
+}
+
 /// Build the `config.json` our loaders read from the GGUF metadata.
 pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     let arch = g.architecture()?.to_string();
     let path = g.path().to_path_buf();
-    let key = |k: &str| format!("{arch}.{k}");
-    let need = |k: &str| -> Result<u64> {
-        g.get_u64(&key(k))?
-            .ok_or_else(|| Error::config(&path, key(k), "missing from the GGUF metadata"))
-    };
-    let opt_u = |k: &str| g.get_u64(&key(k));
-    let opt_f = |k: &str| g.get_f64(&key(k));
+    let meta = ArchKeys { g, arch: &arch };
     let embd = g
         .get_tensor("token_embd.weight")
         .ok_or_else(|| Error::tensor(&path, "token_embd.weight", "missing from the GGUF file"))?;
     let vocab = embd.shape[0];
     // Counts are checked against the tensors the file holds before anything is built per
     // block or per expert.
-    let experts = opt_u("expert_count")?.unwrap_or(0);
+    let experts = meta.opt_u("expert_count")?.unwrap_or(0);
     if experts > 0 {
         let present = experts_in_file(g);
         if experts > present as u64 {
             return Err(Error::config(
                 &path,
-                key("expert_count"),
+                meta.key("expert_count"),
                 format!("is {experts}, but the file has tensors for only {present} experts"),
             ));
         }
     }
     let used_count = || -> Result<u64> {
-        let experts = need("expert_count")?;
-        let used = need("expert_used_count")?;
+        let experts = meta.need("expert_count")?;
+        let used = meta.need("expert_used_count")?;
         if used == 0 || used > experts {
             return Err(Error::config(
                 &path,
-                key("expert_used_count"),
+                meta.key("expert_used_count"),
                 format!(
                     "is {used}, but each token is routed to at least one and at most all of the \
                      {experts} experts (expert_count)"
@@ -133,46 +137,37 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         }
         Ok(used)
     };
-    let model_type = match (arch.as_str(), experts) {
-        ("llama", 0) | ("qwen2", _) => "llama",
-        ("llama", _) => "mixtral",
-        ("olmoe", _) => "olmoe",
-        ("qwen3moe", _) => "qwen3_moe",
-        ("deepseek2", _) => "deepseek_v3",
-        ("glm4moe", _) => "glm4_moe",
-        (other, _) => {
+    let model_type = match registry::by_gguf_arch(&arch, experts > 0) {
+        Some(family) => family.model_type(),
+        None => {
             return Err(Error::config(
                 &path,
                 "general.architecture",
                 format!(
-                    "GGUF architecture `{other}` is not supported by this build (supported: {})",
-                    SUPPORTED_ARCHITECTURES
-                        .iter()
-                        .map(|(a, _)| *a)
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    "GGUF architecture `{arch}` is not supported by this build (supported: {})",
+                    registry::gguf_architectures().join(", ")
                 ),
             ))
         }
     };
     let deepseek_family = matches!(arch.as_str(), "deepseek2" | "glm4moe");
-    let heads = need("attention.head_count")?;
-    let hidden = need("embedding_length")?;
+    let heads = meta.need("attention.head_count")?;
+    let hidden = meta.need("embedding_length")?;
     // MTP ("nextn") blocks are counted in block_count and come last.
-    let blocks = need("block_count")?;
+    let blocks = meta.need("block_count")?;
     let present = numbered_parts(g.tensors().iter().map(|t| t.name.as_str()), "blk");
     if blocks > present as u64 {
         return Err(Error::config(
             &path,
-            key("block_count"),
+            meta.key("block_count"),
             format!("is {blocks}, but the file has tensors for only {present} blocks (blk.N)"),
         ));
     }
-    let nextn = opt_u("nextn_predict_layers")?.unwrap_or(0);
+    let nextn = meta.opt_u("nextn_predict_layers")?.unwrap_or(0);
     if nextn >= blocks {
         return Err(Error::config(
             &path,
-            key("nextn_predict_layers"),
+            meta.key("nextn_predict_layers"),
             format!("is {nextn}, but block_count is only {blocks}"),
         ));
     }
@@ -189,34 +184,36 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
     c.insert("num_attention_heads".into(), json!(heads));
     c.insert(
         "num_key_value_heads".into(),
-        json!(opt_u("attention.head_count_kv")?.unwrap_or(heads)),
+        json!(meta.opt_u("attention.head_count_kv")?.unwrap_or(heads)),
     );
     if arch != "deepseek2" {
         // (deepseek2's key_length is the latent "MQA head" or nope + rope, never head_dim.)
-        if let Some(hd) = opt_u("attention.key_length")? {
+        if let Some(hd) = meta.opt_u("attention.key_length")? {
             c.insert("head_dim".into(), json!(hd));
         }
     }
     c.insert(
         "rms_norm_eps".into(),
-        json!(opt_f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5)),
+        json!(meta
+            .opt_f("attention.layer_norm_rms_epsilon")?
+            .unwrap_or(1e-5)),
     );
     c.insert(
         "rope_theta".into(),
-        json!(opt_f("rope.freq_base")?.unwrap_or(10000.0)),
+        json!(meta.opt_f("rope.freq_base")?.unwrap_or(10000.0)),
     );
     c.insert(
         "max_position_embeddings".into(),
-        json!(opt_u("context_length")?.unwrap_or(4096)),
+        json!(meta.opt_u("context_length")?.unwrap_or(4096)),
     );
     c.insert(
         "tie_word_embeddings".into(),
         json!(g.get_tensor("output.weight").is_none()),
     );
-    if let Some(ff) = opt_u("feed_forward_length")? {
+    if let Some(ff) = meta.opt_u("feed_forward_length")? {
         c.insert("intermediate_size".into(), json!(ff));
     }
-    if let Some(clip) = opt_f("attention.clamp_kqv")? {
+    if let Some(clip) = meta.opt_f("attention.clamp_kqv")? {
         c.insert("clip_qkv".into(), json!(clip));
     }
     // llama.cpp keeps keys and values in f16 by default; run GGUF files the same way. (Not
@@ -237,14 +234,14 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         c.insert("num_experts".into(), json!(experts));
         c.insert("num_local_experts".into(), json!(experts));
         c.insert("num_experts_per_tok".into(), json!(used));
-        if let Some(ff) = opt_u("expert_feed_forward_length")? {
+        if let Some(ff) = meta.opt_u("expert_feed_forward_length")? {
             c.insert("moe_intermediate_size".into(), json!(ff));
             if model_type != "qwen3_moe" {
                 c.insert("intermediate_size".into(), json!(ff));
             }
         }
         // Layers without a router are dense (a Qwen3-MoE `mlp_only_layers` checkpoint).
-        let layers = need("block_count")? as usize;
+        let layers = meta.need("block_count")? as usize;
         let dense: Vec<usize> = (0..layers)
             .filter(|l| {
                 g.get_tensor(&format!("blk.{l}.ffn_gate_inp.weight"))
@@ -257,25 +254,27 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         // llama.cpp renormalises the top-k weights for qwen3moe (and mixtral), not olmoe.
         c.insert("norm_topk_prob".into(), json!(model_type != "olmoe"));
     }
-    match g.get_str(&key("rope.scaling.type"))? {
+    match g.get_str(&meta.key("rope.scaling.type"))? {
         None | Some("none") => {}
         Some("linear") => {
-            let factor = opt_f("rope.scaling.factor")?.unwrap_or(1.0);
+            let factor = meta.opt_f("rope.scaling.factor")?.unwrap_or(1.0);
             c.insert(
                 "rope_scaling".into(),
                 json!({"rope_type": "linear", "factor": factor}),
             );
         }
         Some("yarn") => {
-            let factor = opt_f("rope.scaling.factor")?.unwrap_or(1.0);
-            let orig = opt_u("rope.scaling.original_context_length")?.unwrap_or(4096);
+            let factor = meta.opt_f("rope.scaling.factor")?.unwrap_or(1.0);
+            let orig = meta
+                .opt_u("rope.scaling.original_context_length")?
+                .unwrap_or(4096);
             let mut yarn = json!({"rope_type": "yarn", "factor": factor,
                                   "original_max_position_embeddings": orig});
             for (k, field) in [
                 ("rope.scaling.yarn_beta_fast", "beta_fast"),
                 ("rope.scaling.yarn_beta_slow", "beta_slow"),
             ] {
-                if let Some(b) = opt_f(k)? {
+                if let Some(b) = meta.opt_f(k)? {
                     yarn[field] = json!(b);
                 }
             }
@@ -287,16 +286,16 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
                     "rope.scaling.attn_factor",
                     "rope.scaling.yarn_ext_factor",
                 ] {
-                    if let Some(v) = opt_f(k)?.filter(|&v| v != 1.0) {
+                    if let Some(v) = meta.opt_f(k)?.filter(|&v| v != 1.0) {
                         return Err(Error::config(
                             &path,
-                            key(k),
+                            meta.key(k),
                             format!("is {v}; this build runs deepseek2 yarn with 1 only"),
                         ));
                     }
                 }
                 yarn["attention_factor"] = json!(1.0);
-                if let Some(m) = opt_f("rope.scaling.yarn_log_multiplier")? {
+                if let Some(m) = meta.opt_f("rope.scaling.yarn_log_multiplier")? {
                     // Undo the converter's 0.1 in f32, as llama.cpp's loader does.
                     yarn["mscale_all_dim"] = json!((m as f32 / 0.1f32) as f64);
                 }
@@ -306,14 +305,14 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         Some(other) => {
             return Err(Error::config(
                 &path,
-                key("rope.scaling.type"),
+                meta.key("rope.scaling.type"),
                 format!("rope scaling `{other}` is not supported (supported: none, linear, yarn)"),
             ))
         }
     }
     if let Some(t) = g.get_tensor("rope_freqs.weight") {
         // Llama 3 style scaling: one divisor per rotated pair, as f32.
-        if t.ggml_type != super::gguf::GgmlType::F32 || t.shape.len() != 1 {
+        if t.ggml_type != GgmlType::F32 || t.shape.len() != 1 {
             return Err(Error::tensor(
                 &path,
                 "rope_freqs.weight",
@@ -350,18 +349,12 @@ fn deepseek_family_config(
     experts_used: u64,
 ) -> Result<()> {
     let path = g.path().to_path_buf();
-    let key = |k: &str| format!("{arch}.{k}");
-    let need = |k: &str| -> Result<u64> {
-        g.get_u64(&key(k))?
-            .ok_or_else(|| Error::config(&path, key(k), "missing from the GGUF metadata"))
-    };
-    let opt_u = |k: &str| g.get_u64(&key(k));
-    let opt_f = |k: &str| g.get_f64(&key(k));
+    let meta = ArchKeys { g, arch };
 
     // Routing. llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax over the
     // selected experts. Without the key llama.cpp routes deepseek2 with softmax (DeepSeek-V2
     // / V2.5 files), except GLM-4.7-Flash-sized ones, and glm4moe with sigmoid.
-    let gating = opt_u("expert_gating_func")?;
+    let gating = meta.opt_u("expert_gating_func")?;
     let sigmoid = match gating {
         Some(2) => true,
         Some(_) => false,
@@ -382,62 +375,70 @@ fn deepseek_family_config(
                  this build does not run (it routes with sigmoid, expert_gating_func = 2)"
             ),
         };
-        return Err(Error::config(&path, key("expert_gating_func"), message));
+        return Err(Error::config(
+            &path,
+            meta.key("expert_gating_func"),
+            message,
+        ));
     }
-    let experts = need("expert_count")?;
+    let experts = meta.need("expert_count")?;
     c.insert("n_routed_experts".into(), json!(experts));
     c.insert("num_experts_per_tok".into(), json!(experts_used));
     c.insert(
         "moe_intermediate_size".into(),
-        json!(need("expert_feed_forward_length")?),
+        json!(meta.need("expert_feed_forward_length")?),
     );
     c.insert(
         "n_shared_experts".into(),
-        json!(opt_u("expert_shared_count")?.unwrap_or(0)),
+        json!(meta.opt_u("expert_shared_count")?.unwrap_or(0)),
     );
-    let dense = opt_u("leading_dense_block_count")?.unwrap_or(0);
+    let dense = meta.opt_u("leading_dense_block_count")?.unwrap_or(0);
     c.insert("first_k_dense_replace".into(), json!(dense));
     if dense > 0 {
         c.insert(
             "intermediate_size".into(),
-            json!(need("feed_forward_length")?),
+            json!(meta.need("feed_forward_length")?),
         );
     }
-    let groups = opt_u("expert_group_count")?.unwrap_or(0).max(1);
+    let groups = meta.opt_u("expert_group_count")?.unwrap_or(0).max(1);
     c.insert("n_group".into(), json!(groups));
     c.insert(
         "topk_group".into(),
-        json!(opt_u("expert_group_used_count")?
+        json!(meta
+            .opt_u("expert_group_used_count")?
             .filter(|&n| n > 0)
             .unwrap_or(groups)),
     );
     c.insert(
         "norm_topk_prob".into(),
-        json!(g.get_bool(&key("expert_weights_norm"))?.unwrap_or(false)),
+        json!(g
+            .get_bool(&meta.key("expert_weights_norm"))?
+            .unwrap_or(false)),
     );
     c.insert(
         "routed_scaling_factor".into(),
-        json!(opt_f("expert_weights_scale")?
+        json!(meta
+            .opt_f("expert_weights_scale")?
             .filter(|&s| s != 0.0)
             .unwrap_or(1.0)),
     );
     c.insert("scoring_func".into(), json!("sigmoid"));
 
     if arch == "deepseek2" {
-        let kv_lora = need("attention.kv_lora_rank")?;
-        let rope = need("rope.dimension_count")?;
-        let (qk, qk_key) = match opt_u("attention.key_length_mla")? {
+        let kv_lora = meta.need("attention.kv_lora_rank")?;
+        let rope = meta.need("rope.dimension_count")?;
+        let (qk, qk_key) = match meta.opt_u("attention.key_length_mla")? {
             Some(k) => (k, "attention.key_length_mla"),
-            None => (need("attention.key_length")?, "attention.key_length"),
+            None => (meta.need("attention.key_length")?, "attention.key_length"),
         };
-        let v = match opt_u("attention.value_length_mla")? {
+        let v = match meta.opt_u("attention.value_length_mla")? {
             Some(v) => v,
-            None => need("attention.value_length")?,
+            None => meta.need("attention.value_length")?,
         };
         if qk <= rope || rope % 2 != 0 {
             return Err(Error::config(
                 &path,
-                key(qk_key),
+                meta.key(qk_key),
                 format!(
                     "is {qk}, which leaves no even split into nope + rope with rope.dimension_count = {rope}"
                 ),
@@ -447,14 +448,14 @@ fn deepseek_family_config(
         c.insert("qk_rope_head_dim".into(), json!(rope));
         c.insert("qk_nope_head_dim".into(), json!(qk - rope));
         c.insert("v_head_dim".into(), json!(v));
-        match opt_u("attention.q_lora_rank")?.filter(|&q| q > 0) {
+        match meta.opt_u("attention.q_lora_rank")?.filter(|&q| q > 0) {
             Some(q) => {
                 c.insert("q_lora_rank".into(), json!(q));
             }
             None if g.get_tensor("blk.0.attn_q_a.weight").is_some() => {
                 return Err(Error::config(
                     &path,
-                    key("attention.q_lora_rank"),
+                    meta.key("attention.q_lora_rank"),
                     "missing from the GGUF metadata, but the file has low-rank queries (blk.0.attn_q_a)",
                 ))
             }
@@ -466,15 +467,15 @@ fn deepseek_family_config(
         let hd = match c.get("head_dim").and_then(|v| v.as_u64()) {
             Some(hd) => hd,
             None => hidden
-                .checked_div(need("attention.head_count")?)
-                .ok_or_else(|| Error::config(&path, key("attention.head_count"), "is 0"))?,
+                .checked_div(meta.need("attention.head_count")?)
+                .ok_or_else(|| Error::config(&path, meta.key("attention.head_count"), "is 0"))?,
         };
-        let rot = opt_u("rope.dimension_count")?.unwrap_or(hd);
+        let rot = meta.opt_u("rope.dimension_count")?.unwrap_or(hd);
         let partial = rot as f64 / hd.max(1) as f64;
         if rot > hd || rot % 2 != 0 || (hd as f64 * partial) as u64 != rot {
             return Err(Error::config(
                 &path,
-                key("rope.dimension_count"),
+                meta.key("rope.dimension_count"),
                 format!("is {rot}, which is no even part of the head dimension {hd}"),
             ));
         }
@@ -509,8 +510,9 @@ fn experts_in_file(g: &GgufFile) -> usize {
         .fold(fused, usize::max)
 }
 
-/// The HF name of a llama.cpp per-layer tensor suffix (`attn_q.weight` → `self_attn.q_proj.weight`).
-fn hf_layer_name(rest: &str, mixtral: bool, glm: bool) -> Option<String> {
+/// The HF name of a llama.cpp per-layer tensor suffix (`attn_q.weight` → `self_attn.q_proj.weight`),
+/// the router under the family's MoE block (`experts`).
+fn hf_layer_name(rest: &str, experts: &Experts, glm: bool) -> Option<String> {
     if rest == "exp_probs_b.bias" || rest == "exp_probs_b.weight" {
         return Some("mlp.gate.e_score_correction_bias".into());
     }
@@ -537,24 +539,21 @@ fn hf_layer_name(rest: &str, mixtral: bool, glm: bool) -> Option<String> {
         "ffn_gate_shexp" => "mlp.shared_experts.gate_proj",
         "ffn_up_shexp" => "mlp.shared_experts.up_proj",
         "ffn_down_shexp" => "mlp.shared_experts.down_proj",
-        "ffn_gate_inp" if mixtral => "block_sparse_moe.gate",
-        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_inp" => return Some(format!("{}.gate.{ext}", experts.block)),
         _ => return None,
     };
     Some(format!("{mapped}.{ext}"))
 }
 
-/// The HF name of expert `e`'s matrix (`gate`, `up` or `down`) in layer `l`.
-fn expert_name(l: usize, e: usize, which: &str, mixtral: bool) -> String {
-    if mixtral {
-        let w = match which {
-            "gate" => "w1",
-            "down" => "w2",
-            _ => "w3",
-        };
-        format!("model.layers.{l}.block_sparse_moe.experts.{e}.{w}.weight")
-    } else {
-        format!("model.layers.{l}.mlp.experts.{e}.{which}_proj.weight")
+/// The HF name of expert `e`'s matrix `which` (llama.cpp's `gate`, `up` or `down`) in layer
+/// `l`, where the family keeps its experts; another `which` keeps its own name.
+fn expert_name(l: usize, e: usize, which: &str, experts: &Experts) -> String {
+    let names = experts.names("model", l, e);
+    match which {
+        "gate" => names.gate,
+        "up" => names.up,
+        "down" => names.down,
+        other => format!("{}.experts.{e}.{other}.weight", experts.block("model", l)),
     }
 }
 
@@ -588,8 +587,10 @@ fn hf_tensors(
     g: &GgufFile,
     cfg: &ModelConfig,
 ) -> Result<(BTreeMap<String, TensorDesc>, Vec<Built>)> {
-    let model_type = cfg.model_type()?;
-    let mixtral = model_type == "mixtral";
+    let family: &Family = registry::family_of(cfg)?;
+    let model_type = family.model_type();
+    // Where the family keeps experts and routers (a dense llama file has neither).
+    let experts = family.experts.unwrap_or(Experts::QWEN);
     let glm = model_type == "glm4_moe";
     let layers = cfg.usize("num_hidden_layers")?;
     let mut out = BTreeMap::new();
@@ -684,7 +685,7 @@ fn hf_tensors(
                 let shape = vec![t.shape[1] / 2, t.shape[2]];
                 for e in 0..n {
                     for (half, part) in ["gate", "up"].into_iter().enumerate() {
-                        let name = expert_name(l, e, part, mixtral);
+                        let name = expert_name(l, e, part, &experts);
                         let offset = t.offset + e * per + half * per / 2;
                         put(name.clone(), desc(&name, shape.clone(), offset, per / 2)?);
                     }
@@ -692,7 +693,7 @@ fn hf_tensors(
                 continue;
             }
             for e in 0..n {
-                let name = expert_name(l, e, which, mixtral);
+                let name = expert_name(l, e, which, &experts);
                 put(
                     name.clone(),
                     desc(&name, t.shape[1..].to_vec(), t.offset + e * per, per)?,
@@ -716,12 +717,12 @@ fn hf_tensors(
         if parts.len() == 3 && parts[2] == "weight" {
             if let (Some(which), Ok(e)) = (parts[0].strip_prefix("ffn_"), parts[1].parse::<usize>())
             {
-                let name = expert_name(l, e, which, true);
+                let name = expert_name(l, e, which, &super::mixtral::EXPERTS);
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);
                 continue;
             }
         }
-        match hf_layer_name(rest, mixtral, glm) {
+        match hf_layer_name(rest, &experts, glm) {
             Some(suffix) => {
                 let name = format!("model.layers.{l}.{suffix}");
                 put(name.clone(), desc(&name, t.shape.clone(), t.offset, t.len)?);

@@ -2,11 +2,20 @@
 //! (config.json, safetensors shards with an index when large, tokenizer.json,
 //! tokenizer_config.json with a chat template, generation_config.json), deterministic from
 //! `--seed`. Written into a temporary directory that is renamed into place when complete.
+//!
+//! The `coli synth` command and the demo model (server/src/demo.rs) use it; [`tokenizer`] is the
+//! tokenizer and chat template every synthetic model gets.
+
+pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
+use colibri::model::registry::{Experts, Family};
+use colibri::model::{
+    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, llama, mixtral, olmoe, qwen3_moe,
+};
 use colibri::tensor::DType;
 use half::bf16;
 use rayon::prelude::*;
@@ -48,6 +57,31 @@ impl SynthArch {
     /// Multi-head latent attention (one key/value head per query head).
     fn mla(self) -> bool {
         matches!(self, SynthArch::DeepseekV3 | SynthArch::GlmMoeDsa)
+    }
+
+    /// The family's registry descriptor: the `model_type` written, where experts, routers and
+    /// the LM head go.
+    pub fn family(self) -> &'static Family {
+        match self {
+            SynthArch::Olmoe => &olmoe::FAMILY,
+            SynthArch::Qwen3Moe => &qwen3_moe::FAMILY,
+            SynthArch::Mixtral => &mixtral::FAMILY,
+            SynthArch::Llama => &llama::FAMILY,
+            SynthArch::DeepseekV3 => &deepseek_v3::FAMILY,
+            SynthArch::Glm4Moe => &glm4_moe::FAMILY,
+            SynthArch::GlmMoeDsa => &glm_moe_dsa::FAMILY,
+            SynthArch::DeepseekV4 => &deepseek_v4::FAMILY,
+        }
+    }
+
+    /// Where the family keeps its routed experts (llama: nowhere).
+    fn experts(self) -> Option<Experts> {
+        self.family().experts
+    }
+
+    /// The `model_type` written to config.json.
+    fn model_type(self) -> &'static str {
+        self.family().model_type()
     }
 }
 
@@ -276,7 +310,8 @@ fn v4_plan(pl: &mut Plan, a: &SynthArgs, heads: usize) {
             _ => {}
         }
         let f = format!("{p}.ffn");
-        pl.mat(format!("{f}.gate.weight"), a.experts, d);
+        let layout = a.arch.experts().expect("deepseek-v4 has routed experts");
+        pl.router(&layout, l, a.experts, d);
         if l < x.hash_layers {
             pl.push(
                 format!("{f}.gate.tid2eid"),
@@ -285,19 +320,9 @@ fn v4_plan(pl: &mut Plan, a: &SynthArgs, heads: usize) {
                 Init::ExpertIds(a.experts),
             );
         } else {
-            pl.push(
-                format!("{f}.gate.bias"),
-                DType::F32,
-                vec![a.experts],
-                Init::Positive(CORRECTION_BIAS_SCALE),
-            );
+            pl.correction_bias(format!("{f}.gate.bias"), a.experts);
         }
-        for e in 0..a.experts {
-            let q = format!("{f}.experts.{e}");
-            pl.mat(format!("{q}.w1.weight"), inter, d);
-            pl.mat(format!("{q}.w3.weight"), inter, d);
-            pl.mat(format!("{q}.w2.weight"), d, inter);
-        }
+        pl.experts(&layout, l, a.experts, inter, d);
         let q = format!("{f}.shared_experts");
         pl.mat(format!("{q}.w1.weight"), inter, d);
         pl.mat(format!("{q}.w3.weight"), inter, d);
@@ -416,6 +441,12 @@ impl Plan {
         self.push(name, self.dtype, vec![n], Init::Uniform(BIAS_SCALE));
     }
 
+    /// A router's selection-only correction bias (f32, one per expert, small positive).
+    fn correction_bias(&mut self, name: String, experts: usize) {
+        let init = Init::Positive(CORRECTION_BIAS_SCALE);
+        self.push(name, DType::F32, vec![experts], init);
+    }
+
     /// A norm weight (all ones).
     fn norm(&mut self, name: String, n: usize) {
         self.norms.push(Planned {
@@ -426,6 +457,28 @@ impl Plan {
             },
             init: Init::Ones,
         });
+    }
+
+    /// Layer `l`'s router (`[experts, hidden]`), where the family keeps it.
+    fn router(&mut self, layout: &Experts, l: usize, experts: usize, hidden: usize) {
+        self.mat(
+            format!("{}.weight", layout.router("model", l)),
+            experts,
+            hidden,
+        );
+    }
+
+    /// Layer `l`'s routed experts, each a gate and up `[inter, hidden]` and a down
+    /// `[hidden, inter]` matrix, named as the family names them.
+    fn experts(&mut self, layout: &Experts, l: usize, experts: usize, inter: usize, hidden: usize) {
+        for e in 0..experts {
+            for (i, (rows, cols)) in [(inter, hidden), (inter, hidden), (hidden, inter)]
+                .into_iter()
+                .enumerate()
+            {
+                self.mat(layout.matrix("model", l, e, i), rows, cols);
+            }
+        }
     }
 
     fn finish(mut self) -> Vec<Planned> {
@@ -462,22 +515,18 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
     if a.arch == SynthArch::DeepseekV4 {
         v4_plan(&mut pl, a, heads);
         pl.norm("model.norm.weight".into(), d);
-        pl.mat("head.weight".into(), a.vocab, d);
+        pl.mat(
+            format!("{}.weight", a.arch.family().names.lm_head),
+            a.vocab,
+            d,
+        );
         return pl.finish();
     }
     if a.arch.deepseek_style() {
         for l in 0..a.layers {
             let dense = l < a.ds.first_dense;
             let indexer = indexer_full(l, a.ds.index_topk_freq);
-            ds_layer(
-                &mut pl,
-                a,
-                &format!("model.layers.{l}"),
-                heads,
-                kv_heads,
-                dense,
-                indexer,
-            );
+            ds_layer(&mut pl, a, l, heads, kv_heads, dense, indexer);
         }
         if a.ds.mtp {
             // DeepSeek-style MTP: the embedding and the main model's last hidden state are
@@ -489,7 +538,7 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
             pl.mat(format!("{p}.eh_proj.weight"), d, 2 * d);
             pl.norm(format!("{p}.shared_head.norm.weight"), d);
             pl.mat(format!("{p}.shared_head.head.weight"), a.vocab, d);
-            ds_layer(&mut pl, a, &p, heads, kv_heads, false, true);
+            ds_layer(&mut pl, a, a.layers, heads, kv_heads, false, true);
         }
     }
     let plain_layers = if a.arch.deepseek_style() { 0 } else { a.layers };
@@ -514,23 +563,10 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
         }
         let inter = a.moe_intermediate;
         match a.arch {
-            SynthArch::Olmoe | SynthArch::Qwen3Moe => {
-                pl.mat(format!("{p}.mlp.gate.weight"), a.experts, d);
-                for e in 0..a.experts {
-                    let q = format!("{p}.mlp.experts.{e}");
-                    pl.mat(format!("{q}.gate_proj.weight"), inter, d);
-                    pl.mat(format!("{q}.up_proj.weight"), inter, d);
-                    pl.mat(format!("{q}.down_proj.weight"), d, inter);
-                }
-            }
-            SynthArch::Mixtral => {
-                pl.mat(format!("{p}.block_sparse_moe.gate.weight"), a.experts, d);
-                for e in 0..a.experts {
-                    let q = format!("{p}.block_sparse_moe.experts.{e}");
-                    pl.mat(format!("{q}.w1.weight"), inter, d);
-                    pl.mat(format!("{q}.w3.weight"), inter, d);
-                    pl.mat(format!("{q}.w2.weight"), d, inter);
-                }
+            SynthArch::Olmoe | SynthArch::Qwen3Moe | SynthArch::Mixtral => {
+                let layout = a.arch.experts().expect("a MoE family has routed experts");
+                pl.router(&layout, l, a.experts, d);
+                pl.experts(&layout, l, a.experts, inter, d);
             }
             SynthArch::Llama => {
                 let i = dense_intermediate(a);
@@ -545,7 +581,11 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
         }
     }
     pl.norm("model.norm.weight".into(), d);
-    pl.mat("lm_head.weight".into(), a.vocab, d);
+    pl.mat(
+        format!("{}.weight", a.arch.family().names.lm_head),
+        a.vocab,
+        d,
+    );
     pl.finish()
 }
 
@@ -555,13 +595,14 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
 fn ds_layer(
     pl: &mut Plan,
     a: &SynthArgs,
-    p: &str,
+    l: usize,
     heads: usize,
     kv_heads: usize,
     dense: bool,
     indexer: bool,
 ) {
     let (d, x) = (a.hidden, &a.ds);
+    let p = format!("model.layers.{l}");
     pl.norm(format!("{p}.input_layernorm.weight"), d);
     pl.norm(format!("{p}.post_attention_layernorm.weight"), d);
     let s = format!("{p}.self_attn");
@@ -613,19 +654,13 @@ fn ds_layer(
         return;
     }
     let inter = a.moe_intermediate;
-    pl.mat(format!("{m}.gate.weight"), a.experts, d);
-    pl.push(
-        format!("{m}.gate.e_score_correction_bias"),
-        DType::F32,
-        vec![a.experts],
-        Init::Positive(CORRECTION_BIAS_SCALE),
-    );
-    for e in 0..a.experts {
-        let q = format!("{m}.experts.{e}");
-        pl.mat(format!("{q}.gate_proj.weight"), inter, d);
-        pl.mat(format!("{q}.up_proj.weight"), inter, d);
-        pl.mat(format!("{q}.down_proj.weight"), d, inter);
-    }
+    let layout = a
+        .arch
+        .experts()
+        .expect("a DeepSeek-style family has routed experts");
+    pl.router(&layout, l, a.experts, d);
+    pl.correction_bias(format!("{m}.gate.e_score_correction_bias"), a.experts);
+    pl.experts(&layout, l, a.experts, inter, d);
     if x.shared_experts > 0 {
         let w = inter * x.shared_experts;
         pl.mat(format!("{m}.shared_experts.gate_proj.weight"), w, d);
@@ -698,13 +733,13 @@ fn config_json(
     });
     let extra = match a.arch {
         SynthArch::Olmoe => json!({
-            "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
+            "architectures": ["OlmoeForCausalLM"], "model_type": SynthArch::Olmoe.model_type(),
             "intermediate_size": a.moe_intermediate, "num_experts": a.experts,
             "num_experts_per_tok": a.top_k, "norm_topk_prob": false, "rms_norm_eps": 1e-5,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "clip_qkv": null,
         }),
         SynthArch::Qwen3Moe => json!({
-            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": SynthArch::Qwen3Moe.model_type(),
             "intermediate_size": 4 * a.hidden, "moe_intermediate_size": a.moe_intermediate,
             "num_experts": a.experts, "num_experts_per_tok": a.top_k, "norm_topk_prob": true,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": a.hidden / heads,
@@ -712,13 +747,13 @@ fn config_json(
             "use_sliding_window": false, "sliding_window": null,
         }),
         SynthArch::Mixtral => json!({
-            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"], "model_type": SynthArch::Mixtral.model_type(),
             "intermediate_size": a.moe_intermediate, "num_local_experts": a.experts,
             "num_experts_per_tok": a.top_k, "rms_norm_eps": 1e-5, "sliding_window": null,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         }),
         SynthArch::Llama => json!({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"], "model_type": SynthArch::Llama.model_type(),
             "intermediate_size": dense_intermediate(a), "rms_norm_eps": 1e-6,
             "mlp_bias": false, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         }),
@@ -728,7 +763,7 @@ fn config_json(
             &ds_moe,
             &mla,
             &json!({
-                "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "architectures": ["DeepseekV3ForCausalLM"], "model_type": SynthArch::DeepseekV3.model_type(),
                 "rms_norm_eps": 1e-6, "rope_interleave": true, "pretraining_tp": 1,
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -738,7 +773,7 @@ fn config_json(
         SynthArch::Glm4Moe => merged(&[
             &ds_moe,
             &json!({
-                "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                "architectures": ["Glm4MoeForCausalLM"], "model_type": SynthArch::Glm4Moe.model_type(),
                 "head_dim": head_dim(a, heads), "attention_bias": true, "use_qk_norm": x.qk_norm,
                 "rms_norm_eps": 1e-5,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
@@ -763,7 +798,7 @@ fn config_json(
                 &ds_moe,
                 &mla,
                 &json!({
-                    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": SynthArch::GlmMoeDsa.model_type(),
                     "rms_norm_eps": 1e-5, "mlp_bias": false,
                     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
                     "index_topk": x.index_topk, "index_n_heads": x.index_heads,
@@ -796,7 +831,7 @@ fn v4_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
         .map(|l| if l < x.hash_layers { "hash_moe" } else { "moe" })
         .collect();
     json!({
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": SynthArch::DeepseekV4.model_type(),
         "num_key_value_heads": 1, "head_dim": hd, "q_lora_rank": x.q_lora_rank,
         "qk_rope_head_dim": x.qk_rope_dim, "partial_rotary_factor": partial,
         "moe_intermediate_size": a.moe_intermediate, "n_routed_experts": a.experts,
@@ -1039,7 +1074,7 @@ fn write_all(
     progress: bool,
 ) -> Result<()> {
     // Text side first: the tokenizer decides the special token ids.
-    let tok = crate::demo::tokenizer_for(args.vocab, &crate::demo::SPECIALS)?;
+    let tok = tokenizer::tokenizer_for(args.vocab, &tokenizer::SPECIALS)?;
     tok.save(&dir.join("tokenizer.json"))?;
     let id = |s: &str| tok.token_to_id(s).unwrap_or(0);
     let eos = vec![id("<|endoftext|>"), id("<|im_end|>")];
@@ -1049,7 +1084,7 @@ fn write_all(
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "model_max_length": 4096,
-        "chat_template": crate::demo::CHATML_TEMPLATE,
+        "chat_template": tokenizer::CHATML_TEMPLATE,
     });
     write_atomic(
         &dir.join("tokenizer_config.json"),
