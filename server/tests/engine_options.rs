@@ -9,9 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
-use support::{coli, fixture, http, isolated};
+use support::{coli, fixture, http, isolated, wait_for};
 
 /// `coli serve ARGS` in `cwd`, with `env` added, its stderr collected.
 fn spawn_serve(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> (Child, Arc<Mutex<String>>) {
@@ -38,21 +37,6 @@ fn spawn_serve(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> (Child, Arc<M
         }
     });
     (child, log)
-}
-
-/// Poll `f` until it gives a value; fail after `secs` seconds, saying what was awaited.
-fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {secs} s waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// A running `coli serve`, killed when dropped.

@@ -371,12 +371,7 @@ impl Serve {
 
     /// SIGTERM, then wait for a clean exit (which flushes the queued spans).
     fn stop(mut self) {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success());
+        support::sigterm(self.child.id());
         let status = self.child.wait().unwrap();
         assert!(status.success(), "coli serve exited with {status}");
     }

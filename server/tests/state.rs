@@ -7,6 +7,7 @@
 //! naming the file.
 
 mod support;
+use support::wait_for;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
@@ -28,21 +29,6 @@ const SAVE_SECS: u64 = 1;
 
 fn coli() -> Command {
     Command::new(env!("CARGO_BIN_EXE_coli"))
-}
-
-/// Poll `f` until it gives a value; fail after `secs` seconds, saying what was awaited.
-fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {secs} s waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The directories a server works with.
@@ -228,12 +214,7 @@ impl Server {
     }
 
     fn terminate(&mut self) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        assert!(Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success());
+        support::sigterm(self.child.id());
         wait_for(60, "the server to exit after SIGTERM", || {
             self.child.try_wait().unwrap()
         })

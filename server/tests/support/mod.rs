@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The committed transformers fixture `name` (engine/tests/fixtures).
 pub fn fixture(name: &str) -> PathBuf {
@@ -57,4 +57,28 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, Str
     let status = text.split_whitespace().nth(1)?.parse().ok()?;
     let (_, body) = text.split_once("\r\n\r\n")?;
     Some((status, body.to_string()))
+}
+
+/// Poll `f` until it gives a value; fail after `secs` seconds, saying what was awaited.
+pub fn wait_for<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let end = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < end,
+            "timed out after {secs} s waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Send SIGTERM to process `pid` (asserting `kill` could).
+pub fn sigterm(pid: u32) {
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
 }
