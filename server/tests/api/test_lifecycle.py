@@ -137,8 +137,8 @@ def half_sent_body(s) -> socket.socket:
 
 
 def closed_after_timeout(start_server, name, half_sent):
-    """What a server with 1-second header and body timeouts answers a half-sent request, once
-    it closes the connection (checked to take the timeout, not much less nor much more)."""
+    """A server with 1-second header and body timeouts, and what it answers a half-sent request
+    once it closes the connection (checked to take the timeout, not much less nor much more)."""
     s = start_server("--header-timeout-secs", "1", "--body-timeout-secs", "1", "--slots", "1", name=name)
     sock = half_sent(s)
     start = time.monotonic()
@@ -146,17 +146,17 @@ def closed_after_timeout(start_server, name, half_sent):
     took = time.monotonic() - start
     sock.close()
     assert 0.5 <= took < 10, took
-    return data
+    return s, data
 
 
 def test_headers_that_never_end_time_out(start_server):
-    data = closed_after_timeout(start_server, "timeouts", half_sent_headers)
+    _, data = closed_after_timeout(start_server, "timeouts", half_sent_headers)
     # hyper closes the connection, with a 408 or without a word.
     assert data == b"" or data.startswith(b"HTTP/1.1 408"), data
 
 
 def test_a_body_shorter_than_its_content_length_gets_408(start_server):
-    data = closed_after_timeout(start_server, "timeouts408", half_sent_body)
+    s, data = closed_after_timeout(start_server, "timeouts408", half_sent_body)
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), data
     assert b"connection: close" in head.lower(), head
