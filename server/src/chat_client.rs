@@ -631,9 +631,47 @@ impl Ui {
     }
 }
 
+/// The terminal's `NOFLSH` mode while `coli chat` runs. Without it, typing Ctrl-C makes the
+/// terminal discard output already written but not yet shown, so the screen would lack text
+/// the interrupted answer keeps. The previous mode is restored on drop.
+struct KeepOutputOnInterrupt {
+    saved: Option<libc::termios>,
+}
+
+impl KeepOutputOnInterrupt {
+    fn new() -> KeepOutputOnInterrupt {
+        // SAFETY: a zeroed `termios` is a valid value for `tcgetattr` to fill; both calls only
+        // read or write that struct, and fail (changing nothing) when stdin is not a terminal.
+        unsafe {
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(libc::STDIN_FILENO, &mut t) != 0 {
+                return KeepOutputOnInterrupt { saved: None };
+            }
+            let saved = t;
+            t.c_lflag |= libc::NOFLSH;
+            if libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, &t) != 0 {
+                return KeepOutputOnInterrupt { saved: None };
+            }
+            KeepOutputOnInterrupt { saved: Some(saved) }
+        }
+    }
+}
+
+impl Drop for KeepOutputOnInterrupt {
+    fn drop(&mut self) {
+        if let Some(t) = &self.saved {
+            // SAFETY: `t` is the mode `tcgetattr` returned for this terminal.
+            unsafe {
+                libc::tcsetattr(libc::STDIN_FILENO, libc::TCSANOW, t);
+            }
+        }
+    }
+}
+
 /// Run `coli chat`.
 pub fn run(args: ChatArgs) -> Result<()> {
     install_sigint()?;
+    let _terminal = KeepOutputOnInterrupt::new();
     let api_key = args
         .api_key
         .clone()
