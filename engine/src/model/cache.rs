@@ -1,12 +1,20 @@
-//! Per-sequence attention state: the key/value cache of every layer.
+//! Per-sequence state of every layer: the key/value cache of attention layers and the
+//! recurrent state of linear-attention layers.
 //!
-//! Every buffer holds a fixed number of values per cached token, so a cache can be cut back
-//! to a prefix ([`KvCache::truncate`]) and saved byte for byte (`runtime::kv_file`). What the
-//! buffers mean depends on the layer's attention kind:
+//! Every key/value buffer holds a fixed number of values per cached token, so it can be cut
+//! back to a prefix ([`KvCache::truncate`]) and saved byte for byte (`runtime::kv_file`). What
+//! the buffers mean depends on the layer's attention kind:
 //! * grouped-query attention: `k` and `v` are `[len, kv_heads · head_dim]`;
 //! * multi-head latent attention (MLA): `k` is the normalised latent `[len, kv_lora_rank]`,
 //!   `v` the rotated shared rope key `[len, qk_rope_head_dim]`, and `aux` the sparse-attention
-//!   indexer's keys `[len, index_head_dim]` on layers that have an indexer.
+//!   indexer's keys `[len, index_head_dim]` on layers that have an indexer;
+//! * linear (recurrent) attention: no per-token buffers; `state` holds the short
+//!   convolutions' last inputs and the recurrent matrices, a fixed size whatever the length.
+//!
+//! A recurrent state cannot be cut back, so a cache with one keeps [`Checkpoint`]s (copies of
+//! every state at some length, taken by [`KvCache::checkpoint`]); [`KvCache::truncate`] then
+//! returns to the nearest checkpoint at or before the asked length, and the caller recomputes
+//! the tokens between (which gives the same bits: prefill and decode share one order).
 
 use half::bf16;
 
@@ -148,13 +156,16 @@ impl From<Vec<f32>> for KvBuf {
     }
 }
 
-/// The cached state of one attention layer.
+/// The cached state of one layer.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LayerKv {
     pub k: KvBuf,
     pub v: KvBuf,
     /// Extra per-token values some attention kinds keep (the DSA indexer's keys).
     pub aux: KvBuf,
+    /// A linear-attention layer's recurrent state (its size fixed by the layer, zeros at the
+    /// start); empty for attention layers.
+    pub state: Vec<f32>,
 }
 
 impl LayerKv {
@@ -164,6 +175,15 @@ impl LayerKv {
             k: KvBuf::new(dtype),
             v: KvBuf::new(dtype),
             aux: KvBuf::default(),
+            state: Vec::new(),
+        }
+    }
+
+    /// The cache of a linear-attention layer: a zero state of `values` values.
+    pub fn recurrent(values: usize) -> LayerKv {
+        LayerKv {
+            state: vec![0.0; values],
+            ..LayerKv::default()
         }
     }
 
@@ -171,16 +191,29 @@ impl LayerKv {
         [&mut self.k, &mut self.v, &mut self.aux]
     }
 
-    /// Values held, over every buffer.
+    /// Values held, over every per-token buffer.
     pub fn values(&self) -> usize {
         self.k.len() + self.v.len() + self.aux.len()
     }
 
-    /// Bytes held, over every buffer.
+    /// Bytes held, over every buffer and the recurrent state.
     pub fn nbytes(&self) -> usize {
-        self.k.nbytes() + self.v.nbytes() + self.aux.nbytes()
+        self.k.nbytes() + self.v.nbytes() + self.aux.nbytes() + 4 * self.state.len()
     }
 }
+
+/// Every layer's recurrent state at one length of the sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// Tokens processed when it was taken.
+    pub len: usize,
+    /// Per layer, its `state` then (empty for attention layers).
+    pub states: Vec<Vec<f32>>,
+}
+
+/// How many checkpoints a cache keeps (the most recent ones): enough for the end of the last
+/// turns and the last prefill chunks, bounded because a big model's state is tens of MB.
+pub const MAX_CHECKPOINTS: usize = 4;
 
 /// The KV cache of one sequence.
 #[derive(Debug, Clone, PartialEq)]
@@ -190,6 +223,9 @@ pub struct KvCache {
     pub len: usize,
     /// Most tokens this cache may hold.
     pub max_len: usize,
+    /// Saved recurrent states, oldest first (see [`KvCache::truncate`]); always empty for a
+    /// model without linear-attention layers.
+    pub checkpoints: Vec<Checkpoint>,
 }
 
 impl KvCache {
@@ -199,36 +235,162 @@ impl KvCache {
             layers: vec![LayerKv::default(); layers],
             len: 0,
             max_len,
+            checkpoints: Vec::new(),
         }
     }
 
-    /// Forget everything.
+    /// Whether a layer keeps a recurrent state (so truncation needs a checkpoint).
+    pub fn is_recurrent(&self) -> bool {
+        self.layers.iter().any(|l| !l.state.is_empty())
+    }
+
+    /// Forget everything: no tokens, zero recurrent states, no checkpoints.
     pub fn clear(&mut self) {
         for l in &mut self.layers {
             for b in l.buffers_mut() {
                 b.clear();
             }
+            l.state.fill(0.0);
         }
+        self.checkpoints.clear();
         self.len = 0;
     }
 
-    /// Keep only the first `len` tokens (a shared prompt prefix), dropping the rest.
-    pub fn truncate(&mut self, len: usize) {
-        if len >= self.len {
+    /// Save every recurrent state at the current length (a no-op without recurrent layers, or
+    /// when the newest checkpoint is already at this length), keeping the newest
+    /// [`MAX_CHECKPOINTS`].
+    pub fn checkpoint(&mut self) {
+        if !self.is_recurrent() || self.checkpoints.last().is_some_and(|c| c.len == self.len) {
             return;
         }
+        if self.checkpoints.len() == MAX_CHECKPOINTS {
+            self.checkpoints.remove(0);
+        }
+        self.checkpoints.push(Checkpoint {
+            len: self.len,
+            states: self.layers.iter().map(|l| l.state.clone()).collect(),
+        });
+    }
+
+    /// Go back to at most the first `len` tokens (a shared prompt prefix, a rejected draft),
+    /// dropping the rest, and return the length kept. Without recurrent layers that is `len`.
+    /// With them it is the length of the newest checkpoint at or before `len` (0, the zero
+    /// state, if there is none): the caller recomputes the tokens from there to `len`.
+    pub fn truncate(&mut self, len: usize) -> usize {
+        if len >= self.len {
+            return self.len;
+        }
+        let keep = if self.is_recurrent() {
+            self.checkpoints.retain(|c| c.len <= len);
+            match self.checkpoints.last() {
+                Some(c) => {
+                    for (l, s) in self.layers.iter_mut().zip(&c.states) {
+                        l.state.copy_from_slice(s);
+                    }
+                    c.len
+                }
+                None => {
+                    for l in &mut self.layers {
+                        l.state.fill(0.0);
+                    }
+                    0
+                }
+            }
+        } else {
+            len
+        };
         let old = self.len.max(1);
         for l in &mut self.layers {
             for b in l.buffers_mut() {
                 let width = b.len() / old;
-                b.truncate(len * width);
+                b.truncate(keep * width);
             }
         }
-        self.len = len;
+        self.len = keep;
+        keep
     }
 
-    /// Bytes held.
+    /// Bytes held: the per-token buffers, the recurrent states and their checkpoints.
     pub fn nbytes(&self) -> usize {
-        self.layers.iter().map(|l| l.nbytes()).sum()
+        let checkpoints: usize = self
+            .checkpoints
+            .iter()
+            .flat_map(|c| &c.states)
+            .map(|s| 4 * s.len())
+            .sum();
+        self.layers.iter().map(|l| l.nbytes()).sum::<usize>() + checkpoints
+    }
+
+    /// Bytes of the recurrent states alone (constant in the length).
+    pub fn state_bytes(&self) -> usize {
+        self.layers.iter().map(|l| 4 * l.state.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache of one attention layer (2 values per token) and one recurrent layer, at
+    /// `len` tokens whose state is `len` in every value.
+    fn grown(len: usize, cache: &mut KvCache) {
+        while cache.len < len {
+            cache.layers[0].k.extend(&[cache.len as f32, 0.5]);
+            cache.len += 1;
+            cache.layers[1].state.fill(cache.len as f32);
+        }
+    }
+
+    #[test]
+    fn truncation_returns_to_the_newest_checkpoint_at_or_before() {
+        let mut cache = KvCache::new(2, 64);
+        cache.layers[1] = LayerKv::recurrent(3);
+        assert!(cache.is_recurrent());
+        grown(4, &mut cache);
+        cache.checkpoint();
+        grown(9, &mut cache);
+        cache.checkpoint();
+        grown(12, &mut cache);
+        // Between the checkpoints: back to 4, the state as it was at 4, 4 rows kept.
+        assert_eq!(cache.truncate(7), 4);
+        assert_eq!(cache.len, 4);
+        assert_eq!(cache.layers[1].state, vec![4.0; 3]);
+        assert_eq!(cache.layers[0].k.len(), 8);
+        assert_eq!(cache.checkpoints.len(), 1);
+        // Regrowing from there equals never having cut.
+        grown(12, &mut cache);
+        let mut fresh = KvCache::new(2, 64);
+        fresh.layers[1] = LayerKv::recurrent(3);
+        grown(12, &mut fresh);
+        assert_eq!(cache.layers, fresh.layers);
+        // Before every checkpoint: back to the zero state.
+        assert_eq!(cache.truncate(3), 0);
+        assert_eq!(cache.layers[1].state, vec![0.0; 3]);
+        assert!(cache.layers[0].k.is_empty());
+    }
+
+    #[test]
+    fn attention_caches_truncate_exactly_and_take_no_checkpoints() {
+        let mut cache = KvCache::new(1, 64);
+        cache.layers[0].k.extend(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        cache.len = 3;
+        cache.checkpoint();
+        assert!(cache.checkpoints.is_empty());
+        assert_eq!(cache.truncate(2), 2);
+        assert_eq!(cache.layers[0].k.to_f32_vec(), vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(cache.truncate(5), 2);
+    }
+
+    #[test]
+    fn only_the_newest_checkpoints_are_kept() {
+        let mut cache = KvCache::new(1, 64);
+        cache.layers[0] = LayerKv::recurrent(1);
+        for n in 1..=MAX_CHECKPOINTS + 2 {
+            cache.len = n;
+            cache.checkpoint();
+            cache.checkpoint();
+        }
+        let lens: Vec<usize> = cache.checkpoints.iter().map(|c| c.len).collect();
+        assert_eq!(lens, (3..=MAX_CHECKPOINTS + 2).collect::<Vec<_>>());
     }
 }

@@ -79,30 +79,7 @@ pub fn load_kimi_k25(
 /// `eos_token_id` / `bos_token_id` the text config leaves out. The loader and the GGUF
 /// converter read this (through [`KIMI_K25`]'s `normalize`).
 pub fn kimi_k25_text_config(cfg: &ModelConfig) -> Result<ModelConfig> {
-    let mut text = cfg.get("text_config").cloned().ok_or_else(|| {
-        Error::config(
-            cfg.path(),
-            "text_config",
-            "missing (a kimi_k25 config holds its DeepSeek-V3 text model there)",
-        )
-    })?;
-    if !text.is_object() {
-        return Err(Error::config(
-            cfg.path(),
-            "text_config",
-            "is not an object (a kimi_k25 config holds its DeepSeek-V3 text model there)",
-        ));
-    }
-    text["tie_word_embeddings"] =
-        serde_json::Value::Bool(cfg.bool_or("tie_word_embeddings", true)?);
-    for key in ["eos_token_id", "bos_token_id"] {
-        if text.get(key).is_none_or(|v| v.is_null()) {
-            if let Some(v) = cfg.get(key) {
-                text[key] = v.clone();
-            }
-        }
-    }
-    Ok(ModelConfig::from_value(cfg.path().to_path_buf(), text))
+    super::unwrap_text_config(cfg, true, "its DeepSeek-V3 text model")
 }
 
 /// Refuse a `scoring_func` other than `sigmoid`, the only one the DeepSeek MoE routes with.
@@ -241,6 +218,7 @@ impl DeepseekMoe {
             correction_bias,
             shared,
             swiglu_limit: None,
+            shared_gate: None,
         }))
     }
 }
@@ -476,6 +454,9 @@ pub fn load_mla_stack(
         tie_word_embeddings: tie,
         max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
         kv_f16: false,
+        prefix: m.to_string(),
+        zero_centred_norms: false,
+        output_gate: false,
     };
     let mut info = standard_info(ckpt, cfg, &sc, &blocks, Some(store.as_ref()))?;
     // What is never loaded is neither resident nor part of the model that runs.

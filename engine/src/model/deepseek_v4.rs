@@ -463,6 +463,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             },
             shared: Some(shared),
             swiglu_limit: limit,
+            shared_gate: None,
         };
         let ffn = if hash {
             let t = ckpt.tensor_any_shape(&format!("{p}.ffn.gate.tid2eid"))?;
@@ -566,6 +567,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             .iter()
             .map(|b| b.attn.cache_bytes_per_token().0)
             .sum(),
+        state_bytes_per_sequence: 0,
         unused_bytes,
         skipped,
         kv_bytes_per_token_full: blocks

@@ -55,6 +55,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             )
         };
         Ok(LayerParts {
+            attn: None,
             qk_norm: if qk_norm {
                 QkNorm::PerHead {
                     q: norm("q_norm")?,

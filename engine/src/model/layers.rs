@@ -327,21 +327,47 @@ pub struct Attention {
     /// llama.cpp's default f16 KV cache path does (on for GGUF files, so they run as
     /// llama.cpp runs them).
     pub kv_f16: bool,
+    /// The query projection also yields, per head, an output gate (`[q hd | gate hd]`):
+    /// attention rows are multiplied by `sigmoid(gate)` before the output projection
+    /// (Qwen3-Next's gated attention).
+    pub output_gate: bool,
 }
 
 impl Attention {
     /// Attend `x` (`[T, D]`, tokens at positions `start..`) and append its keys and values to
     /// `kv`. Returns `[T, D]`.
     pub fn forward(&self, x: &[f32], start: usize, kv: &mut LayerKv) -> Vec<f32> {
-        let (q, k, v) = self.project(x);
-        let out = self.attend_sequence(q, k, v, start, kv);
+        let (q, k, v, gate) = self.project(x);
+        let mut out = self.attend_sequence(q, k, v, start, kv);
+        if let Some(gate) = gate {
+            self.apply_output_gate(&mut out, &gate);
+        }
         self.o.forward(&out)
     }
 
     /// The q, k and v projections of rows `x` (any number of sequences: row-wise, so a batch
-    /// gives each row the bits it gets alone).
-    pub fn project(&self, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        (self.q.forward(x), self.k.forward(x), self.v.forward(x))
+    /// gives each row the bits it gets alone), and the output gate rows if it has one.
+    #[allow(clippy::type_complexity)]
+    pub fn project(&self, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+        let (q, k, v) = (self.q.forward(x), self.k.forward(x), self.v.forward(x));
+        if !self.output_gate {
+            return (q, k, v, None);
+        }
+        let hd = self.head_dim;
+        let (mut queries, mut gate) = (Vec::with_capacity(q.len() / 2), Vec::new());
+        gate.reserve(q.len() / 2);
+        for head in q.chunks(2 * hd) {
+            queries.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        (queries, k, v, Some(gate))
+    }
+
+    /// Multiply attention rows by `sigmoid(gate)` (see [`Attention::output_gate`]).
+    pub fn apply_output_gate(&self, rows: &mut [f32], gate: &[f32]) {
+        for (r, g) in rows.iter_mut().zip(gate) {
+            *r *= sigmoid(*g);
+        }
     }
 
     /// One sequence's attention from its projected rows (tokens at positions `start..`):
@@ -686,6 +712,9 @@ pub struct MoeBlock {
     pub shared: Option<Mlp>,
     /// Clamp of the experts' SwiGLU (DeepSeek-V4's `swiglu_limit`).
     pub swiglu_limit: Option<f32>,
+    /// A `[1, D]` gate on the shared experts' output: `sigmoid(gate · x) · shared(x)`
+    /// (Qwen3-Next's `shared_expert_gate`).
+    pub shared_gate: Option<Linear>,
 }
 
 impl MoeBlock {
@@ -756,7 +785,14 @@ impl MoeBlock {
         }
         if let Some(shared) = &self.shared {
             let t0 = std::time::Instant::now();
-            add_assign(&mut out, &shared.forward(x));
+            let mut y = shared.forward(x);
+            if let Some(gate) = &self.shared_gate {
+                for (row, g) in y.chunks_mut(d).zip(gate.forward(x)) {
+                    let s = sigmoid(g);
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
+            }
+            add_assign(&mut out, &y);
             super::telemetry::add(super::telemetry::Part::DenseMlp, t0);
         }
         Ok(out)

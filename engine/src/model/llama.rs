@@ -26,6 +26,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &LoadOptions) -> Result
     let d = sc.hidden_size;
     load_standard(ckpt, cfg, &sc, None, |l| {
         Ok(LayerParts {
+            attn: None,
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window: None,

@@ -44,6 +44,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     let store: Arc<dyn ExpertStore> = store::open(ckpt, &names, d, inter, 0, &opts.placement)?;
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         Ok(LayerParts {
+            attn: None,
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window,
@@ -58,6 +59,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 correction_bias: None,
                 shared: None,
                 swiglu_limit: None,
+                shared_gate: None,
             }),
         })
     })

@@ -11,11 +11,13 @@ pub mod gguf;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
 pub mod layers;
+pub mod linear_attention;
 pub mod llama;
 pub mod mixtral;
 pub mod mla;
 pub mod olmoe;
 pub mod qwen3_moe;
+pub mod qwen3_next;
 pub mod registry;
 pub mod telemetry;
 pub mod torch_topk;
@@ -132,6 +134,9 @@ pub struct ModelInfo {
     /// What per-head K/V attention of the same shape would store per token (equals
     /// `kv_bytes_per_token` except for latent attention).
     pub kv_bytes_per_token_full: usize,
+    /// Bytes of the fixed-size state one sequence keeps in linear-attention layers
+    /// (convolution windows and recurrent matrices; constant in the context length).
+    pub state_bytes_per_sequence: usize,
     /// Bytes of the checkpoint this model never loads (see `skipped`).
     pub unused_bytes: usize,
     /// What of the checkpoint was left out on purpose, e.g. "MTP head (layer 3)" or "vision
@@ -212,6 +217,36 @@ pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     registry::family_of(&cfg)?;
     let ckpt = Checkpoint::open_with(dir, access)?;
     load_family(&ckpt, &cfg, opts)
+}
+
+/// The text model's configuration of a multimodal config: its `text_config`, with what lives
+/// at the top level there: `tie_word_embeddings` (default `tie_default`) and the
+/// `eos_token_id` / `bos_token_id` the text config leaves out. `what` names the text model in
+/// the error when `text_config` is missing.
+pub fn unwrap_text_config(cfg: &ModelConfig, tie_default: bool, what: &str) -> Result<ModelConfig> {
+    let model_type = cfg.model_type()?;
+    let why = format!("a {model_type} config holds {what} there");
+    let mut text = cfg
+        .get("text_config")
+        .cloned()
+        .ok_or_else(|| Error::config(cfg.path(), "text_config", format!("missing ({why})")))?;
+    if !text.is_object() {
+        return Err(Error::config(
+            cfg.path(),
+            "text_config",
+            format!("is not an object ({why})"),
+        ));
+    }
+    text["tie_word_embeddings"] =
+        serde_json::Value::Bool(cfg.bool_or("tie_word_embeddings", tie_default)?);
+    for key in ["eos_token_id", "bos_token_id"] {
+        if text.get(key).is_none_or(|v| v.is_null()) {
+            if let Some(v) = cfg.get(key) {
+                text[key] = v.clone();
+            }
+        }
+    }
+    Ok(ModelConfig::from_value(cfg.path().to_path_buf(), text))
 }
 
 /// `num_hidden_layers`, checked against the layers the checkpoint has tensors for

@@ -33,6 +33,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         Ok(LayerParts {
+            attn: None,
             qk_norm: QkNorm::FullWidth {
                 q: RmsNorm::load(
                     ckpt,
@@ -60,6 +61,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 correction_bias: None,
                 shared: None,
                 swiglu_limit: None,
+                shared_gate: None,
             }),
         })
     })

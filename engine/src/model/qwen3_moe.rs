@@ -59,6 +59,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 correction_bias: None,
                 shared: None,
                 swiglu_limit: None,
+                shared_gate: None,
             })
         } else {
             Ffn::Dense(Mlp::load(
@@ -70,6 +71,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             )?)
         };
         Ok(LayerParts {
+            attn: None,
             qk_norm: QkNorm::PerHead {
                 q: RmsNorm::load(
                     ckpt,

@@ -28,6 +28,8 @@ pub const FAMILIES: &[&Family] = &[
     &super::glm4_moe::FAMILY,
     &super::glm_moe_dsa::FAMILY,
     &super::deepseek_v4::FAMILY,
+    &super::qwen3_next::QWEN3_NEXT,
+    &super::qwen3_next::QWEN3_5_MOE,
 ];
 
 /// A [`LoadFn`] from a family's `load` that returns its own model type.

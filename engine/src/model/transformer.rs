@@ -15,6 +15,7 @@ use super::layers::{
     add_assign, embed, Attention, HashRoutedMoe, HyperConnection, HyperHead, HyperMix, Linear, Mlp,
     MoeBlock, RmsNorm,
 };
+use super::linear_attention::LinearAttention;
 use super::mla::{CompressedAttention, Mla, Selection};
 use super::telemetry::{self, Part};
 use super::{BatchItem, CausalLm, Logits, ModelInfo};
@@ -54,6 +55,9 @@ pub enum SelfAttention {
     /// DeepSeek-V4's attention: one key/value head over a sliding window and compressed
     /// entries, with learned sinks.
     Compressed(CompressedAttention),
+    /// Linear (recurrent) attention: a fixed-size state per sequence instead of a cache that
+    /// grows (Gated DeltaNet, Kimi Delta Attention).
+    Linear(LinearAttention),
 }
 
 impl SelfAttention {
@@ -63,6 +67,7 @@ impl SelfAttention {
             SelfAttention::Gqa(a) => a.o.forward(rows),
             SelfAttention::Mla(m) => m.o.forward(rows),
             SelfAttention::Compressed(c) => c.output(rows),
+            SelfAttention::Linear(l) => l.out.forward(rows),
         }
     }
 
@@ -81,6 +86,16 @@ impl SelfAttention {
             SelfAttention::Compressed(c) => {
                 (c.cache_bytes_per_token(), 4 * 2 * c.heads * c.head_dim)
             }
+            SelfAttention::Linear(_) => (0, 0),
+        }
+    }
+
+    /// Bytes of the fixed-size state one sequence keeps in this layer (linear attention's
+    /// convolution window and recurrent matrices; 0 for attention that caches tokens).
+    pub fn state_bytes(&self) -> usize {
+        match self {
+            SelfAttention::Linear(l) => 4 * l.state_len(),
+            _ => 0,
         }
     }
 }
@@ -262,8 +277,10 @@ impl CausalLm for Transformer {
     fn new_cache(&self, max_len: usize) -> KvCache {
         let mut cache = KvCache::new(self.blocks.len(), max_len);
         for (layer, block) in cache.layers.iter_mut().zip(&self.blocks) {
-            if let SelfAttention::Mla(m) = &block.attn {
-                *layer = super::cache::LayerKv::with_dtype(m.kv_dtype);
+            match &block.attn {
+                SelfAttention::Mla(m) => *layer = super::cache::LayerKv::with_dtype(m.kv_dtype),
+                SelfAttention::Linear(l) => *layer = l.new_cache(),
+                _ => {}
             }
         }
         cache
@@ -518,7 +535,7 @@ impl Transformer {
         let mut row = 0;
         match &block.attn {
             SelfAttention::Gqa(attn) => {
-                let (q, k, v) = attn.project(&x);
+                let (q, k, v, gate) = attn.project(&x);
                 let (qw, kw) = (q.len() / total, k.len() / total);
                 for s in seqs.iter_mut() {
                     let n = s.rows;
@@ -531,6 +548,9 @@ impl Transformer {
                         s.kv,
                     ));
                     row += n;
+                }
+                if let Some(gate) = gate {
+                    attn.apply_output_gate(&mut heads_out, &gate);
                 }
             }
             SelfAttention::Mla(mla) => {
@@ -553,6 +573,13 @@ impl Transformer {
                         s.start,
                         s.kv,
                     ));
+                    row += s.rows;
+                }
+            }
+            SelfAttention::Linear(la) => {
+                let rows = la.project(&x);
+                for s in seqs.iter_mut() {
+                    heads_out.extend(la.attend_sequence(rows.segment(row, s.rows, total), s.kv));
                     row += s.rows;
                 }
             }
@@ -619,6 +646,13 @@ pub struct StandardConfig {
     pub max_position_embeddings: usize,
     /// Attention at llama.cpp's f16 KV precision (`kv_f16`, set for GGUF files).
     pub kv_f16: bool,
+    /// Prefix of `embed_tokens`, `layers.{L}` and `norm`: `model`, or the hub's
+    /// `model.language_model` of a vision-language checkpoint.
+    pub prefix: String,
+    /// Every RMSNorm is zero-centred, `y · (1 + w)` (Qwen3-Next, Qwen3.5/3.6).
+    pub zero_centred_norms: bool,
+    /// The query projection carries a per-head output gate ([`Attention::output_gate`]).
+    pub output_gate: bool,
 }
 
 impl StandardConfig {
@@ -664,7 +698,25 @@ impl StandardConfig {
             tie_word_embeddings: cfg.bool_or("tie_word_embeddings", false)?,
             max_position_embeddings: cfg.usize_or("max_position_embeddings", 4096)?,
             kv_f16: cfg.bool_or("kv_f16", false)?,
+            prefix: "model".to_string(),
+            zero_centred_norms: false,
+            output_gate: false,
         })
+    }
+
+    /// The RMSNorm `name` of `dim` values: plain, or zero-centred (its weight `1 + w`,
+    /// computed in f32 as transformers does).
+    pub fn norm(
+        &self,
+        ckpt: &crate::format::safetensors::Checkpoint,
+        name: &str,
+        dim: usize,
+    ) -> Result<RmsNorm> {
+        let mut norm = RmsNorm::load(ckpt, name, dim, self.rms_norm_eps)?;
+        if self.zero_centred_norms {
+            norm.weight.iter_mut().for_each(|w| *w += 1.0);
+        }
+        Ok(norm)
     }
 }
 
@@ -674,6 +726,10 @@ pub struct LayerParts {
     pub clip_qkv: Option<f32>,
     pub window: Option<usize>,
     pub ffn: Ffn,
+    /// The attention part when it is not the grouped-query attention of `self_attn.*`
+    /// (a hybrid's linear-attention layers); `qk_norm`, `clip_qkv` and `window` then go
+    /// unused.
+    pub attn: Option<SelfAttention>,
 }
 
 /// Build a standard decoder from HF names (`model.embed_tokens`, `model.layers.{L}.self_attn.*`,
@@ -686,9 +742,9 @@ pub fn load_standard(
     store: Option<std::sync::Arc<dyn crate::store::ExpertStore>>,
     mut layer_parts: impl FnMut(usize) -> Result<LayerParts>,
 ) -> Result<Transformer> {
-    use super::layers::Rope;
-    let (d, hd) = (sc.hidden_size, sc.head_dim);
-    let embed = ckpt.weight("model.embed_tokens.weight", &[sc.vocab_size, d])?;
+    let d = sc.hidden_size;
+    let m = &sc.prefix;
+    let embed = ckpt.weight(&format!("{m}.embed_tokens.weight"), &[sc.vocab_size, d])?;
     let lm_head = if sc.tie_word_embeddings && !ckpt.contains("lm_head.weight") {
         Linear::from_tensor(embed.clone())
     } else {
@@ -696,67 +752,28 @@ pub fn load_standard(
     };
     let mut blocks = Vec::with_capacity(sc.layers);
     for l in 0..sc.layers {
-        let p = format!("model.layers.{l}");
-        let parts = layer_parts(l)?;
-        let o_bias = sc.attention_bias && ckpt.contains(&format!("{p}.self_attn.o_proj.bias"));
-        let attn = Attention {
-            q: Linear::load(
+        let p = format!("{m}.layers.{l}");
+        let mut parts = layer_parts(l)?;
+        let attn = match parts.attn.take() {
+            Some(attn) => attn,
+            None => SelfAttention::Gqa(standard_attention(
                 ckpt,
-                &format!("{p}.self_attn.q_proj"),
-                sc.heads * hd,
-                d,
-                sc.attention_bias,
-            )?,
-            k: Linear::load(
-                ckpt,
-                &format!("{p}.self_attn.k_proj"),
-                sc.kv_heads * hd,
-                d,
-                sc.attention_bias,
-            )?,
-            v: Linear::load(
-                ckpt,
-                &format!("{p}.self_attn.v_proj"),
-                sc.kv_heads * hd,
-                d,
-                sc.attention_bias,
-            )?,
-            o: Linear::load(
-                ckpt,
-                &format!("{p}.self_attn.o_proj"),
-                d,
-                sc.heads * hd,
-                o_bias,
-            )?,
-            heads: sc.heads,
-            kv_heads: sc.kv_heads,
-            head_dim: hd,
-            qk_norm: parts.qk_norm,
-            clip_qkv: parts.clip_qkv,
-            rope: Rope::new(&sc.rope, hd),
-            window: parts.window,
-            scale: (hd as f32).powf(-0.5),
-            kv_f16: sc.kv_f16,
+                sc,
+                &p,
+                parts.qk_norm,
+                parts.clip_qkv,
+                parts.window,
+            )?),
         };
         blocks.push(Block {
-            attn_norm: RmsNorm::load(
-                ckpt,
-                &format!("{p}.input_layernorm.weight"),
-                d,
-                sc.rms_norm_eps,
-            )?,
-            attn: SelfAttention::Gqa(attn),
-            ffn_norm: RmsNorm::load(
-                ckpt,
-                &format!("{p}.post_attention_layernorm.weight"),
-                d,
-                sc.rms_norm_eps,
-            )?,
+            attn_norm: sc.norm(ckpt, &format!("{p}.input_layernorm.weight"), d)?,
+            attn,
+            ffn_norm: sc.norm(ckpt, &format!("{p}.post_attention_layernorm.weight"), d)?,
             ffn: parts.ffn,
             residual: Residual::Plain,
         });
     }
-    let norm = RmsNorm::load(ckpt, "model.norm.weight", d, sc.rms_norm_eps)?;
+    let norm = sc.norm(ckpt, &format!("{m}.norm.weight"), d)?;
     let info = standard_info(ckpt, cfg, sc, &blocks, store.as_deref())?;
     Ok(Transformer {
         embed,
@@ -768,6 +785,104 @@ pub fn load_standard(
         mtp: None,
         streams: Streams::One,
     })
+}
+
+/// Layer `p`'s grouped-query attention from `{p}.self_attn.{q,k,v,o}_proj`.
+fn standard_attention(
+    ckpt: &crate::format::safetensors::Checkpoint,
+    sc: &StandardConfig,
+    p: &str,
+    qk_norm: super::layers::QkNorm,
+    clip_qkv: Option<f32>,
+    window: Option<usize>,
+) -> Result<Attention> {
+    use super::layers::Rope;
+    let (d, hd) = (sc.hidden_size, sc.head_dim);
+    let o_bias = sc.attention_bias && ckpt.contains(&format!("{p}.self_attn.o_proj.bias"));
+    let q_width = if sc.output_gate { 2 } else { 1 } * sc.heads * hd;
+    Ok(Attention {
+        q: Linear::load(
+            ckpt,
+            &format!("{p}.self_attn.q_proj"),
+            q_width,
+            d,
+            sc.attention_bias,
+        )?,
+        k: Linear::load(
+            ckpt,
+            &format!("{p}.self_attn.k_proj"),
+            sc.kv_heads * hd,
+            d,
+            sc.attention_bias,
+        )?,
+        v: Linear::load(
+            ckpt,
+            &format!("{p}.self_attn.v_proj"),
+            sc.kv_heads * hd,
+            d,
+            sc.attention_bias,
+        )?,
+        o: Linear::load(
+            ckpt,
+            &format!("{p}.self_attn.o_proj"),
+            d,
+            sc.heads * hd,
+            o_bias,
+        )?,
+        heads: sc.heads,
+        kv_heads: sc.kv_heads,
+        head_dim: hd,
+        qk_norm,
+        clip_qkv,
+        rope: Rope::new(&sc.rope, hd),
+        window,
+        scale: (hd as f32).powf(-0.5),
+        kv_f16: sc.kv_f16,
+        output_gate: sc.output_gate,
+    })
+}
+
+/// The tensors of a checkpoint a model leaves out on purpose (a vision tower, layers it
+/// does not run), so `coli info` can say what and how much.
+#[derive(Debug, Default)]
+pub struct Unused {
+    pub bytes: usize,
+    pub params: usize,
+    /// One line per part left out.
+    pub skipped: Vec<String>,
+}
+
+impl Unused {
+    /// The tensors whose names start with one of the `(prefix, what it is)` parts.
+    pub fn of(ckpt: &crate::format::safetensors::Checkpoint, parts: &[(&str, &str)]) -> Unused {
+        let mut unused = Unused::default();
+        for (prefix, what) in parts {
+            let (mut n, mut bytes) = (0, 0);
+            for (name, t) in ckpt.tensors() {
+                if name.starts_with(prefix) {
+                    n += 1;
+                    bytes += t.len;
+                    unused.params += t.shape.iter().product::<usize>();
+                }
+            }
+            if n > 0 {
+                unused.bytes += bytes;
+                unused.skipped.push(format!(
+                    "{what} ({n} tensors under `{prefix}`, {bytes} bytes)"
+                ));
+            }
+        }
+        unused
+    }
+
+    /// Take them out of `info`'s resident bytes and parameter counts, and say them there.
+    pub fn apply(self, info: &mut ModelInfo) {
+        info.dense_bytes -= self.bytes;
+        info.total_params -= self.params;
+        info.active_params -= self.params;
+        info.unused_bytes += self.bytes;
+        info.skipped.extend(self.skipped);
+    }
 }
 
 /// The distinct dtypes of a checkpoint's tensors, sorted (what `coli info` lists).
@@ -842,6 +957,7 @@ pub(crate) fn standard_info(
             .iter()
             .map(|b| b.attn.cache_bytes_per_token().1)
             .sum(),
+        state_bytes_per_sequence: blocks.iter().map(|b| b.attn.state_bytes()).sum(),
         active_experts: active,
         total_params,
         active_params: total_params - expert_params + active_expert_params,

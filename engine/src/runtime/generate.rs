@@ -163,7 +163,8 @@ pub fn generate_continue(
     conv.tokens.extend_from_slice(prompt);
     if conv.cache.len == conv.tokens.len() {
         // Everything was run already (a conversation saved after a prefill without
-        // generation): run the last token again for its logits.
+        // generation): run the last token again for its logits (from a recurrent state's
+        // checkpoint, the cache may go back further; everything from there runs again).
         conv.cache.truncate(conv.tokens.len() - 1);
     }
     let run = conv.tokens[conv.cache.len..].to_vec();

@@ -20,15 +20,18 @@
 //! body     fingerprint_len u32 | fingerprint (UTF-8) | layers u32
 //!          tokens u64 | cache_len u64 | max_len u64
 //!          token ids: tokens × u32
-//!          values held: layers × (k u64, v u64, aux u64)
-//!          values: for each layer, its k, then v, then aux values, f32 each
+//!          values held: layers × (k u64, v u64, aux u64, state u64)
+//!          values: for each layer, its k, then v, then aux, then state values, f32 each
 //! trailer  checksum u64: XXH64 (seed 0) of the header and the body
 //! ```
 //!
 //! The token ids are the whole conversation; the cache holds the first `cache_len` of them
 //! (the others, normally the last sampled token, are pending: see
-//! [`generate_continue`](super::generate::generate_continue)). A buffer's values are
-//! `cache_len` rows of a width the model fixes per layer and buffer.
+//! [`generate_continue`](super::generate::generate_continue)). A k, v or aux buffer's values
+//! are `cache_len` rows of a width the model fixes per layer and buffer; a state (linear
+//! attention's recurrent state after `cache_len` tokens) has the size the model fixes per
+//! layer. Checkpoints of the states are not saved: going back before `cache_len` recomputes
+//! from the start. Version 1 files (no state counts) are still read.
 
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom, Write};
@@ -45,7 +48,7 @@ use crate::{Error, Result};
 pub const MAGIC: [u8; 8] = *b"COLI_KV\0";
 
 /// Version of the format [`save`] writes and [`load`] reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Bytes before the body: magic, version, reserved, body length.
 const HEADER_BYTES: u64 = 24;
@@ -53,8 +56,8 @@ const HEADER_BYTES: u64 = 24;
 /// Bytes after the body: the checksum.
 const TRAILER_BYTES: u64 = 8;
 
-/// Names of a layer's buffers, in file order.
-const BUFFERS: [&str; 3] = ["k", "v", "aux"];
+/// Names of a layer's buffers, in file order (version 1 files have the first three).
+const BUFFERS: [&str; 4] = ["k", "v", "aux", "state"];
 
 /// What every refusal tells the user to do.
 const FIX: &str = "delete it (or use another file) to start a new conversation";
@@ -81,13 +84,17 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
         )));
     }
     let fp = fingerprint.as_bytes();
-    let values: u64 = cache.layers.iter().map(|l| l.values() as u64).sum();
+    let values: u64 = cache
+        .layers
+        .iter()
+        .map(|l| (l.values() + l.state.len()) as u64)
+        .sum();
     let body_len = 4
         + fp.len() as u64
         + 4
         + 3 * 8
         + 4 * conv.tokens.len() as u64
-        + 3 * 8 * cache.layers.len() as u64
+        + 4 * 8 * cache.layers.len() as u64
         + 4 * values;
 
     let mut out = HashingWriter {
@@ -112,8 +119,8 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
             out.put(&bytes)?;
         }
         for l in &cache.layers {
-            for b in [&l.k, &l.v, &l.aux] {
-                out.put(&(b.len() as u64).to_le_bytes())?;
+            for n in [l.k.len(), l.v.len(), l.aux.len(), l.state.len()] {
+                out.put(&(n as u64).to_le_bytes())?;
             }
         }
         for l in &cache.layers {
@@ -125,6 +132,11 @@ pub fn save(path: &Path, fingerprint: &str, conv: &Conversation) -> Result<u64> 
                     bytes.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
                     out.put(&bytes)?;
                 }
+            }
+            for chunk in l.state.chunks(CHUNK_VALUES) {
+                bytes.clear();
+                bytes.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+                out.put(&bytes)?;
             }
         }
         let sum = out.hash.digest();
@@ -164,7 +176,7 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
         ));
     }
     let version = u32::from_le_bytes(header[8..12].try_into().unwrap());
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION && version != 1 {
         return Err(Error::corrupt(
             path,
             format!(
@@ -259,9 +271,11 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
         ));
     }
     let tokens = b.u32s(n_tokens)?;
-    let mut counts = Vec::with_capacity(layers.min(b.left as usize / 24 + 1));
+    let mut counts = Vec::with_capacity(layers.min(b.left as usize / 32 + 1));
     for _ in 0..layers {
-        counts.push([b.u64()?, b.u64()?, b.u64()?]);
+        let (k, v, aux) = (b.u64()?, b.u64()?, b.u64()?);
+        let state = if version == 1 { 0 } else { b.u64()? };
+        counts.push([k, v, aux, state]);
     }
     let total: u64 = counts
         .iter()
@@ -278,9 +292,9 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
             ),
         ));
     }
-    // Every buffer holds `cache_len` rows of one width.
+    // Every per-token buffer holds `cache_len` rows of one width.
     for (l, c) in counts.iter().enumerate() {
-        for (i, &n) in c.iter().enumerate() {
+        for (i, &n) in c[..3].iter().enumerate() {
             let whole = if cache_len == 0 {
                 n == 0
             } else {
@@ -301,11 +315,8 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
     cache.len = to_usize(cache_len, path)?;
     for (l, c) in counts.iter().enumerate() {
         let mut layer = LayerKv::default();
-        for (i, buf) in [&mut layer.k, &mut layer.v, &mut layer.aux]
-            .into_iter()
-            .enumerate()
-        {
-            let values = b.f32s(c[i])?;
+        for (i, &n) in c.iter().enumerate() {
+            let values = b.f32s(n)?;
             // A model's keys and values are finite numbers: a NaN or an infinity would turn
             // every attention score that reads it into NaN, so the answer would be garbage.
             if let Some(at) = values.iter().position(|x| !x.is_finite()) {
@@ -318,7 +329,12 @@ pub fn load(path: &Path, fingerprint: &str) -> Result<Conversation> {
                     ),
                 ));
             }
-            *buf = KvBuf::F32(values);
+            match i {
+                0 => layer.k = KvBuf::F32(values),
+                1 => layer.v = KvBuf::F32(values),
+                2 => layer.aux = KvBuf::F32(values),
+                _ => layer.state = values,
+            }
         }
         cache.layers.push(layer);
     }
@@ -360,6 +376,17 @@ pub fn check_model(path: &Path, conv: &Conversation, model: &dyn CausalLm) -> Re
         )));
     }
     let len = conv.cache.len;
+    let fresh = model.new_cache(0);
+    for (l, (layer, want)) in conv.cache.layers.iter().zip(&fresh.layers).enumerate() {
+        if layer.state.len() != want.state.len() {
+            return Err(Error::Invalid(format!(
+                "{}: layer {l}: the saved recurrent state holds {} values, but this model's holds {} (was it saved by another version of colibri?); {FIX}",
+                path.display(),
+                layer.state.len(),
+                want.state.len()
+            )));
+        }
+    }
     for (l, (layer, w)) in conv.cache.layers.iter().zip(&widths).enumerate() {
         for (i, held) in [&layer.k, &layer.v, &layer.aux].into_iter().enumerate() {
             if Some(held.len()) != w[i].checked_mul(len) {
@@ -819,10 +846,10 @@ mod tests {
         );
         let bad = dir.path().join("bad.kv");
         let mut b = bytes.clone();
-        b[8] = 2; // version 2
+        b[8] = 3; // version 3
         std::fs::write(&bad, &b).unwrap();
         let err = load(&bad, FP).unwrap_err().to_string();
-        assert!(err.contains("version 2"), "{err}");
+        assert!(err.contains("version 3"), "{err}");
         let mut b = bytes.clone();
         b[0] = b'X';
         std::fs::write(&bad, &b).unwrap();

@@ -474,9 +474,9 @@ impl Engine {
                 return;
             };
             // Keep at least one prompt token to run, so the prompt's last logits exist.
-            let reuse = common.min(request.prompt.len() - 1);
             let slot = &mut self.slots[slot_index];
-            slot.cache.truncate(reuse);
+            // A recurrent state goes back to its newest checkpoint at or before that.
+            let reuse = slot.cache.truncate(common.min(request.prompt.len() - 1));
             slot.tokens.truncate(reuse);
             self.clock += 1;
             slot.last_used = self.clock;
@@ -586,6 +586,10 @@ impl Engine {
         for ((i, tokens, _), row) in plan.into_iter().zip(logits) {
             let slot = &mut self.slots[i];
             slot.tokens.extend_from_slice(&tokens);
+            if tokens.len() > 1 {
+                // The end of a prefill chunk: where a later prompt may branch off.
+                slot.cache.checkpoint();
+            }
             let run = slot.running.as_mut().expect("planned slots run");
             if run.pending > 0 {
                 run.pending -= tokens.len();
@@ -601,6 +605,10 @@ impl Engine {
                 sample_next(model, context, run, row)
             }))
             .unwrap_or_else(|panic| Outcome::Failed(Failure::Engine(panic_message(&panic))));
+            if !matches!(outcome, Outcome::Continue) {
+                // The end of a turn: where the next one continues.
+                slot.cache.checkpoint();
+            }
             match outcome {
                 Outcome::Continue => {}
                 Outcome::Finished(usage) => {

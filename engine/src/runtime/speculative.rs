@@ -207,6 +207,8 @@ pub fn generate_with_drafts(
         if chooser.drafting {
             let draft_logits = drafter.draft(&unseen_hidden, &unseen_next, &mut draft_cache)?;
             let draft = argmax(&draft_logits);
+            // A recurrent state cannot drop the draft's position afterwards: keep a copy.
+            cache.checkpoint();
             let (logits, hidden) = drafter.forward_hidden(&[last, draft], &mut cache)?;
             stats.drafted += 1;
             stats.draft_steps += 1;
@@ -226,7 +228,13 @@ pub fn generate_with_drafts(
                     stats.accepted += 1;
                 }
                 // The draft's position is not part of the sequence (or generation ended).
-                cache.truncate(cache.len - 1);
+                let target = cache.len - 1;
+                let kept = cache.truncate(target);
+                if kept < target {
+                    // A recurrent state went back to its checkpoint: recompute up to the
+                    // draft (the cache holds `history[..target]`).
+                    drafter.forward_hidden(&history[kept..target], &mut cache)?;
+                }
                 unseen_hidden = hidden[..d].to_vec();
                 unseen_next = vec![x];
                 last = x;
