@@ -38,6 +38,8 @@ fn every_budget_and_thread_count_gives_identical_bits() {
         "kimi_k25",
         "glm_moe_dsa",
         "deepseek_v4",
+        "qwen3_next",
+        "qwen3_5_moe",
     ] {
         let dir = fixture(arch);
         let ids = prompt(arch);
@@ -242,6 +244,7 @@ fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
         "deepseek_v3",
         "kimi_k25",
         "glm_moe_dsa",
+        "qwen3_next",
     ] {
         variants_never_change_bits(arch);
     }

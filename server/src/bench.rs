@@ -73,6 +73,8 @@ pub struct BenchReport {
     /// same shape would store.
     pub kv_bytes_per_token: usize,
     pub kv_bytes_per_token_full_attention: usize,
+    /// Bytes of linear-attention state one sequence keeps, whatever its length.
+    pub state_bytes_per_sequence: usize,
     /// With `--draft mtp`: the same decode with drafts from the model's MTP head.
     pub draft: Option<DraftReport>,
 }
@@ -213,6 +215,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .to_string(),
         kv_bytes_per_token: info.kv_bytes_per_token,
         kv_bytes_per_token_full_attention: info.kv_bytes_per_token_full,
+        state_bytes_per_sequence: info.state_bytes_per_sequence,
         draft: draft.map(|mut d| {
             d.pays = d.decode_tok_per_s > decode_tok_per_s;
             d
@@ -273,8 +276,8 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
     }
     let t = &r.decode_time;
     println!(
-        "time:     attention {:.2} s, experts {:.2} s, dense MLP {:.2} s, LM head {:.2} s (decode)",
-        t.attention, t.experts, t.dense_mlp, t.lm_head
+        "time:     attention {:.2} s, recurrent layers {:.2} s, experts {:.2} s, dense MLP {:.2} s, LM head {:.2} s (decode)",
+        t.attention, t.recurrent, t.experts, t.dense_mlp, t.lm_head
     );
     println!(
         "machine:  disk {:.2} GB/s ({}), memory {:.1} GB/s: decode reads at {:.0} % of disk bandwidth{} and streams {:.0} % of memory bandwidth ({} active weights per token)",
@@ -290,10 +293,18 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         gb_size(r.active_gb_per_token)
     );
     println!(
-        "kv cache: {} bytes per token ({} with per-head K/V: {:.1}× smaller)",
+        "kv cache: {} bytes per token ({} with per-head K/V: {:.1}× smaller){}",
         r.kv_bytes_per_token,
         r.kv_bytes_per_token_full_attention,
-        r.kv_bytes_per_token_full_attention as f64 / r.kv_bytes_per_token.max(1) as f64
+        r.kv_bytes_per_token_full_attention as f64 / r.kv_bytes_per_token.max(1) as f64,
+        if r.state_bytes_per_sequence > 0 {
+            format!(
+                "; recurrent state {} bytes per sequence (constant in context)",
+                r.state_bytes_per_sequence
+            )
+        } else {
+            String::new()
+        }
     );
     if let Some(d) = &r.draft {
         println!(

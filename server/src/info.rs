@@ -72,6 +72,12 @@ pub fn run(args: InfoArgs) -> Result<()> {
             i.kv_bytes_per_token_full as f64 / i.kv_bytes_per_token.max(1) as f64
         );
     }
+    if i.state_bytes_per_sequence > 0 {
+        println!(
+            "state:        {} per sequence in linear-attention layers (constant in context)",
+            bytes(i.state_bytes_per_sequence)
+        );
+    }
     println!(
         "tokenizer:    {}",
         match &loaded.tokenizer {

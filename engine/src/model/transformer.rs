@@ -586,7 +586,11 @@ impl Transformer {
         }
         let a = block.attn.output(&heads_out);
         block.residual.write(Sublayer::Attention, h, &a, mix, d);
-        telemetry::add(Part::Attention, t0);
+        let part = match block.attn {
+            SelfAttention::Linear(_) => Part::Recurrent,
+            _ => Part::Attention,
+        };
+        telemetry::add(part, t0);
         after_attention(h);
         let (u, mix) = block.residual.read(Sublayer::Ffn, h, d);
         let x = block.ffn_norm.forward(&u);
