@@ -50,8 +50,12 @@ fn bits(c: &Conversation) -> Vec<u32> {
     c.cache
         .layers
         .iter()
-        .flat_map(|l| [&l.k, &l.v, &l.aux])
-        .flat_map(|b| b.to_f32_vec())
+        .flat_map(|l| {
+            [&l.k, &l.v, &l.aux]
+                .into_iter()
+                .flat_map(|b| b.to_f32_vec())
+                .chain(l.state.iter().copied())
+        })
         .map(|x| x.to_bits())
         .collect()
 }
@@ -62,13 +66,16 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
     // others' generations hold bytes that are not whole UTF-8 characters, whose text at a
     // split can legitimately differ, so for them the tokens and caches are compared. The
     // families cover grouped-query attention (k, v) and MLA (latent k, rope v) with and
-    // without the DSA indexer's keys (aux).
+    // without the DSA indexer's keys (aux), and hybrids whose linear-attention layers keep a
+    // recurrent state (qwen3_next, qwen3_5_moe).
     for (arch, compare_text) in [
         ("qwen3_moe", true),
         ("olmoe", false),
         ("llama", false),
         ("deepseek_v3", false),
         ("glm_moe_dsa", false),
+        ("qwen3_next", false),
+        ("qwen3_5_moe", false),
     ] {
         let r = reference(arch);
         let prompt = r["prompt_text"].as_str().unwrap();
@@ -128,6 +135,12 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
             "{arch}: only the pending token is run: {err_b2}"
         );
 
+        if arch.starts_with("qwen3_") && arch != "qwen3_moe" {
+            assert!(
+                a.cache.layers.iter().any(|l| !l.state.is_empty()),
+                "{arch}: the recurrent states are saved"
+            );
+        }
         if arch == "glm_moe_dsa" {
             assert!(
                 a.cache.layers.iter().any(|l| !l.aux.is_empty()),
