@@ -56,6 +56,7 @@ pub fn demo_args(out: PathBuf) -> SynthArgs {
         out,
         threads: 0,
         ds: Default::default(),
+        linear: Default::default(),
     }
 }
 

@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
 use colibri::model::registry::{Experts, Family};
 use colibri::model::{
-    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, llama, mixtral, olmoe, qwen3_moe,
+    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, llama, mixtral, olmoe, qwen3_moe, qwen3_next,
 };
 use colibri::tensor::DType;
 use half::bf16;
@@ -43,6 +43,13 @@ pub enum SynthArch {
     /// first layers, sqrt-softplus routing.
     #[value(name = "deepseek-v4")]
     DeepseekV4,
+    /// Qwen3-Next: Gated DeltaNet linear attention (grouped `in_proj_qkvz`/`in_proj_ba`) on
+    /// 3 of every 4 layers, gated attention on the others, MoE with a gated shared expert.
+    #[value(name = "qwen3-next")]
+    Qwen3Next,
+    /// Qwen3.5/3.6 MoE (text model): qwen3-next with split DeltaNet projections.
+    #[value(name = "qwen3-5-moe")]
+    Qwen35Moe,
 }
 
 impl SynthArch {
@@ -71,7 +78,14 @@ impl SynthArch {
             SynthArch::Glm4Moe => &glm4_moe::FAMILY,
             SynthArch::GlmMoeDsa => &glm_moe_dsa::FAMILY,
             SynthArch::DeepseekV4 => &deepseek_v4::FAMILY,
+            SynthArch::Qwen3Next => &qwen3_next::QWEN3_NEXT,
+            SynthArch::Qwen35Moe => &qwen3_next::QWEN3_5_MOE,
         }
+    }
+
+    /// The Gated DeltaNet hybrids (qwen3-next, qwen3-5-moe).
+    fn delta_net(self) -> bool {
+        matches!(self, SynthArch::Qwen3Next | SynthArch::Qwen35Moe)
     }
 
     /// Where the family keeps its routed experts (llama: nowhere).
@@ -144,6 +158,137 @@ pub struct SynthArgs {
     /// Options of the DeepSeek-style architectures.
     #[command(flatten)]
     pub ds: DsArgs,
+    /// Options of the linear-attention hybrids.
+    #[command(flatten)]
+    pub linear: LinearArgs,
+}
+
+/// Shape options of the linear-attention hybrids (qwen3-next, qwen3-5-moe); the other
+/// architectures ignore them.
+#[derive(clap::Args, Debug, Clone)]
+#[command(next_help_heading = "qwen3-next / qwen3-5-moe")]
+pub struct LinearArgs {
+    /// Query/key heads of the linear-attention layers.
+    #[arg(long, default_value_t = 16)]
+    pub linear_key_heads: usize,
+    /// Value heads of the linear-attention layers (a multiple of --linear-key-heads).
+    #[arg(long, default_value_t = 32)]
+    pub linear_value_heads: usize,
+    /// Key and value head dim of the linear-attention layers.
+    #[arg(long, default_value_t = 128)]
+    pub linear_head_dim: usize,
+    /// Taps of the short causal convolution.
+    #[arg(long, default_value_t = 4)]
+    pub conv_kernel: usize,
+    /// Every n-th layer is full (gated softmax) attention, the others linear.
+    #[arg(long, default_value_t = 4)]
+    pub full_attention_interval: usize,
+    /// Width of the shared expert (default: --moe-intermediate).
+    #[arg(long)]
+    pub shared_intermediate: Option<usize>,
+}
+
+impl Default for LinearArgs {
+    /// The command-line defaults.
+    fn default() -> Self {
+        use clap::{Args, FromArgMatches};
+        let cmd = Self::augment_args(clap::Command::new("synth"));
+        Self::from_arg_matches(&cmd.get_matches_from(["synth"])).expect("defaults parse")
+    }
+}
+
+/// Whether layer `l` of a hybrid is linear attention.
+fn linear_layer(a: &SynthArgs, l: usize) -> bool {
+    (l + 1) % a.linear.full_attention_interval.max(1) != 0
+}
+
+/// Layer `l` of a Gated DeltaNet hybrid (qwen3-next, qwen3-5-moe): linear or gated full
+/// attention, then the MoE block with its gated shared expert.
+fn delta_net_layer(pl: &mut Plan, a: &SynthArgs, l: usize, heads: usize, kv_heads: usize) {
+    let (d, hd, x) = (a.hidden, head_dim(a, heads), &a.linear);
+    let p = format!("model.layers.{l}");
+    if linear_layer(a, l) {
+        let la = format!("{p}.linear_attn");
+        let (nk, nv, dh) = (x.linear_key_heads, x.linear_value_heads, x.linear_head_dim);
+        let channels = 2 * nk * dh + nv * dh;
+        if a.arch == SynthArch::Qwen3Next {
+            pl.mat(format!("{la}.in_proj_qkvz.weight"), channels + nv * dh, d);
+            pl.mat(format!("{la}.in_proj_ba.weight"), 2 * nv, d);
+        } else {
+            pl.mat(format!("{la}.in_proj_qkv.weight"), channels, d);
+            pl.mat(format!("{la}.in_proj_z.weight"), nv * dh, d);
+            pl.mat(format!("{la}.in_proj_b.weight"), nv, d);
+            pl.mat(format!("{la}.in_proj_a.weight"), nv, d);
+        }
+        let conv_scale = init_scale("conv1d", x.conv_kernel);
+        pl.push(
+            format!("{la}.conv1d.weight"),
+            pl.dtype,
+            vec![channels, 1, x.conv_kernel],
+            Init::Uniform(conv_scale),
+        );
+        pl.bias(format!("{la}.dt_bias"), nv);
+        pl.bias(format!("{la}.A_log"), nv);
+        pl.norm(format!("{la}.norm.weight"), dh);
+        pl.mat(format!("{la}.out_proj.weight"), d, nv * dh);
+    } else {
+        pl.mat(format!("{p}.self_attn.q_proj.weight"), 2 * heads * hd, d);
+        pl.mat(format!("{p}.self_attn.k_proj.weight"), kv_heads * hd, d);
+        pl.mat(format!("{p}.self_attn.v_proj.weight"), kv_heads * hd, d);
+        pl.mat(format!("{p}.self_attn.o_proj.weight"), d, heads * hd);
+        pl.zero_centred_norm(format!("{p}.self_attn.q_norm.weight"), hd);
+        pl.zero_centred_norm(format!("{p}.self_attn.k_norm.weight"), hd);
+    }
+    pl.zero_centred_norm(format!("{p}.input_layernorm.weight"), d);
+    pl.zero_centred_norm(format!("{p}.post_attention_layernorm.weight"), d);
+    let layout = a.arch.experts().expect("a MoE family has routed experts");
+    pl.router(&layout, l, a.experts, d);
+    pl.experts(&layout, l, a.experts, a.moe_intermediate, d);
+    let shared = x.shared_intermediate.unwrap_or(a.moe_intermediate);
+    let sp = format!("{p}.mlp.shared_expert");
+    pl.mat(format!("{sp}.gate_proj.weight"), shared, d);
+    pl.mat(format!("{sp}.up_proj.weight"), shared, d);
+    pl.mat(format!("{sp}.down_proj.weight"), d, shared);
+    pl.mat(format!("{p}.mlp.shared_expert_gate.weight"), 1, d);
+}
+
+/// The config keys of a Gated DeltaNet hybrid (as transformers writes them).
+fn delta_net_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
+    let x = &a.linear;
+    let layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| {
+            if linear_layer(a, l) {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let mut v = json!({
+        "model_type": a.arch.model_type(), "head_dim": head_dim(a, heads), "rms_norm_eps": 1e-6,
+        "layer_types": layer_types, "linear_conv_kernel_dim": x.conv_kernel,
+        "linear_key_head_dim": x.linear_head_dim, "linear_value_head_dim": x.linear_head_dim,
+        "linear_num_key_heads": x.linear_key_heads, "linear_num_value_heads": x.linear_value_heads,
+        "moe_intermediate_size": a.moe_intermediate, "num_experts": a.experts,
+        "num_experts_per_tok": a.top_k,
+        "shared_expert_intermediate_size": x.shared_intermediate.unwrap_or(a.moe_intermediate),
+        "output_router_logits": false, "router_aux_loss_coef": 0.001, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25},
+    });
+    let extra = if a.arch == SynthArch::Qwen3Next {
+        json!({
+            "architectures": ["Qwen3NextForCausalLM"], "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": true,
+            "intermediate_size": dense_intermediate(a),
+        })
+    } else {
+        json!({"architectures": ["Qwen3_5MoeForCausalLM"]})
+    };
+    for (k, val) in extra.as_object().unwrap() {
+        v[k] = val.clone();
+    }
+    v
 }
 
 /// Shape options of the DeepSeek-style architectures (deepseek-v3, glm4-moe, glm-moe-dsa);
@@ -396,6 +541,8 @@ pub fn run(args: SynthArgs) -> Result<()> {
 enum Init {
     /// All ones (norm weights).
     Ones,
+    /// All zeros (zero-centred norm weights).
+    Zeros,
     /// Uniform in ±scale.
     Uniform(f32),
     /// Uniform in [0, scale) (router correction biases).
@@ -449,13 +596,22 @@ impl Plan {
 
     /// A norm weight (all ones).
     fn norm(&mut self, name: String, n: usize) {
+        self.norm_of(name, n, Init::Ones);
+    }
+
+    /// A zero-centred norm's weight (all zeros: it scales by `1 + w`).
+    fn zero_centred_norm(&mut self, name: String, n: usize) {
+        self.norm_of(name, n, Init::Zeros);
+    }
+
+    fn norm_of(&mut self, name: String, n: usize, init: Init) {
         self.norms.push(Planned {
             spec: TensorSpec {
                 name,
                 dtype: self.dtype,
                 shape: vec![n],
             },
-            init: Init::Ones,
+            init,
         });
     }
 
@@ -490,7 +646,9 @@ impl Plan {
 /// Head dim of the non-MLA attention.
 fn head_dim(a: &SynthArgs, heads: usize) -> usize {
     match a.arch {
-        SynthArch::Glm4Moe => a.ds.head_dim.unwrap_or(a.hidden / heads),
+        SynthArch::Glm4Moe | SynthArch::Qwen3Next | SynthArch::Qwen35Moe => {
+            a.ds.head_dim.unwrap_or(a.hidden / heads)
+        }
         _ => a.hidden / heads,
     }
 }
@@ -515,6 +673,18 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
     if a.arch == SynthArch::DeepseekV4 {
         v4_plan(&mut pl, a, heads);
         pl.norm("model.norm.weight".into(), d);
+        pl.mat(
+            format!("{}.weight", a.arch.family().names.lm_head),
+            a.vocab,
+            d,
+        );
+        return pl.finish();
+    }
+    if a.arch.delta_net() {
+        for l in 0..a.layers {
+            delta_net_layer(&mut pl, a, l, heads, kv_heads);
+        }
+        pl.zero_centred_norm("model.norm.weight".into(), d);
         pl.mat(
             format!("{}.weight", a.arch.family().names.lm_head),
             a.vocab,
@@ -577,7 +747,9 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
             SynthArch::DeepseekV3
             | SynthArch::Glm4Moe
             | SynthArch::GlmMoeDsa
-            | SynthArch::DeepseekV4 => unreachable!(),
+            | SynthArch::DeepseekV4
+            | SynthArch::Qwen3Next
+            | SynthArch::Qwen35Moe => unreachable!(),
         }
     }
     pl.norm("model.norm.weight".into(), d);
@@ -781,6 +953,7 @@ fn config_json(
             }),
         ]),
         SynthArch::DeepseekV4 => v4_config(a, heads),
+        SynthArch::Qwen3Next | SynthArch::Qwen35Moe => delta_net_config(a, heads),
         SynthArch::GlmMoeDsa => {
             let indexer_types: Vec<&str> = (0..a.layers)
                 .map(|l| {
@@ -897,11 +1070,15 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
     let mut vals = vec![1.0f32; n];
     let (scale, shift) = match p.init {
         Init::Ones => (0.0, 0.0),
+        Init::Zeros => {
+            vals.fill(0.0);
+            (0.0, 0.0)
+        }
         Init::Uniform(s) => (s, 0.0),
         Init::Positive(s) => (s * 0.5, 1.0),
         Init::ExpertIds(_) => unreachable!("filled above"),
     };
-    if p.init != Init::Ones {
+    if !matches!(p.init, Init::Ones | Init::Zeros) {
         let mut s = chunk_seed(seed, &p.spec.name, chunk);
         for v in &mut vals {
             s ^= s << 13;
@@ -944,7 +1121,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     };
     // MLA and an explicit --head-dim need no head dim of hidden / heads.
     let free_head_dim = args.arch.mla()
-        || ((args.arch.deepseek_style() || args.arch == SynthArch::DeepseekV4)
+        || ((args.arch.deepseek_style()
+            || args.arch == SynthArch::DeepseekV4
+            || args.arch.delta_net())
             && args.ds.head_dim.is_some());
     if heads == 0
         || kv_heads == 0
@@ -970,6 +1149,22 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     }
     if args.arch == SynthArch::DeepseekV4 {
         check_v4(args, heads)?;
+    }
+    if args.arch.delta_net() {
+        let x = &args.linear;
+        if x.linear_key_heads == 0
+            || x.linear_head_dim == 0
+            || x.conv_kernel == 0
+            || x.full_attention_interval == 0
+            || !x.linear_value_heads.is_multiple_of(x.linear_key_heads)
+            || x.linear_value_heads == 0
+        {
+            bail!(
+                "--linear-value-heads {} must be a positive multiple of --linear-key-heads {}, and --linear-head-dim, --conv-kernel and --full-attention-interval positive",
+                x.linear_value_heads,
+                x.linear_key_heads
+            );
+        }
     }
     let parent = args
         .out
@@ -1260,6 +1455,7 @@ mod tests {
             out,
             threads: 0,
             ds,
+            linear: LinearArgs::default(),
         }
     }
 
@@ -1282,6 +1478,19 @@ mod tests {
                 a.ds.index_head_dim = 16;
                 a.ds.index_topk = 6;
                 a.ds.index_topk_freq = 2;
+            }
+            SynthArch::Qwen3Next | SynthArch::Qwen35Moe => {
+                a.layers = 4;
+                a.kv_heads = Some(2);
+                a.ds.head_dim = Some(16);
+                a.linear = LinearArgs {
+                    linear_key_heads: 2,
+                    linear_value_heads: 4,
+                    linear_head_dim: 16,
+                    conv_kernel: 4,
+                    full_attention_interval: 4,
+                    shared_intermediate: Some(32),
+                };
             }
             SynthArch::DeepseekV4 => {
                 a.layers = 4;
@@ -1314,6 +1523,8 @@ mod tests {
             (SynthArch::Glm4Moe, "glm4_moe"),
             (SynthArch::GlmMoeDsa, "glm_moe_dsa"),
             (SynthArch::DeepseekV4, "deepseek_v4"),
+            (SynthArch::Qwen3Next, "qwen3_next"),
+            (SynthArch::Qwen35Moe, "qwen3_5_moe"),
         ] {
             let out = tmp.path().join(name);
             synthesize(&fixture_args(arch, out.clone()), false).unwrap();
@@ -1346,7 +1557,9 @@ mod tests {
                     assert_eq!(&got[k], v, "{name}: config {k}");
                 }
             }
-            assert_eq!(got["num_nextn_predict_layers"], 0, "{name}");
+            if !arch.delta_net() {
+                assert_eq!(got["num_nextn_predict_layers"], 0, "{name}");
+            }
         }
     }
 
