@@ -311,7 +311,8 @@ pub struct DsArgs {
     /// MLA per-head value dims.
     #[arg(long, default_value_t = 64)]
     pub v_head_dim: usize,
-    /// Head dim of glm4-moe's GQA attention (default: hidden / heads).
+    /// Head dim of the GQA attention of glm4-moe, qwen3-next and qwen3-5-moe (default: hidden /
+    /// heads).
     #[arg(long)]
     pub head_dim: Option<usize>,
     /// glm4-moe: per-head q/k RMSNorm (use_qk_norm).

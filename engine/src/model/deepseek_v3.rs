@@ -182,13 +182,7 @@ impl DeepseekMoe {
         store: &Arc<dyn ExpertStore>,
     ) -> Result<Ffn> {
         if !self.is_moe[l] {
-            return Ok(Ffn::Dense(Mlp::load(
-                ckpt,
-                &format!("{p}.mlp"),
-                d,
-                cfg.dim("intermediate_size")?,
-                false,
-            )?));
+            return Ffn::dense(ckpt, cfg, &p, d);
         }
         let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
         let correction_bias = if ckpt.contains(&bias_name) {

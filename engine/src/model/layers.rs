@@ -718,6 +718,33 @@ pub struct MoeBlock {
 }
 
 impl MoeBlock {
+    /// Layer `layer`'s block: `router` over `gate`'s logits picks `top_k` of the
+    /// `num_experts` experts (width `intermediate`) of `store`; no correction bias, shared
+    /// experts or clamp (set those fields on the result where a family has them).
+    pub fn routed(
+        layer: usize,
+        gate: Linear,
+        router: Router,
+        top_k: usize,
+        num_experts: usize,
+        intermediate: usize,
+        store: Arc<dyn ExpertStore>,
+    ) -> MoeBlock {
+        MoeBlock {
+            layer,
+            gate,
+            router,
+            top_k,
+            num_experts,
+            intermediate,
+            store,
+            correction_bias: None,
+            shared: None,
+            swiglu_limit: None,
+            shared_gate: None,
+        }
+    }
+
     /// The `k` (expert, weight) choices of every row of `[T, D]`.
     pub fn route(&self, x: &[f32]) -> Vec<Vec<(usize, f32)>> {
         self.gate
@@ -1056,6 +1083,13 @@ pub fn union_of(routes: &[Vec<(usize, f32)>]) -> Vec<usize> {
     union.sort_unstable();
     union.dedup();
     union
+}
+
+/// Rows `start..start + n` of `t`, a stack of `tokens` rows of one width (one sequence's part
+/// of a batch's projections).
+pub fn rows_of(t: &[f32], start: usize, n: usize, tokens: usize) -> Vec<f32> {
+    let w = t.len() / tokens;
+    t[start * w..(start + n) * w].to_vec()
 }
 
 /// `a += b` element-wise.

@@ -16,7 +16,7 @@
 use rayon::prelude::*;
 
 use super::cache::LayerKv;
-use super::layers::{sigmoid, silu, Linear};
+use super::layers::{rows_of, sigmoid, silu, Linear};
 use crate::format::safetensors::Checkpoint;
 use crate::Result;
 
@@ -216,22 +216,6 @@ pub struct LinearRows {
     pub a: Vec<f32>,
 }
 
-impl LinearRows {
-    /// Rows `start..start + n` of a stack of `tokens` rows.
-    pub fn segment(&self, start: usize, n: usize, tokens: usize) -> LinearRows {
-        let seg = |v: &[f32]| {
-            let w = v.len() / tokens;
-            v[start * w..(start + n) * w].to_vec()
-        };
-        LinearRows {
-            qkv: seg(&self.qkv),
-            z: seg(&self.z),
-            b: seg(&self.b),
-            a: seg(&self.a),
-        }
-    }
-}
-
 /// A linear-attention layer (Gated DeltaNet or Kimi Delta Attention).
 pub struct LinearAttention {
     pub projection: Projection,
@@ -330,17 +314,24 @@ impl LinearAttention {
         }
     }
 
-    /// One sequence's attention from its projected rows: convolution, decay, the recurrence
-    /// from the state in `kv` (updated), the gated norm. Returns the rows before the output
-    /// projection (`[T, heads · dv]`).
-    pub fn attend_sequence(&self, mut rows: LinearRows, kv: &mut LayerKv) -> Vec<f32> {
+    /// One sequence's attention from its rows `start..start + n` of the projected stack of
+    /// `tokens` rows: convolution, decay, the recurrence from the state in `kv` (updated), the
+    /// gated norm. Returns the rows before the output projection (`[n, heads · dv]`).
+    pub fn attend_sequence(
+        &self,
+        stack: &LinearRows,
+        (start, n, tokens): (usize, usize, usize),
+        kv: &mut LayerKv,
+    ) -> Vec<f32> {
         let (nk, nv, dk, dv) = (self.k_heads, self.heads, self.dk, self.dv);
+        let seg = |v: &[f32]| rows_of(v, start, n, tokens);
+        let (mut qkv, z, b, mut a) = (seg(&stack.qkv), seg(&stack.z), seg(&stack.b), seg(&stack.a));
         let conv_len = self.conv.state_len();
         let (conv_state, states) = kv.state.split_at_mut(conv_len);
-        self.conv.forward(&mut rows.qkv, conv_state);
-        self.decay.apply(&mut rows.a, dk);
+        self.conv.forward(&mut qkv, conv_state);
+        self.decay.apply(&mut a, dk);
         let width = 2 * nk * dk + nv * dv;
-        let t_len = rows.qkv.len() / width;
+        let t_len = qkv.len() / width;
         let decay_width = self.decay.width(nv, dk);
         let r = nv / nk;
         let scale = (dk as f64).sqrt() as f32;
@@ -357,15 +348,15 @@ impl LinearAttention {
                 let (mut q, mut k) = (vec![0.0f32; dk], vec![0.0f32; dk]);
                 let mut kv_mem = vec![0.0f32; dv];
                 for t in 0..t_len {
-                    let row = &rows.qkv[t * width..(t + 1) * width];
+                    let row = &qkv[t * width..(t + 1) * width];
                     q.copy_from_slice(&row[kh * dk..(kh + 1) * dk]);
                     k.copy_from_slice(&row[nk * dk + kh * dk..nk * dk + (kh + 1) * dk]);
                     let v = &row[2 * nk * dk + h * dv..2 * nk * dk + (h + 1) * dv];
                     self.l2.apply(&mut q);
                     self.l2.apply(&mut k);
                     q.iter_mut().for_each(|x| *x /= scale);
-                    let beta = sigmoid(rows.b[t * nv + h]);
-                    let g = &rows.a[t * decay_width..(t + 1) * decay_width];
+                    let beta = sigmoid(b[t * nv + h]);
+                    let g = &a[t * decay_width..(t + 1) * decay_width];
                     match self.decay {
                         Decay::PerHead { .. } => {
                             let e = g[h].exp();
@@ -407,7 +398,7 @@ impl LinearAttention {
             }
         }
         // Gated RMSNorm per head: rms(o)·w, then · act(z).
-        for (o, z) in out.chunks_mut(dv).zip(rows.z.chunks(dv)) {
+        for (o, z) in out.chunks_mut(dv).zip(z.chunks(dv)) {
             let mean_sq = o.iter().map(|v| v * v).sum::<f32>() / dv as f32;
             let r = 1.0 / (mean_sq + self.norm_eps).sqrt();
             for ((v, w), zz) in o.iter_mut().zip(&self.norm_weight).zip(z) {

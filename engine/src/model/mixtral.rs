@@ -48,19 +48,15 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window,
-            ffn: Ffn::Moe(MoeBlock {
-                layer: l,
-                gate: Linear::load(ckpt, &EXPERTS.router("model", l), experts, d, false)?,
-                router: Router::SoftmaxTopK { renormalize: true },
+            ffn: Ffn::Moe(MoeBlock::routed(
+                l,
+                Linear::load(ckpt, &EXPERTS.router("model", l), experts, d, false)?,
+                Router::SoftmaxTopK { renormalize: true },
                 top_k,
-                num_experts: experts,
-                intermediate: inter,
-                store: store.clone(),
-                correction_bias: None,
-                shared: None,
-                swiglu_limit: None,
-                shared_gate: None,
-            }),
+                experts,
+                inter,
+                store.clone(),
+            )),
         })
     })
 }

@@ -25,7 +25,7 @@
 use rayon::prelude::*;
 
 use super::cache::LayerKv;
-use super::layers::{softmax_inplace, Linear, RmsNorm, Rope};
+use super::layers::{rows_of, softmax_inplace, Linear, RmsNorm, Rope};
 use super::torch_topk::torch_topk_set;
 use crate::tensor::kernels::{dot, Isa};
 use crate::tensor::WeightData;
@@ -192,10 +192,7 @@ pub struct MlaRows {
 impl MlaRows {
     /// Rows `start..start + n` (one sequence's part).
     pub fn segment(&self, start: usize, n: usize, tokens: usize) -> MlaRows {
-        let seg = |t: &[f32]| {
-            let w = t.len() / tokens;
-            t[start * w..(start + n) * w].to_vec()
-        };
+        let seg = |t: &[f32]| rows_of(t, start, n, tokens);
         MlaRows {
             q: seg(&self.q),
             kv: seg(&self.kv),
@@ -672,10 +669,7 @@ pub struct CompressedRows {
 impl CompressedRows {
     /// Rows `start..start + n` (one sequence's part).
     pub fn segment(&self, start: usize, n: usize, tokens: usize) -> CompressedRows {
-        let seg = |t: &[f32]| {
-            let w = t.len() / tokens;
-            t[start * w..(start + n) * w].to_vec()
-        };
+        let seg = |t: &[f32]| rows_of(t, start, n, tokens);
         CompressedRows {
             q: seg(&self.q),
             k: seg(&self.k),

@@ -50,19 +50,15 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             },
             clip_qkv,
             window: None,
-            ffn: Ffn::Moe(MoeBlock {
-                layer: l,
-                gate: Linear::load(ckpt, &Experts::QWEN.router("model", l), experts, d, false)?,
-                router: Router::SoftmaxTopK { renormalize },
+            ffn: Ffn::Moe(MoeBlock::routed(
+                l,
+                Linear::load(ckpt, &Experts::QWEN.router("model", l), experts, d, false)?,
+                Router::SoftmaxTopK { renormalize },
                 top_k,
-                num_experts: experts,
-                intermediate: inter,
-                store: store.clone(),
-                correction_bias: None,
-                shared: None,
-                swiglu_limit: None,
-                shared_gate: None,
-            }),
+                experts,
+                inter,
+                store.clone(),
+            )),
         })
     })
 }

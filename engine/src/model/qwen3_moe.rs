@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::layers::{Linear, Mlp, MoeBlock, QkNorm, RmsNorm, Router};
+use super::layers::{Linear, MoeBlock, QkNorm, Router};
 use super::registry::{boxed_load, Experts, Family, Gguf};
 use super::transformer::{load_standard, Ffn, LayerParts, StandardConfig, Transformer};
 use super::LoadOptions;
@@ -36,7 +36,9 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         cfg.usize("num_experts_per_tok")?
     };
     let moe_inter = cfg.dim("moe_intermediate_size")?;
-    let renormalize = cfg.bool_or("norm_topk_prob", false)?;
+    let router = Router::SoftmaxTopK {
+        renormalize: cfg.bool_or("norm_topk_prob", false)?,
+    };
     let window = if cfg.bool_or("use_sliding_window", false)? {
         cfg.opt_usize("sliding_window")?
     } else {
@@ -48,43 +50,24 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         let p = format!("model.layers.{l}");
         let ffn = if is_moe(l) {
-            Ffn::Moe(MoeBlock {
-                layer: l,
-                gate: Linear::load(ckpt, &format!("{p}.mlp.gate"), experts, d, false)?,
-                router: Router::SoftmaxTopK { renormalize },
+            let gate = Linear::load(ckpt, &format!("{p}.mlp.gate"), experts, d, false)?;
+            Ffn::Moe(MoeBlock::routed(
+                l,
+                gate,
+                router,
                 top_k,
-                num_experts: experts,
-                intermediate: moe_inter,
-                store: store.clone(),
-                correction_bias: None,
-                shared: None,
-                swiglu_limit: None,
-                shared_gate: None,
-            })
+                experts,
+                moe_inter,
+                store.clone(),
+            ))
         } else {
-            Ffn::Dense(Mlp::load(
-                ckpt,
-                &format!("{p}.mlp"),
-                d,
-                cfg.dim("intermediate_size")?,
-                false,
-            )?)
+            Ffn::dense(ckpt, cfg, &p, d)?
         };
         Ok(LayerParts {
             attn: None,
             qk_norm: QkNorm::PerHead {
-                q: RmsNorm::load(
-                    ckpt,
-                    &format!("{p}.self_attn.q_norm.weight"),
-                    hd,
-                    sc.rms_norm_eps,
-                )?,
-                k: RmsNorm::load(
-                    ckpt,
-                    &format!("{p}.self_attn.k_norm.weight"),
-                    hd,
-                    sc.rms_norm_eps,
-                )?,
+                q: sc.norm(ckpt, &format!("{p}.self_attn.q_norm.weight"), hd)?,
+                k: sc.norm(ckpt, &format!("{p}.self_attn.k_norm.weight"), hd)?,
             },
             clip_qkv: None,
             window,

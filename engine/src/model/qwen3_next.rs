@@ -156,6 +156,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             .collect();
         (cfg.bool_or("norm_topk_prob", true)?, moe)
     };
+    let router = Router::SoftmaxTopK { renormalize };
     let m = sc.prefix.clone();
     let unused = Unused::of(
         ckpt,
@@ -185,27 +186,14 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 .is_some()
                 .then(|| Linear::load(ckpt, &format!("{p}.mlp.shared_expert_gate"), 1, d, false))
                 .transpose()?;
+            let gate = Linear::load(ckpt, &Experts::QWEN.router(&m, l), experts, d, false)?;
             Ffn::Moe(MoeBlock {
-                layer: l,
-                gate: Linear::load(ckpt, &Experts::QWEN.router(&m, l), experts, d, false)?,
-                router: Router::SoftmaxTopK { renormalize },
-                top_k,
-                num_experts: experts,
-                intermediate: moe_inter,
-                store: store.clone(),
-                correction_bias: None,
                 shared,
-                swiglu_limit: None,
                 shared_gate,
+                ..MoeBlock::routed(l, gate, router, top_k, experts, moe_inter, store.clone())
             })
         } else {
-            Ffn::Dense(Mlp::load(
-                ckpt,
-                &format!("{p}.mlp"),
-                d,
-                cfg.dim("intermediate_size")?,
-                false,
-            )?)
+            Ffn::dense(ckpt, cfg, &p, d)?
         };
         let (attn, qk_norm) = if linear[l] {
             let la = delta_net(ckpt, &p, &dims, split, d, sc.rms_norm_eps)?;

@@ -12,8 +12,8 @@ use std::borrow::Cow;
 
 use super::cache::KvCache;
 use super::layers::{
-    add_assign, embed, Attention, HashRoutedMoe, HyperConnection, HyperHead, HyperMix, Linear, Mlp,
-    MoeBlock, RmsNorm,
+    add_assign, embed, rows_of, Attention, HashRoutedMoe, HyperConnection, HyperHead, HyperMix,
+    Linear, Mlp, MoeBlock, RmsNorm,
 };
 use super::linear_attention::LinearAttention;
 use super::mla::{CompressedAttention, Mla, Selection};
@@ -35,6 +35,24 @@ pub enum Ffn {
 }
 
 impl Ffn {
+    /// The dense SwiGLU MLP `{p}.mlp` of width `intermediate_size`, as most families' dense
+    /// layers are.
+    pub fn dense(
+        ckpt: &crate::format::safetensors::Checkpoint,
+        cfg: &crate::format::config::ModelConfig,
+        p: &str,
+        d: usize,
+    ) -> Result<Ffn> {
+        let inter = cfg.dim("intermediate_size")?;
+        Ok(Ffn::Dense(Mlp::load(
+            ckpt,
+            &format!("{p}.mlp"),
+            d,
+            inter,
+            false,
+        )?))
+    }
+
     /// The routed-expert block, if the part has one.
     pub fn moe(&self) -> Option<&MoeBlock> {
         match self {
@@ -536,18 +554,16 @@ impl Transformer {
         match &block.attn {
             SelfAttention::Gqa(attn) => {
                 let (q, k, v, gate) = attn.project(&x);
-                let (qw, kw) = (q.len() / total, k.len() / total);
                 for s in seqs.iter_mut() {
-                    let n = s.rows;
-                    let seg = |t: &[f32], w: usize| t[row * w..(row + n) * w].to_vec();
+                    let seg = |t: &[f32]| rows_of(t, row, s.rows, total);
                     heads_out.extend(attn.attend_sequence(
-                        seg(&q, qw),
-                        seg(&k, kw),
-                        seg(&v, kw),
+                        seg(&q),
+                        seg(&k),
+                        seg(&v),
                         s.start,
                         s.kv,
                     ));
-                    row += n;
+                    row += s.rows;
                 }
                 if let Some(gate) = gate {
                     attn.apply_output_gate(&mut heads_out, &gate);
@@ -579,7 +595,7 @@ impl Transformer {
             SelfAttention::Linear(la) => {
                 let rows = la.project(&x);
                 for s in seqs.iter_mut() {
-                    heads_out.extend(la.attend_sequence(rows.segment(row, s.rows, total), s.kv));
+                    heads_out.extend(la.attend_sequence(&rows, (row, s.rows, total), s.kv));
                     row += s.rows;
                 }
             }

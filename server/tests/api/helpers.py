@@ -56,6 +56,29 @@ def wait_until(predicate: Callable[[], object], deadline_s: float, what: str, in
         time.sleep(interval)
 
 
+def run_together(request: Callable[[int], object], n: int, timeout_s: float = 120) -> list:
+    """`[request(0), …, request(n-1)]`, each on its own thread, all released at once by a
+    barrier (so they reach the server together); raises if one of them failed."""
+    results: list = [None] * n
+    errors: list = []
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        try:
+            barrier.wait(timeout=30)
+            results[i] = request(i)
+        except Exception as e:  # reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not errors, errors
+    return results
+
+
 class Metrics:
     """A parsed `/metrics` scrape: every sample by name and labels, and every family's type."""
 

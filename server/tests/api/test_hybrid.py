@@ -8,11 +8,10 @@ checkpoint; concurrent requests get exactly their solo tokens, in fewer engine s
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_together
 
 FIXTURE = REPO / "engine" / "tests" / "fixtures" / "qwen3_5_moe"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
@@ -88,25 +87,9 @@ def test_hybrid_concurrent_requests_get_their_solo_tokens(hybrid_server):
     solo_steps = hybrid_server.metrics().get("coli_engine_steps_total") - before
     assert len(set(alone)) == n
 
-    results: list = [None] * n
-    errors: list = []
-    barrier = threading.Barrier(n)
-
-    def worker(i):
-        try:
-            barrier.wait(timeout=30)
-            results[i] = request(i)
-        except Exception as e:  # reported below
-            errors.append((i, repr(e)))
-
     hybrid_server.wait_idle()
     before = hybrid_server.metrics().get("coli_engine_steps_total")
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    results = run_together(request, n)
     together_steps = hybrid_server.metrics().get("coli_engine_steps_total") - before
     assert results == alone
     assert together_steps < solo_steps, (together_steps, solo_steps)

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from helpers import sse_events, wait_until
+from helpers import run_together, sse_events, wait_until
 
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -46,25 +46,9 @@ def test_concurrent_clients_get_the_tokens_they_get_alone(server):
     assert all(a[2] == 32 for a in alone)
     assert len({a[0] for a in alone}) == n, "distinct seeds and prompts should give distinct texts"
 
-    results: list = [None] * n
-    errors: list = []
-    barrier = threading.Barrier(n)
-
-    def worker(i):
-        try:
-            barrier.wait(timeout=30)
-            results[i] = request(i)
-        except Exception as e:  # reported below
-            errors.append((i, repr(e)))
-
     server.wait_idle()
     before = server.metrics().get("coli_engine_steps_total")
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    results = run_together(request, n)
     together_steps = server.metrics().get("coli_engine_steps_total") - before
     for i in range(n):
         assert results[i] is not None, f"client {i} got nothing"
