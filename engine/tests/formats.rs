@@ -3,7 +3,7 @@
 //! the logits its content implies.
 
 mod common;
-use common::{bits, fixture, prompt};
+use common::{bits, copy_text_files, fixture, prompt};
 
 use std::path::Path;
 
@@ -12,19 +12,6 @@ use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::{self, Logits};
 use colibri::tensor::DType;
 use half::{bf16, f16};
-
-fn copy_text_files(from: &Path, to: &Path) {
-    for name in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        if from.join(name).exists() {
-            std::fs::copy(from.join(name), to.join(name)).unwrap();
-        }
-    }
-}
 
 fn logits(dir: &Path, ids: &[u32]) -> Vec<f32> {
     let m = model::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));

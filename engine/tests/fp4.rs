@@ -9,12 +9,11 @@
 //! corrupt scales.
 
 mod common;
-use common::fixture;
+use common::{encode_e4m3, fixture, write_tensors};
 
 use std::path::Path;
 
 use colibri::format::safetensors::Checkpoint;
-use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::{self, Logits};
 use colibri::store::StoreOptions;
 use colibri::tensor::microscale::{e2m1_to_f32, e8m0_to_f32};
@@ -50,24 +49,6 @@ fn e2m1_codes_and_e8m0_scales_decode_exactly() {
     }
     assert_eq!(e8m0_to_f32(0).to_bits(), 0x0040_0000, "2^-127 is subnormal");
     assert!(e8m0_to_f32(255).is_nan(), "0xFF is NaN");
-}
-
-/// Write tensors `(name, dtype, shape, bytes)` to `dir/model.safetensors`.
-fn write_tensors(dir: &Path, tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)>) {
-    std::fs::create_dir_all(dir).unwrap();
-    let specs = tensors
-        .iter()
-        .map(|(name, dtype, shape, _)| TensorSpec {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.clone(),
-        })
-        .collect();
-    let mut w = SafetensorsWriter::create(&dir.join("model.safetensors"), specs).unwrap();
-    for (_, _, _, bytes) in &tensors {
-        w.write(bytes).unwrap();
-    }
-    w.finish().unwrap();
 }
 
 /// A 2×32 split FP4 matrix decodes element by element to the hand-computed values, through
@@ -141,25 +122,6 @@ fn encode_e2m1(v: f32) -> u8 {
     }
     if v.is_sign_negative() {
         best | 8
-    } else {
-        best
-    }
-}
-
-/// The E4M3 code nearest to `v` (ties to the even code), by search over all finite codes.
-fn encode_e4m3(v: f32) -> u8 {
-    let mut best = 0u8;
-    for c in 0u8..=0x7e {
-        let (d, bd) = (
-            (f8e4m3_to_f32(c) - v.abs()).abs(),
-            (f8e4m3_to_f32(best) - v.abs()).abs(),
-        );
-        if d < bd || (d == bd && c.is_multiple_of(2) && !best.is_multiple_of(2)) {
-            best = c;
-        }
-    }
-    if v < 0.0 {
-        best | 0x80
     } else {
         best
     }

@@ -4,35 +4,16 @@
 //! in f32, the way transformers dequantizes), and stay close to transformers' f32 logits.
 
 mod common;
-use common::{fixture, reference_json};
+use common::{encode_e4m3, fixture, mean_abs_diff, reference_json, write_specs};
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use colibri::format::safetensors::Checkpoint;
-use colibri::format::write::{SafetensorsWriter, TensorSpec};
+use colibri::format::write::TensorSpec;
 use colibri::model::{self, Logits};
 use colibri::tensor::{f8e4m3_to_f32, DType};
 
 const BLOCK: usize = 128;
-
-/// The E4M3 code nearest to `v` (ties to the even code), by search over all finite codes.
-fn encode(v: f32) -> u8 {
-    let mut best = 0u8;
-    for c in 0u8..=0x7e {
-        let (d, bd) = (
-            (f8e4m3_to_f32(c) - v.abs()).abs(),
-            (f8e4m3_to_f32(best) - v.abs()).abs(),
-        );
-        if d < bd || (d == bd && c % 2 == 0 && best % 2 == 1) {
-            best = c;
-        }
-    }
-    if v < 0.0 {
-        best | 0x80
-    } else {
-        best
-    }
-}
 
 fn is_projection(name: &str) -> bool {
     [
@@ -46,6 +27,15 @@ fn is_projection(name: &str) -> bool {
     ]
     .iter()
     .any(|p| name.ends_with(&format!("{p}.weight")))
+}
+
+/// The fixture `arch` written as FP8 and as its exact dequantization in f32 into a temporary
+/// directory: the directory (removed when dropped) and the two checkpoints.
+fn fp8_and_dequantized(arch: &str) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (fp8, deq) = (tmp.path().join("fp8"), tmp.path().join("deq"));
+    write_fp8_and_dequantized(&fixture(arch), &fp8, &deq);
+    (tmp, fp8, deq)
 }
 
 /// Write the fixture as FP8 (`fp8`) and as its exact dequantization in f32 (`deq`).
@@ -99,7 +89,7 @@ fn write_fp8_and_dequantized(src: &Path, fp8: &Path, deq: &Path) {
         for i in 0..rows {
             for j in 0..cols {
                 let s = scales[(i / BLOCK) * bc + j / BLOCK];
-                codes[i * cols + j] = encode(values[i * cols + j] / s);
+                codes[i * cols + j] = encode_e4m3(values[i * cols + j] / s);
                 dq[i * cols + j] = f8e4m3_to_f32(codes[i * cols + j]) * s;
             }
         }
@@ -122,13 +112,8 @@ fn write_fp8_and_dequantized(src: &Path, fp8: &Path, deq: &Path) {
         });
         deq_data.push(bytemuck::cast_slice::<f32, u8>(&dq).to_vec());
     }
-    for (dir, specs, data) in [(fp8, fp8_specs, fp8_data), (deq, deq_specs, deq_data)] {
-        let mut w = SafetensorsWriter::create(&dir.join("model.safetensors"), specs).unwrap();
-        for d in data {
-            w.write(&d).unwrap();
-        }
-        w.finish().unwrap();
-    }
+    write_specs(fp8, fp8_specs, fp8_data);
+    write_specs(deq, deq_specs, deq_data);
 }
 
 #[test]
@@ -149,9 +134,7 @@ fn e4m3_decoding_follows_the_ocp_format() {
 
 #[test]
 fn fp8_checkpoint_equals_its_dequantization_and_stays_near_transformers() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (fp8, deq) = (tmp.path().join("fp8"), tmp.path().join("deq"));
-    write_fp8_and_dequantized(&fixture("llama"), &fp8, &deq);
+    let (_tmp, fp8, deq) = fp8_and_dequantized("llama");
     let r = reference_json("llama");
     let ids = common::ids(&r, "prompt_ids");
     let want = common::reference_logits("llama");
@@ -166,12 +149,7 @@ fn fp8_checkpoint_equals_its_dequantization_and_stays_near_transformers() {
         common::bits(&run(&deq)),
         "FP8 path differs from its dequantization"
     );
-    let mean = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .sum::<f32>()
-        / want.len() as f32;
+    let mean = mean_abs_diff(&got, &want);
     let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     assert!(mean > 0.0, "FP8 changed nothing?");
     assert!(
@@ -182,9 +160,7 @@ fn fp8_checkpoint_equals_its_dequantization_and_stays_near_transformers() {
 
 #[test]
 fn fp8_weight_without_scales_is_a_clear_error() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (fp8, deq) = (tmp.path().join("fp8"), tmp.path().join("deq"));
-    write_fp8_and_dequantized(&fixture("llama"), &fp8, &deq);
+    let (_tmp, fp8, _) = fp8_and_dequantized("llama");
     // Rewrite the FP8 checkpoint without one scale tensor.
     let ckpt = Checkpoint::open(&fp8).unwrap();
     let drop = "model.layers.0.self_attn.q_proj.weight_scale_inv";
@@ -207,7 +183,7 @@ fn fp8_weight_without_scales_is_a_clear_error() {
                 .to_vec(),
         );
     }
-    drop_and_write(&fp8, specs, data);
+    write_specs(&fp8, specs, data);
     let e = model::load(&fp8).err().expect("must fail").to_string();
     assert!(
         e.contains("q_proj.weight") && e.contains("scale_inv"),
@@ -215,22 +191,12 @@ fn fp8_weight_without_scales_is_a_clear_error() {
     );
 }
 
-fn drop_and_write(dir: &Path, specs: Vec<TensorSpec>, data: Vec<Vec<u8>>) {
-    let mut w = SafetensorsWriter::create(&dir.join("model.safetensors"), specs).unwrap();
-    for d in data {
-        w.write(&d).unwrap();
-    }
-    w.finish().unwrap();
-}
-
 /// FP8 routed experts stream through the tiered store (their scales stay resident) with the
 /// bits of the fully resident model.
 #[test]
 fn fp8_experts_stream_with_identical_bits() {
     use colibri::store::StoreOptions;
-    let tmp = tempfile::tempdir().unwrap();
-    let (fp8, deq) = (tmp.path().join("fp8"), tmp.path().join("deq"));
-    write_fp8_and_dequantized(&fixture("mixtral"), &fp8, &deq);
+    let (_tmp, fp8, _) = fp8_and_dequantized("mixtral");
     let ids = common::prompt("mixtral");
     let run = |opts: &StoreOptions| {
         let m = model::load_with(&fp8, &colibri::model::LoadOptions::from(opts.clone())).unwrap();

@@ -7,7 +7,7 @@
 //! same model; MTP (`nextn`) blocks are skipped; unsupported or missing keys are named.
 
 mod common;
-use common::{argmax, bits, fixture, ids, reference_json};
+use common::{argmax, bits, fixture, ids, max_abs_diff, mean_abs_diff, reference_json};
 
 use std::path::Path;
 
@@ -27,14 +27,6 @@ type Metadata = Vec<(String, GgufValue)>;
 fn prompt_logits(m: &dyn CausalLm, prompt: &[u32]) -> Vec<f32> {
     let mut cache = m.new_cache(prompt.len() + 16);
     m.forward(prompt, &mut cache, Logits::All).unwrap()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0f32, f32::max)
 }
 
 /// Greedy tokens after the prompt, through the cache.
@@ -216,7 +208,7 @@ fn mla_gguf_equals_safetensors_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();
     for arch in ["deepseek_v3", "kimi_k25"] {
         let (prompt, st, reference, want_greedy) = safetensors_and_reference(arch);
-        let worst_st = max_diff(&st, &reference);
+        let worst_st = max_abs_diff(&st, &reference);
         assert!(
             worst_st <= 1e-4,
             "{arch}: safetensors vs transformers {worst_st}"
@@ -234,7 +226,7 @@ fn mla_gguf_equals_safetensors_bit_for_bit() {
             // Same weights, same configuration values (the yarn multiplier survives the f32
             // round trip exactly, as in llama.cpp): the same bits.
             assert_eq!(bits(&got), bits(&st), "{arch} {name}: GGUF ≠ safetensors");
-            assert!(max_diff(&got, &reference) <= 1e-4, "{arch} {name}");
+            assert!(max_abs_diff(&got, &reference) <= 1e-4, "{arch} {name}");
             assert_eq!(
                 greedy(m.as_ref(), &prompt, want_greedy.len()),
                 want_greedy,
@@ -249,7 +241,7 @@ fn glm4moe_gguf_matches_safetensors() {
     let arch = "glm4_moe";
     let tmp = tempfile::tempdir().unwrap();
     let (prompt, st, reference, want_greedy) = safetensors_and_reference(arch);
-    assert!(max_diff(&st, &reference) <= 1e-4);
+    assert!(max_abs_diff(&st, &reference) <= 1e-4);
     let out = tmp.path().join("glm.gguf");
     convert(&fixture(arch), &out, ConvertType::F32, |_, _| {}).unwrap();
 
@@ -258,7 +250,7 @@ fn glm4moe_gguf_matches_safetensors() {
     let m = model::load(&out).unwrap();
     assert_eq!(m.info().model_type, "glm4_moe");
     let got = prompt_logits(m.as_ref(), &prompt);
-    let worst = max_diff(&got, &reference);
+    let worst = max_abs_diff(&got, &reference);
     assert!(worst > 0.0 && worst <= 5e-3, "glm4moe with f16 KV: {worst}");
     assert_eq!(greedy(m.as_ref(), &prompt, want_greedy.len()), want_greedy);
 
@@ -365,7 +357,7 @@ fn split_and_unsplit_kv_b_load_to_the_same_model() {
         let base = prompt_logits(model::load(&legacy).unwrap().as_ref(), &prompt);
         if ty == ConvertType::F16 {
             // f16 weights (and f32 latents): close to transformers, not equal.
-            let worst = max_diff(&base, &reference);
+            let worst = max_abs_diff(&base, &reference);
             assert!(worst > 0.0 && worst <= 0.05, "f16: {worst}");
         }
         // Split here, independently of the library, and by `convert` itself.
@@ -432,7 +424,11 @@ fn split_and_unsplit_kv_b_load_to_the_same_model() {
     );
     let base = prompt_logits(model::load(&legacy).unwrap().as_ref(), &prompt);
     let got = prompt_logits(model::load(&mixed).unwrap().as_ref(), &prompt);
-    assert!(max_diff(&got, &base) <= 1e-5, "{}", max_diff(&got, &base));
+    assert!(
+        max_abs_diff(&got, &base) <= 1e-5,
+        "{}",
+        max_abs_diff(&got, &base)
+    );
 }
 
 /// The fixture in `dir` with an MTP layer (`model.layers.{L}`: a copy of the last layer plus
@@ -742,7 +738,7 @@ fn fp8_deepseek_checkpoint_converts_with_its_block_scales() {
     let fp8 = prompt_logits(model::load(&dir).unwrap().as_ref(), &prompt);
     let gguf = prompt_logits(model::load(&out).unwrap().as_ref(), &prompt);
     assert_eq!(bits(&gguf), bits(&fp8));
-    let worst = max_diff(&gguf, &common::reference_logits("deepseek_v3"));
+    let worst = max_abs_diff(&gguf, &common::reference_logits("deepseek_v3"));
     // (Coarse: one scale per matrix. What matters is the equality above.)
     assert!(worst > 1e-4, "FP8 changed nothing? {worst}");
 }
@@ -758,12 +754,7 @@ fn quantized_mixes_load_and_stay_close() {
             convert(&fixture(arch), &out, mix, |_, _| {}).unwrap();
             let got = prompt_logits(model::load(&out).unwrap().as_ref(), &prompt);
             // Mean, not max: a rounding can flip a near-tied routing choice somewhere.
-            let mean = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .sum::<f32>()
-                / got.len() as f32;
+            let mean = mean_abs_diff(&got, &want);
             let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
             assert!(
                 mean > 0.0 && mean <= 0.05 * scale.max(1.0),

@@ -7,7 +7,7 @@
 //! * the cache holds only the latent and the rope key (and the indexer key) per token.
 
 mod common;
-use common::{bits, fixture, prompt, reference_logits};
+use common::{bits, fixture, max_abs_diff, prompt, reference_logits};
 
 use std::path::Path;
 
@@ -20,12 +20,9 @@ fn prefill(model: &dyn CausalLm, ids: &[u32]) -> Vec<f32> {
     model.forward(ids, &mut cache, Logits::All).unwrap()
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+/// `dir` loaded with `opts`.
+fn load_as(dir: &Path, opts: LoadOptions) -> Box<dyn CausalLm> {
+    model::load_with(dir, &opts).unwrap()
 }
 
 #[test]
@@ -34,14 +31,13 @@ fn absorbed_and_expanded_mla_agree() {
         let dir = fixture(arch);
         let ids = prompt(arch);
         let absorbed = model::load(&dir).unwrap();
-        let expanded = model::load_with(
+        let expanded = load_as(
             &dir,
-            &LoadOptions {
+            LoadOptions {
                 mla_form: Some(MlaForm::Expanded),
                 ..LoadOptions::default()
             },
-        )
-        .unwrap();
+        );
         let a = prefill(absorbed.as_ref(), &ids);
         let e = prefill(expanded.as_ref(), &ids);
         let d = max_abs_diff(&a, &e);
@@ -177,14 +173,13 @@ fn a_bf16_cache_saved_to_a_kv_file_continues_exactly() {
     use colibri::runtime::sampling::SamplingParams;
     let dir = fixture("glm_moe_dsa");
     let ids = prompt("glm_moe_dsa");
-    let m = model::load_with(
+    let m = load_as(
         &dir,
-        &LoadOptions {
+        LoadOptions {
             kv_dtype: Some(KvDType::Bf16),
             ..LoadOptions::default()
         },
-    )
-    .unwrap();
+    );
     let params = |n| GenerateParams {
         max_tokens: n,
         eos_token_ids: vec![],

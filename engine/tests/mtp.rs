@@ -9,12 +9,11 @@
 //! whose second row is used) and rejected ones (the draft's cache row dropped).
 
 mod common;
-use common::{fixture, prompt};
+use common::{copy_text_files, fixture, load_error, prompt, write_tensors};
 
 use std::path::Path;
 
 use colibri::format::safetensors::Checkpoint;
-use colibri::format::write::{SafetensorsWriter, TensorSpec};
 use colibri::model::cache::KvCache;
 use colibri::model::{self, CausalLm, Drafter, Logits, ModelInfo};
 use colibri::model::{Draft, LoadOptions};
@@ -24,44 +23,57 @@ use colibri::runtime::speculative::{generate_with_drafts, DraftPolicy};
 use colibri::store::StoreOptions;
 use colibri::tensor::DType;
 
-/// The fixture plus an MTP block at layer 3.
-fn with_mtp(to: &Path) {
-    let src = fixture("deepseek_v3");
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(src.join(f), to.join(f)).unwrap();
-    }
+/// A checkpoint's tensors `(name, dtype, shape, bytes)`.
+type Tensors = Vec<(String, DType, Vec<usize>, Vec<u8>)>;
+
+/// The fixture `arch`'s text files copied into `to`, its tensors, and each tensor of
+/// `model.layers.2.` again under `prefix` (the MTP block's decoder layer); with the checkpoint.
+fn fixture_with_layer_2_as(arch: &str, to: &Path, prefix: &str) -> (Checkpoint, Tensors) {
+    let src = fixture(arch);
+    copy_text_files(&src, to);
     let ck = Checkpoint::open(&src).unwrap();
-    let d = 64;
-    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut tensors: Tensors = Vec::new();
     for n in ck.tensors().keys() {
         let t = ck.tensor_any_shape(n).unwrap();
         let bytes = t.storage.bytes().to_vec();
         tensors.push((n.clone(), t.dtype, t.shape.clone(), bytes.clone()));
         if let Some(rest) = n.strip_prefix("model.layers.2.") {
-            tensors.push((
-                format!("model.layers.3.{rest}"),
-                t.dtype,
-                t.shape.clone(),
-                bytes,
-            ));
+            tensors.push((format!("{prefix}{rest}"), t.dtype, t.shape.clone(), bytes));
         }
     }
-    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    (ck, tensors)
+}
+
+/// Little-endian f32 bytes.
+fn f32s(v: Vec<f32>) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A 32-bit xorshift stream of weights in `[-scale/2, scale/2)`.
+struct Weights(u32);
+
+impl Weights {
+    /// The next `n` weights.
+    fn take(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let x = &mut self.0;
+                *x ^= *x << 13;
+                *x ^= *x >> 17;
+                *x ^= *x << 5;
+                (*x as f32 / u32::MAX as f32 - 0.5) * scale
+            })
+            .collect()
+    }
+}
+
+/// The fixture plus an MTP block at layer 3.
+fn with_mtp(to: &Path) {
+    let prefix = "model.layers.3.";
+    let (ck, mut tensors) = fixture_with_layer_2_as("deepseek_v3", to, prefix);
+    let d = 64;
     let ones = f32s(vec![1.0; d]);
-    let mut x = 0x2545_f491u32;
-    let eh: Vec<f32> = (0..d * 2 * d)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            (x as f32 / u32::MAX as f32 - 0.5) * 0.3
-        })
-        .collect();
+    let eh = Weights(0x2545_f491).take(d * 2 * d, 0.3);
     let head = ck.tensor_any_shape("lm_head.weight").unwrap();
     for (name, shape, bytes) in [
         ("enorm.weight", vec![d], ones.clone()),
@@ -74,60 +86,19 @@ fn with_mtp(to: &Path) {
             head.storage.bytes().to_vec(),
         ),
     ] {
-        tensors.push((format!("model.layers.3.{name}"), DType::F32, shape, bytes));
+        tensors.push((format!("{prefix}{name}"), DType::F32, shape, bytes));
     }
-    let specs = tensors
-        .iter()
-        .map(|(name, dtype, shape, _)| TensorSpec {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.clone(),
-        })
-        .collect();
-    let mut w = SafetensorsWriter::create(&to.join("model.safetensors"), specs).unwrap();
-    for (_, _, _, bytes) in &tensors {
-        w.write(bytes).unwrap();
-    }
-    w.finish().unwrap();
+    write_tensors(to, tensors);
 }
 
 /// The DeepSeek-V4 fixture plus the hub's MTP block (`mtp.0.*`).
 fn with_v4_mtp(to: &Path) {
-    let src = fixture("deepseek_v4");
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(src.join(f), to.join(f)).unwrap();
-    }
-    let ck = Checkpoint::open(&src).unwrap();
+    let (_, mut tensors) = fixture_with_layer_2_as("deepseek_v4", to, "mtp.0.");
     let (d, hc) = (64, 2);
-    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)> = Vec::new();
-    for n in ck.tensors().keys() {
-        let t = ck.tensor_any_shape(n).unwrap();
-        let bytes = t.storage.bytes().to_vec();
-        tensors.push((n.clone(), t.dtype, t.shape.clone(), bytes.clone()));
-        if let Some(rest) = n.strip_prefix("model.layers.2.") {
-            tensors.push((format!("mtp.0.{rest}"), t.dtype, t.shape.clone(), bytes));
-        }
-    }
-    let f32s = |v: Vec<f32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let mut x = 0x9e37_79b9u32;
-    let mut random = |n: usize, scale: f32| -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                (x as f32 / u32::MAX as f32 - 0.5) * scale
-            })
-            .collect()
-    };
-    let e_proj = random(d * d, 0.3);
-    let h_proj = random(d * d, 0.3);
-    let hc_fn = random(hc * hc * d, 0.1);
+    let mut random = Weights(0x9e37_79b9);
+    let e_proj = random.take(d * d, 0.3);
+    let h_proj = random.take(d * d, 0.3);
+    let hc_fn = random.take(hc * hc * d, 0.1);
     for (name, shape, bytes) in [
         ("enorm.weight", vec![d], f32s(vec![1.0; d])),
         ("hnorm.weight", vec![d], f32s(vec![1.0; d])),
@@ -140,19 +111,7 @@ fn with_v4_mtp(to: &Path) {
     ] {
         tensors.push((format!("mtp.0.{name}"), DType::F32, shape, bytes));
     }
-    let specs = tensors
-        .iter()
-        .map(|(name, dtype, shape, _)| TensorSpec {
-            name: name.clone(),
-            dtype: *dtype,
-            shape: shape.clone(),
-        })
-        .collect();
-    let mut w = SafetensorsWriter::create(&to.join("model.safetensors"), specs).unwrap();
-    for (_, _, _, bytes) in &tensors {
-        w.write(bytes).unwrap();
-    }
-    w.finish().unwrap();
+    write_tensors(to, tensors);
 }
 
 /// The fixture `arch` with an MTP block, written into `to`.
@@ -184,18 +143,23 @@ fn seeded() -> SamplingParams {
     }
 }
 
-#[test]
-fn mtp_drafts_never_change_the_tokens() {
+/// Run `test` on each fixture with an MTP block: its architecture, the checkpoint's directory
+/// and the fixture's prompt.
+fn for_each_mtp_fixture(test: impl Fn(&str, &Path, &[u32])) {
     for arch in ["deepseek_v3", "deepseek_v4"] {
-        drafts_never_change_the_tokens(arch);
+        let dir = tempfile::tempdir().unwrap();
+        with_head(arch, dir.path());
+        test(arch, dir.path(), &prompt(arch));
     }
 }
 
-fn drafts_never_change_the_tokens(arch: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    with_head(arch, dir.path());
-    let ids = prompt(arch);
-    let plain_model = model::load(dir.path()).unwrap();
+#[test]
+fn mtp_drafts_never_change_the_tokens() {
+    for_each_mtp_fixture(drafts_never_change_the_tokens);
+}
+
+fn drafts_never_change_the_tokens(arch: &str, dir: &Path, ids: &[u32]) {
+    let plain_model = model::load(dir).unwrap();
     assert!(
         plain_model.drafter().is_none(),
         "the head loads only on request"
@@ -204,10 +168,7 @@ fn drafts_never_change_the_tokens(arch: &str) {
         draft: Draft::Mtp,
         ..LoadOptions::default()
     };
-    let info = model::load_with(dir.path(), &resident)
-        .unwrap()
-        .info()
-        .clone();
+    let info = model::load_with(dir, &resident).unwrap().info().clone();
     // Streamed: the MTP layer's experts go through the store like the others.
     let streamed = LoadOptions {
         placement: StoreOptions {
@@ -218,13 +179,13 @@ fn drafts_never_change_the_tokens(arch: &str) {
         ..resident.clone()
     };
     for opts in [resident, streamed] {
-        let m = model::load_with(dir.path(), &opts).unwrap();
+        let m = model::load_with(dir, &opts).unwrap();
         for sampling in [SamplingParams::greedy(), seeded()] {
             let p = params(sampling, 24);
-            let want = generate(plain_model.as_ref(), None, &ids, &p, |_| {}, |_| {}).unwrap();
+            let want = generate(plain_model.as_ref(), None, ids, &p, |_| {}, |_| {}).unwrap();
             for policy in [DraftPolicy::Always, DraftPolicy::Auto] {
                 let (got, stats) =
-                    generate_with_drafts(m.as_ref(), None, &ids, &p, policy, |_| {}, |_| {})
+                    generate_with_drafts(m.as_ref(), None, ids, &p, policy, |_| {}, |_| {})
                         .unwrap();
                 eprintln!("{arch}: {policy:?}: {} tokens, {stats:?}", got.tokens.len());
                 assert_eq!(got.tokens, want.tokens, "{arch}: {policy:?}");
@@ -299,29 +260,24 @@ impl Drafter for Oracle {
 
 #[test]
 fn accepted_and_rejected_drafts_keep_the_greedy_tokens() {
-    for arch in ["deepseek_v3", "deepseek_v4"] {
-        oracle_drafts_keep_the_greedy_tokens(arch);
-    }
+    for_each_mtp_fixture(oracle_drafts_keep_the_greedy_tokens);
 }
 
-fn oracle_drafts_keep_the_greedy_tokens(arch: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    with_head(arch, dir.path());
-    let ids = prompt(arch);
+fn oracle_drafts_keep_the_greedy_tokens(arch: &str, dir: &Path, ids: &[u32]) {
     let opts = LoadOptions {
         draft: Draft::Mtp,
         ..LoadOptions::default()
     };
     let p = params(SamplingParams::greedy(), 30);
-    let plain = model::load(dir.path()).unwrap();
-    let want = generate(plain.as_ref(), None, &ids, &p, |_| {}, |_| {}).unwrap();
+    let plain = model::load(dir).unwrap();
+    let want = generate(plain.as_ref(), None, ids, &p, |_| {}, |_| {}).unwrap();
     let oracle = Oracle {
-        inner: model::load_with(dir.path(), &opts).unwrap(),
+        inner: model::load_with(dir, &opts).unwrap(),
         answer: want.tokens.clone(),
         prompt_len: ids.len(),
     };
     let (got, stats) =
-        generate_with_drafts(&oracle, None, &ids, &p, DraftPolicy::Always, |_| {}, |_| {}).unwrap();
+        generate_with_drafts(&oracle, None, ids, &p, DraftPolicy::Always, |_| {}, |_| {}).unwrap();
     assert_eq!(got.tokens, want.tokens, "{arch}");
     assert!(
         stats.accepted >= 5 && stats.accepted < stats.drafted,
@@ -335,10 +291,7 @@ fn deepseek_v4_without_its_mtp_block_refuses_draft_mtp_naming_it() {
         draft: Draft::Mtp,
         ..LoadOptions::default()
     };
-    let err = model::load_with(&fixture("deepseek_v4"), &opts)
-        .err()
-        .expect("the fixture has no MTP block")
-        .to_string();
+    let err = load_error(&fixture("deepseek_v4"), &opts);
     assert!(
         err.contains("mtp.0.e_proj.weight") && err.contains("--draft mtp"),
         "{err}"

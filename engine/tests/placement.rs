@@ -3,7 +3,7 @@
 //! one expert, half of them or all of them, on 1 or 2 threads.
 
 mod common;
-use common::{fixture, prompt};
+use common::{copy_text_files, fixture, load_error, prompt};
 
 use std::path::Path;
 
@@ -12,6 +12,44 @@ use colibri::model::{self, CausalLm, Logits};
 use colibri::runtime::generate::{generate, GenerateParams};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::store::StoreOptions;
+
+/// The fixtures with routed experts (besides `deepseek_v4`).
+const MOE_FIXTURES: [&str; 7] = [
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "kimi_k25",
+    "glm_moe_dsa",
+];
+
+/// A compute pool of `threads` threads.
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+}
+
+/// `dir` loaded with the store placed as `opts` says.
+fn load_placed(dir: &Path, opts: StoreOptions) -> Box<dyn CausalLm> {
+    model::load_with(dir, &colibri::model::LoadOptions::from(opts)).unwrap()
+}
+
+/// `dir` loaded with a budget of `budget` bytes (the expert cache is what the resident set
+/// leaves of it), two I/O threads, and prefetch on or off.
+fn tiered(dir: &Path, budget: u64, prefetch: bool) -> Box<dyn CausalLm> {
+    load_placed(
+        dir,
+        StoreOptions {
+            ram_budget: Some(budget),
+            io_threads: 2,
+            prefetch,
+            ..StoreOptions::default()
+        },
+    )
+}
 
 /// Logits of the prompt as a batch, then 8 greedy tokens decoded through the cache.
 fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
@@ -29,18 +67,10 @@ fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
 
 #[test]
 fn every_budget_and_thread_count_gives_identical_bits() {
-    for arch in [
-        "mixtral",
-        "olmoe",
-        "qwen3_moe",
-        "glm4_moe",
-        "deepseek_v3",
-        "kimi_k25",
-        "glm_moe_dsa",
-        "deepseek_v4",
-        "qwen3_next",
-        "qwen3_5_moe",
-    ] {
+    for arch in MOE_FIXTURES
+        .into_iter()
+        .chain(["deepseek_v4", "qwen3_next", "qwen3_5_moe"])
+    {
         let dir = fixture(arch);
         let ids = prompt(arch);
         let reference = outputs(model::load(&dir).unwrap().as_ref(), &ids);
@@ -64,22 +94,13 @@ fn every_budget_and_thread_count_gives_identical_bits() {
             ("all", dense + experts),
         ] {
             for (threads, prefetch) in [(1, false), (2, false), (1, true), (2, true)] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
                 let opts = StoreOptions {
                     ram_budget: Some(budget),
                     io_threads: 2,
                     prefetch,
                     ..StoreOptions::default()
                 };
-                let got = pool.install(|| {
-                    let m =
-                        model::load_with(&dir, &colibri::model::LoadOptions::from(opts.clone()))
-                            .unwrap();
-                    outputs(m.as_ref(), &ids)
-                });
+                let got = pool(threads).install(|| outputs(load_placed(&dir, opts).as_ref(), &ids));
                 assert!(
                     got.0 == reference.0,
                     "{arch}: logits differ: budget `{what}`, {threads} threads, prefetch {prefetch}"
@@ -100,10 +121,7 @@ fn a_budget_below_the_resident_set_is_refused_with_numbers() {
         ram_budget: Some(1000),
         ..StoreOptions::default()
     };
-    let e = model::load_with(&dir, &colibri::model::LoadOptions::from(opts.clone()))
-        .err()
-        .expect("must fail")
-        .to_string();
+    let e = load_error(&dir, &colibri::model::LoadOptions::from(opts));
     assert!(
         e.contains("resident") && e.contains("budget") && e.contains("--ram"),
         "{e}"
@@ -116,16 +134,7 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
     let ids = prompt("olmoe");
     let resident = model::load(&dir).unwrap().info().dense_bytes as u64;
     // Budget for no expert: every expert of every step is read.
-    let m = model::load_with(
-        &dir,
-        &colibri::model::LoadOptions::from(StoreOptions {
-            ram_budget: Some(resident),
-            io_threads: 2,
-            prefetch: true,
-            ..StoreOptions::default()
-        }),
-    )
-    .unwrap();
+    let m = tiered(&dir, resident, true);
     let _ = outputs(m.as_ref(), &ids);
     let s = m.store_stats().expect("tiered store keeps stats");
     assert_eq!(s.hits, 0, "nothing fits, so nothing can hit");
@@ -136,16 +145,7 @@ fn the_tiered_store_really_reads_from_disk_and_prefetch_guesses() {
     );
     // Budget for everything: after the first step, steps hit.
     let all = resident + m.info().routed_expert_bytes as u64;
-    let m = model::load_with(
-        &dir,
-        &colibri::model::LoadOptions::from(StoreOptions {
-            ram_budget: Some(all),
-            io_threads: 2,
-            prefetch: false,
-            ..StoreOptions::default()
-        }),
-    )
-    .unwrap();
+    let m = tiered(&dir, all, false);
     let _ = outputs(m.as_ref(), &ids);
     let s = m.store_stats().unwrap();
     assert!(
@@ -163,16 +163,7 @@ fn deepseek_v4_prefetches_the_next_layers_experts_as_deepseek_v3_does() {
         let resident = plain.info().dense_bytes as u64;
         let want = outputs(plain.as_ref(), &ids);
         // A cache for no expert, so each hint starts reads the next layer then finds in flight.
-        let m = model::load_with(
-            &dir,
-            &colibri::model::LoadOptions::from(StoreOptions {
-                ram_budget: Some(resident),
-                io_threads: 2,
-                prefetch: true,
-                ..StoreOptions::default()
-            }),
-        )
-        .unwrap();
+        let m = tiered(&dir, resident, true);
         assert_eq!(
             outputs(m.as_ref(), &ids),
             want,
@@ -197,14 +188,7 @@ fn deepseek_v4_prefetches_the_next_layers_experts_as_deepseek_v3_does() {
 /// Copy `arch`'s fixture split into two shards (so a mirror can hold only one of them).
 fn sharded_copy(arch: &str, to: &Path) {
     use colibri::format::write::{SafetensorsWriter, TensorSpec};
-    for name in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(fixture(arch).join(name), to.join(name)).unwrap();
-    }
+    copy_text_files(&fixture(arch), to);
     let ck = Checkpoint::open(&fixture(arch)).unwrap();
     let names: Vec<String> = ck.tensors().keys().cloned().collect();
     let half = names.len() / 2;
@@ -236,16 +220,7 @@ fn sharded_copy(arch: &str, to: &Path) {
 
 #[test]
 fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
-    for arch in [
-        "mixtral",
-        "olmoe",
-        "qwen3_moe",
-        "glm4_moe",
-        "deepseek_v3",
-        "kimi_k25",
-        "glm_moe_dsa",
-        "qwen3_next",
-    ] {
+    for arch in MOE_FIXTURES.into_iter().chain(["qwen3_next"]) {
         variants_never_change_bits(arch);
     }
 }
@@ -360,7 +335,7 @@ fn variants_never_change_bits(arch: &str) {
         state_dir: Some(state.clone()),
         ..base.clone()
     };
-    let m = model::load_with(&primary, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
+    let m = load_placed(&primary, opts.clone());
     let s = m.store_stats().unwrap();
     assert!(s.pinned_bytes > 0, "learned pins were loaded: {s:?}");
     assert_eq!(outputs(m.as_ref(), &ids), reference, "with learned pins");
@@ -397,7 +372,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         }],
         ..StoreOptions::default()
     };
-    let m = model::load_with(&primary, &colibri::model::LoadOptions::from(opts.clone())).unwrap();
+    let m = load_placed(&primary, opts.clone());
     // The mirror's files lose their data after validation: every mirror read fails.
     common::truncate_safetensors(&mirror);
     assert_eq!(
@@ -411,11 +386,7 @@ fn a_mirror_failing_mid_run_falls_back_and_a_primary_failure_is_a_clear_error() 
         mirrors: vec![],
         ..opts
     };
-    let m = model::load_with(
-        &primary,
-        &colibri::model::LoadOptions::from(no_mirror.clone()),
-    )
-    .unwrap();
+    let m = load_placed(&primary, no_mirror.clone());
     common::truncate_safetensors(&primary);
     let mut cache = m.new_cache(ids.len());
     let e = m
@@ -451,10 +422,6 @@ fn gguf_experts_stream_with_identical_bits() {
             ("half", dense + experts / 2),
         ] {
             for (threads, prefetch, direct_io) in [(1, false, false), (2, true, true)] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
                 let opts = StoreOptions {
                     ram_budget: Some(budget),
                     io_threads: 2,
@@ -463,10 +430,8 @@ fn gguf_experts_stream_with_identical_bits() {
                     learn: false,
                     ..StoreOptions::default()
                 };
-                let got = pool.install(|| {
-                    let m =
-                        model::load_with(&path, &colibri::model::LoadOptions::from(opts.clone()))
-                            .unwrap();
+                let got = pool(threads).install(|| {
+                    let m = load_placed(&path, opts);
                     let out = outputs(m.as_ref(), &ids);
                     (out, m.store_stats())
                 });

@@ -998,6 +998,28 @@ def server_command(container: dict, config_path: Path, subcommand: str) -> list[
     return [str(COLI), subcommand, *(["--show"] if subcommand == "config" else []), *args]
 
 
+def write_config(docs: list[dict], directory: Path) -> Path:
+    """The ConfigMap's colibri.toml, written into `directory`; its path."""
+    config = directory / "colibri.toml"
+    config.write_text(one(docs, "ConfigMap")["data"]["colibri.toml"], encoding="utf-8")
+    return config
+
+
+def config_show(container: dict, config_path: Path, cwd: Path, *extra: str) -> str:
+    """What `coli config --show` prints with the container's arguments (and `extra`), the
+    configuration file `config_path` and the pod's environment, run in `cwd`; it must succeed."""
+    result = subprocess.run(
+        server_command(container, config_path, "config") + list(extra),
+        env=pod_environment(container),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def deployment_sets() -> list[str]:
     return [f"chart:{v}" for v in sorted(VALUES)] + [f"kustomize:{o}" for o in OVERLAYS]
 
@@ -1015,18 +1037,8 @@ def test_server_accepts_the_configuration(which, tmp_path):
     docs = deployment_docs(which)
     work = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")][0]
     container = work["spec"]["template"]["spec"]["containers"][0]
-    config = tmp_path / "colibri.toml"
-    config.write_text(one(docs, "ConfigMap")["data"]["colibri.toml"], encoding="utf-8")
-    result = subprocess.run(
-        server_command(container, config, "config"),
-        env=pod_environment(container),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "host = \"0.0.0.0\"" in result.stdout
+    config = write_config(docs, tmp_path)
+    assert "host = \"0.0.0.0\"" in config_show(container, config, tmp_path)
 
 
 # The engine options ci/engine-values.yaml sets, as colibri.toml and `coli config --show` spell
@@ -1071,20 +1083,10 @@ def test_server_reports_the_charts_engine_options(tmp_path):
     chart's value and names colibri.toml (or the profile, or COLI_NO_LEARN) as its source."""
     _, docs = rendered_set("engine")
     container = [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
-    config = tmp_path / "colibri.toml"
-    config.write_text(one(docs, "ConfigMap")["data"]["colibri.toml"], encoding="utf-8")
+    config = write_config(docs, tmp_path)
 
     def show(*extra: str) -> str:
-        result = subprocess.run(
-            server_command(container, config, "config") + list(extra),
-            env=pod_environment(container),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
-        assert result.returncode == 0, result.stderr
-        return result.stdout
+        return config_show(container, config, tmp_path, *extra)
 
     shown = show()
     for key, text in ENGINE_VALUES.items():
@@ -1099,8 +1101,7 @@ def test_server_reports_the_charts_engine_options(tmp_path):
     _, docs = rendered_set("default")
     pod = [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    config = tmp_path / "colibri.toml"
-    config.write_text(one(docs, "ConfigMap")["data"]["colibri.toml"], encoding="utf-8")
+    config = write_config(docs, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

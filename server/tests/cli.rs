@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 mod support;
-use support::{coli, fixture, reference};
+use support::{assert_names_option, coli, fixture, reference};
 
 const FAMILIES: &[&str] = &["llama", "mixtral", "olmoe", "qwen3_moe"];
 
@@ -17,6 +17,41 @@ fn ok_stdout(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout.clone()).expect("utf-8 stdout")
+}
+
+/// `coli synth` of a small f32 Qwen3-MoE (2 layers, 4 heads, 2 KV heads, top-2 routing) into
+/// `out`; `[hidden, experts, moe_intermediate, vocab]` and `extra` flags as given.
+fn synth_qwen3_moe(out: &Path, [hidden, experts, moe, vocab]: [&str; 4], extra: &[&str]) {
+    let flags = [
+        ("--arch", "qwen3-moe"),
+        ("--layers", "2"),
+        ("--hidden", hidden),
+        ("--heads", "4"),
+        ("--kv-heads", "2"),
+        ("--experts", experts),
+        ("--top-k", "2"),
+        ("--moe-intermediate", moe),
+        ("--vocab", vocab),
+        ("--dtype", "f32"),
+    ];
+    let mut args = vec!["synth"];
+    args.extend(flags.iter().flat_map(|&(flag, value)| [flag, value]));
+    args.extend_from_slice(extra);
+    args.extend(["--out", out.to_str().unwrap()]);
+    ok_stdout(&coli(&args));
+}
+
+/// `coli convert` of `model` to the GGUF `gguf` of type `ty`.
+fn convert(model: &Path, gguf: &Path, ty: &str) {
+    ok_stdout(&coli(&[
+        "convert",
+        "-m",
+        model.to_str().unwrap(),
+        "-o",
+        gguf.to_str().unwrap(),
+        "-t",
+        ty,
+    ]));
 }
 
 #[test]
@@ -252,11 +287,7 @@ fn an_option_the_model_cannot_honour_is_an_error_that_says_why() {
             "{command} {option} {value} on {arch} succeeded: {e}"
         );
         assert!(e.contains(why), "{arch} {option} {value}: {e}");
-        assert!(
-            e.contains(option.trim_start_matches("--").replace('-', "_").as_str())
-                || e.contains(option),
-            "the message names the option: {e}"
-        );
+        assert_names_option(&e, option);
     }
     // The same options where they apply still run.
     let dir = fixture("deepseek_v3");
@@ -293,36 +324,11 @@ fn synth_writes_a_runnable_checkpoint_deterministically() {
     let mut outputs = Vec::new();
     for (name, shard) in [("a", "4000000000"), ("b", "100000")] {
         let out = tmp.path().join(name);
-        let o = coli(&[
-            "synth",
-            "--arch",
-            "qwen3-moe",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--experts",
-            "4",
-            "--top-k",
-            "2",
-            "--moe-intermediate",
-            "32",
-            "--vocab",
-            "400",
-            "--dtype",
-            "f32",
-            "--seed",
-            "3",
-            "--shard-bytes",
-            shard,
-            "--out",
-            out.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        synth_qwen3_moe(
+            &out,
+            ["64", "4", "32", "400"],
+            &["--seed", "3", "--shard-bytes", shard],
+        );
         let info = ok_stdout(&coli(&["info", "--model", out.to_str().unwrap()]));
         assert!(
             info.contains("qwen3_moe") && info.contains("4 routed") && info.contains("2 active"),
@@ -417,20 +423,7 @@ fn convert_then_kl_measures_the_quantization_loss() {
     // What a convert killed while writing left, removed by the next one.
     let stale = tmp.path().join(format!("q8.gguf.{}.tmp", dead_pid()));
     std::fs::write(&stale, b"GGUF").unwrap();
-    let out = coli(&[
-        "convert",
-        "-m",
-        fx.to_str().unwrap(),
-        "-o",
-        gguf.to_str().unwrap(),
-        "-t",
-        "q8_0",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    convert(&fx, &gguf, "q8_0");
     assert!(!stale.exists(), "the killed convert's temporary is removed");
     let kl_run = |model: &std::path::Path| {
         coli(&[
@@ -473,47 +466,13 @@ fn k_quant_gguf_runs_in_llama_cpp_with_our_greedy_tokens() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("hf");
-    let o = coli(&[
-        "synth",
-        "--arch",
-        "qwen3-moe",
-        "--layers",
-        "2",
-        "--hidden",
-        "256",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--experts",
-        "8",
-        "--top-k",
-        "2",
-        "--moe-intermediate",
-        "256",
-        "--vocab",
-        "512",
-        "--dtype",
-        "f32",
-        "--out",
-        hf.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    synth_qwen3_moe(&hf, ["256", "8", "256", "512"], &[]);
     let script =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/llamacpp/reference.py");
     let prompt = "5,17,42,99,128,7,300,11";
     for ty in ["q4_k_m", "q6_k", "q8_0"] {
         let gguf = tmp.path().join(format!("{ty}.gguf"));
-        let o = coli(&[
-            "convert",
-            "-m",
-            hf.to_str().unwrap(),
-            "-o",
-            gguf.to_str().unwrap(),
-            "-t",
-            ty,
-        ]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        convert(&hf, &gguf, ty);
         let json = tmp.path().join(format!("{ty}.json"));
         let st = Command::new(&py)
             .arg(&script)

@@ -5,101 +5,53 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Child, Command, ExitStatus};
 
-use support::{coli, fixture, http, isolated, wait_for};
+use support::{assert_names_option, coli, fixture, http, isolated, wait_for, Served};
 
 /// `coli serve ARGS` in `cwd`, with `env` added, its stderr collected.
-fn spawn_serve(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> (Child, Arc<Mutex<String>>) {
+fn spawn_serve(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> Served {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_coli"));
     isolated(&mut cmd)
         .arg("serve")
         .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
         .args(args)
         .envs(env.iter().copied())
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("coli serve starts");
-    let log = Arc::new(Mutex::new(String::new()));
-    let stderr = child.stderr.take().expect("piped stderr");
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            let mut log = sink.lock().unwrap();
-            log.push_str(&line);
-            log.push('\n');
-        }
+        .current_dir(cwd);
+    Served::spawn(&mut cmd)
+}
+
+/// Start a server and wait until `/ready` answers 200.
+fn start_server(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> Served {
+    spawn_serve(args, env, cwd).wait_ready()
+}
+
+/// `coli serve` as [`spawn_serve`] starts it, expected to exit with an error: its exit status
+/// and its whole stderr.
+fn refused(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> (ExitStatus, String) {
+    let mut serve = spawn_serve(args, env, cwd);
+    let status = wait_exit(&mut serve.child);
+    // The reader thread has the whole stderr once the pipe closes.
+    let log = wait_for(10, "the whole log", || {
+        let l = serve.log();
+        l.contains("coli: error:").then_some(l)
     });
-    (child, log)
+    (status, log)
 }
 
-/// A running `coli serve`, killed when dropped.
-struct Server {
-    child: Child,
-    log: Arc<Mutex<String>>,
-    port: u16,
-}
-
-impl Server {
-    /// Start a server and wait until `/ready` answers 200.
-    fn start(args: &[&str], env: &[(&str, &str)], cwd: &Path) -> Server {
-        let (child, log) = spawn_serve(args, env, cwd);
-        let mut server = Server {
-            child,
-            log,
-            port: 0,
-        };
-        const LISTENING: &str = "coli: listening on http://127.0.0.1:";
-        server.port = wait_for(60, "the `listening` line", || {
-            server.check_running();
-            let log = server.log();
-            let rest = &log[log.find(LISTENING)? + LISTENING.len()..];
-            rest.split_whitespace().next()?.parse().ok()
-        });
-        wait_for(120, "/ready", || {
-            server.check_running();
-            let (status, _) = http(server.port, "GET", "/ready", "")?;
-            (status == 200).then_some(())
-        });
-        server
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    fn check_running(&mut self) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("coli serve exited with {status}:\n{}", self.log());
-        }
-    }
-
-    /// A greedy completion of a few tokens; returns its text.
-    fn complete(&self) -> String {
-        let body = serde_json::json!({
-            "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": true,
-        })
-        .to_string();
-        let (status, text) =
-            http(self.port, "POST", "/v1/completions", &body).expect("the server answers");
-        assert_eq!(status, 200, "{text}\n{}", self.log());
-        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
-        v["choices"][0]["text"].as_str().unwrap().to_string()
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A greedy completion of a few tokens from `server`; returns its text.
+fn complete(server: &Served) -> String {
+    let body = serde_json::json!({
+        "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+    })
+    .to_string();
+    let (status, text) =
+        http(server.port, "POST", "/v1/completions", &body).expect("the server answers");
+    assert_eq!(status, 200, "{text}\n{}", server.log());
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
 /// The MLA options the tests set, as flags.
@@ -151,8 +103,8 @@ fn serve_takes_the_engine_options_from_flags_on_a_latent_attention_model() {
     let work = tempfile::tempdir().unwrap();
     let mut args = vec!["--model", model.to_str().unwrap(), "--threads", "1"];
     args.extend_from_slice(MLA_FLAGS);
-    let server = Server::start(&args, &[], work.path());
-    let text = server.complete();
+    let server = start_server(&args, &[], work.path());
+    let text = complete(&server);
     let log = server.log();
     assert!(log.contains("reader: pread pool, 2 threads"), "{log}");
     // The same tokens as `coli run` with the same options.
@@ -177,8 +129,8 @@ fn serve_takes_the_engine_options_from_the_file_and_the_environment() {
         ("COLI_IO", "pool"),
         ("COLI_IO_THREADS", "2"),
     ];
-    let server = Server::start(&[], &env, work.path());
-    let text = server.complete();
+    let server = start_server(&[], &env, work.path());
+    let text = complete(&server);
     let log = server.log();
     assert!(log.contains("reader: pread pool, 2 threads"), "{log}");
     assert_eq!(text, run_text(&model, MLA_FLAGS));
@@ -284,37 +236,22 @@ fn serve_stops_with_the_reason_when_the_model_cannot_honour_an_option() {
     let work = tempfile::tempdir().unwrap();
     for (arch, option, value, why) in cases {
         let model = fixture(arch);
-        let (mut child, log) = spawn_serve(
+        let (status, e) = refused(
             &["--model", model.to_str().unwrap(), option, value],
             &[],
             work.path(),
         );
-        let status = wait_exit(&mut child);
-        // The reader thread has the whole stderr once the pipe closes.
-        let e = wait_for(10, "the whole log", || {
-            let l = log.lock().unwrap().clone();
-            l.contains("coli: error:").then_some(l)
-        });
         assert!(!status.success(), "{arch} {option} {value} served: {e}");
         assert!(e.contains(why), "{arch} {option} {value}: {e}");
-        assert!(
-            e.contains(option.trim_start_matches("--").replace('-', "_").as_str())
-                || e.contains(option),
-            "the message names the option: {e}"
-        );
+        assert_names_option(&e, option);
     }
     // The same from the environment.
     let model = fixture("mixtral");
-    let (mut child, log) = spawn_serve(
+    let (status, e) = refused(
         &["--model", model.to_str().unwrap()],
         &[("COLI_MLA_FORM", "absorbed")],
         work.path(),
     );
-    let status = wait_exit(&mut child);
-    let e = wait_for(10, "the whole log", || {
-        let l = log.lock().unwrap().clone();
-        l.contains("coli: error:").then_some(l)
-    });
     assert!(!status.success(), "{e}");
     assert!(e.contains("no multi-head latent attention"), "{e}");
 }

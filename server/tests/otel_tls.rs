@@ -402,22 +402,36 @@ fn chat(client: &reqwest::blocking::Client, base: &str) {
     assert!(body.contains("chat.completion"), "{body}");
 }
 
+/// A client of plain-HTTP servers.
+fn plain_client() -> reqwest::blocking::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::blocking::Client::builder()
+        .timeout(STEP)
+        .build()
+        .unwrap()
+}
+
+/// A [`chat`] through `client` to `serve`, which then stops: the span the collector got for it.
+fn chat_span(collector: &Collector, serve: Serve, client: &reqwest::blocking::Client) -> SeenSpan {
+    chat(client, &serve.url);
+    // Shutdown exports what the batch processor still holds.
+    serve.stop();
+    collector.span_named("POST /v1/chat/completions")
+}
+
+/// The span arrived as `content_type` and is a child of the test's `traceparent`.
+fn assert_traced(span: &SeenSpan, content_type: &str) {
+    assert_eq!(span.content_type, content_type);
+    assert_eq!(span.trace_id, TRACE_ID);
+    assert_eq!(span.parent_span_id, PARENT_SPAN_ID);
+}
+
 #[test]
 fn a_chat_span_reaches_the_collector_as_a_child_of_traceparent() {
     let collector = Collector::start(Kind::Http);
     let serve = Serve::start(&["--otlp-endpoint", &collector.url], &[]);
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::blocking::Client::builder()
-        .timeout(STEP)
-        .build()
-        .unwrap();
-    chat(&client, &serve.url);
-    // Shutdown exports what the batch processor still holds.
-    serve.stop();
-    let span = collector.span_named("POST /v1/chat/completions");
-    assert_eq!(span.content_type, "application/x-protobuf");
-    assert_eq!(span.trace_id, TRACE_ID);
-    assert_eq!(span.parent_span_id, PARENT_SPAN_ID);
+    let span = chat_span(&collector, serve, &plain_client());
+    assert_traced(&span, "application/x-protobuf");
 }
 
 #[test]
@@ -427,17 +441,8 @@ fn a_grpc_collector_gets_the_span_too() {
         &["--otlp-endpoint", &collector.url, "--otlp-protocol", "grpc"],
         &[],
     );
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = reqwest::blocking::Client::builder()
-        .timeout(STEP)
-        .build()
-        .unwrap();
-    chat(&client, &serve.url);
-    serve.stop();
-    let span = collector.span_named("POST /v1/chat/completions");
-    assert_eq!(span.content_type, "application/grpc");
-    assert_eq!(span.trace_id, TRACE_ID);
-    assert_eq!(span.parent_span_id, PARENT_SPAN_ID);
+    let span = chat_span(&collector, serve, &plain_client());
+    assert_traced(&span, "application/grpc");
 }
 
 #[test]
@@ -472,12 +477,8 @@ fn https_serving_and_an_https_json_collector() {
         .timeout(Duration::from_secs(10))
         .send()
         .is_err());
-    chat(&client, &serve.url);
-    serve.stop();
-    let span = collector.span_named("POST /v1/chat/completions");
-    assert_eq!(span.content_type, "application/json");
-    assert_eq!(span.trace_id, TRACE_ID);
-    assert_eq!(span.parent_span_id, PARENT_SPAN_ID);
+    let span = chat_span(&collector, serve, &client);
+    assert_traced(&span, "application/json");
 }
 
 #[test]

@@ -7,13 +7,12 @@
 //! naming the file.
 
 mod support;
-use support::wait_for;
+use support::{wait_for, Served};
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use colibri::runtime::kv_file;
@@ -29,6 +28,16 @@ const SAVE_SECS: u64 = 1;
 
 fn coli() -> Command {
     Command::new(env!("CARGO_BIN_EXE_coli"))
+}
+
+/// Run `cmd` to completion; it must succeed.
+fn run_ok(cmd: &mut Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The directories a server works with.
@@ -55,28 +64,23 @@ impl Dirs {
         };
         std::fs::create_dir_all(&dirs.work).unwrap();
         let (layers, experts) = (LAYERS.to_string(), EXPERTS.to_string());
-        let out = coli()
-            .args([
-                "synth", "--arch", "olmoe", "--layers", &layers, "--hidden", "512",
-            ])
-            .args([
-                "--experts",
-                &experts,
-                "--top-k",
-                "2",
-                "--moe-intermediate",
-                "256",
-            ])
-            .args(["--vocab", "1024", "--out"])
-            .arg(&dirs.model)
-            .env("COLI_CACHE_DIR", &dirs.cache)
-            .env("COLI_STATE_DIR", &dirs.state)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "coli synth: {}",
-            String::from_utf8_lossy(&out.stderr)
+        run_ok(
+            coli()
+                .args([
+                    "synth", "--arch", "olmoe", "--layers", &layers, "--hidden", "512",
+                ])
+                .args([
+                    "--experts",
+                    &experts,
+                    "--top-k",
+                    "2",
+                    "--moe-intermediate",
+                    "256",
+                ])
+                .args(["--vocab", "1024", "--out"])
+                .arg(&dirs.model)
+                .env("COLI_CACHE_DIR", &dirs.cache)
+                .env("COLI_STATE_DIR", &dirs.state),
         );
         dirs
     }
@@ -99,71 +103,39 @@ impl Dirs {
 }
 
 /// A `coli serve` process.
-struct Server {
-    child: Child,
-    port: u16,
-    log: Arc<Mutex<String>>,
+struct Server(Served);
+
+impl std::ops::Deref for Server {
+    type Target = Served;
+    fn deref(&self) -> &Served {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Server {
+    fn deref_mut(&mut self) -> &mut Served {
+        &mut self.0
+    }
 }
 
 impl Server {
     /// Start a server on `dirs` and wait until it is ready.
     fn start(dirs: &Dirs) -> Server {
-        let mut child = coli()
-            .args(["serve", "--model"])
-            .arg(&dirs.model)
-            .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
-            .args(["--threads", "1", "--drain-secs", "5"])
-            .arg("--history-save-secs")
-            .arg(SAVE_SECS.to_string())
-            .arg("--prefix-cache-dir")
-            .arg(&dirs.prefix)
-            .env("COLI_STATE_DIR", &dirs.state)
-            .env("COLI_CACHE_DIR", &dirs.cache)
-            .current_dir(&dirs.work)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        let mut server = Server {
-            child,
-            port: 0,
-            log,
-        };
-        server.port = wait_for(60, "the `listening` line", || {
-            server.check_running();
-            let log = server.log();
-            let at = log.find("coli: listening on http://127.0.0.1:")?;
-            let rest = &log[at + "coli: listening on http://127.0.0.1:".len()..];
-            rest.split_whitespace().next()?.parse().ok()
-        });
-        wait_for(120, "/ready", || {
-            server.check_running();
-            let (status, _) = server.try_request("GET", "/ready", None)?;
-            (status == 200).then_some(())
-        });
-        server
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    fn check_running(&mut self) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("coli serve exited with {status}:\n{}", self.log());
-        }
+        let served = Served::spawn(
+            coli()
+                .args(["serve", "--model"])
+                .arg(&dirs.model)
+                .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
+                .args(["--threads", "1", "--drain-secs", "5"])
+                .arg("--history-save-secs")
+                .arg(SAVE_SECS.to_string())
+                .arg("--prefix-cache-dir")
+                .arg(&dirs.prefix)
+                .env("COLI_STATE_DIR", &dirs.state)
+                .env("COLI_CACHE_DIR", &dirs.cache)
+                .current_dir(&dirs.work),
+        );
+        Server(served.wait_ready())
     }
 
     /// One request on a new connection: (status, body), or `None` if it could not be sent.
@@ -218,13 +190,6 @@ impl Server {
         wait_for(60, "the server to exit after SIGTERM", || {
             self.child.try_wait().unwrap()
         })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -362,27 +327,22 @@ fn a_killed_server_keeps_its_last_saved_history_and_the_next_start_cleans_up() {
         std::fs::write(p, b"{\"half\":").unwrap();
     }
     let conv_file = dirs.work.join("conv.kv");
-    let out = coli()
-        .args(["run", "--model"])
-        .arg(&dirs.model)
-        .args([
-            "-p",
-            "Hello",
-            "--max-tokens",
-            "3",
-            "--temperature",
-            "0",
-            "--kv-file",
-        ])
-        .arg(&conv_file)
-        .env("COLI_CACHE_DIR", &dirs.cache)
-        .env("COLI_STATE_DIR", dirs.work.join("other-state"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    run_ok(
+        coli()
+            .args(["run", "--model"])
+            .arg(&dirs.model)
+            .args([
+                "-p",
+                "Hello",
+                "--max-tokens",
+                "3",
+                "--temperature",
+                "0",
+                "--kv-file",
+            ])
+            .arg(&conv_file)
+            .env("COLI_CACHE_DIR", &dirs.cache)
+            .env("COLI_STATE_DIR", dirs.work.join("other-state")),
     );
     let fp = kv_file::model_fingerprint(&dirs.model).unwrap();
     let mut conv = kv_file::load(&conv_file, &fp).unwrap();

@@ -1410,14 +1410,7 @@ impl GgufWriter {
 
     /// Flush, sync and rename into place; an error if some tensor is incomplete.
     pub fn finish(self) -> Result<()> {
-        if self.next != self.specs.len() {
-            return Err(Error::Invalid(format!(
-                "{}: only {} of {} tensors were written",
-                self.path.display(),
-                self.next,
-                self.specs.len()
-            )));
-        }
+        crate::format::write::all_written(&self.path, self.next, self.specs.len())?;
         self.out.commit()
     }
 }

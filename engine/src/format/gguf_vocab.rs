@@ -563,23 +563,7 @@ impl<'a> GgufVocab<'a> {
         let n = tokens.len();
         let mut types = vec![TokenType::Normal; n];
         if let Some(a) = gguf.get_array(KEY_TOKEN_TYPE)? {
-            let raw = integers(a).ok_or_else(|| {
-                Error::config(
-                    path,
-                    KEY_TOKEN_TYPE,
-                    format!(
-                        "is an array of {}, expected integers",
-                        a.element_type().name()
-                    ),
-                )
-            })?;
-            if raw.len() < n {
-                return Err(Error::config(
-                    path,
-                    KEY_TOKEN_TYPE,
-                    format!("has {} entries for {n} tokens", raw.len()),
-                ));
-            }
+            let raw = per_token(path, KEY_TOKEN_TYPE, a, integers(a), "integers", n)?;
             for (t, &r) in types.iter_mut().zip(&raw) {
                 *t = TokenType::from_id(r);
             }
@@ -674,6 +658,36 @@ impl<'a> GgufVocab<'a> {
 }
 
 /// The elements of an integer array as `i64`.
+/// The per-token array `a` under `key`, read as `values` (`None`: its elements are not
+/// `expected`); an error unless it has an entry for each of the `n` tokens.
+fn per_token<T>(
+    path: &Path,
+    key: &str,
+    a: &GgufArray,
+    values: Option<Vec<T>>,
+    expected: &str,
+    n: usize,
+) -> Result<Vec<T>> {
+    let v = values.ok_or_else(|| {
+        Error::config(
+            path,
+            key,
+            format!(
+                "is an array of {}, expected {expected}",
+                a.element_type().name()
+            ),
+        )
+    })?;
+    if v.len() < n {
+        return Err(Error::config(
+            path,
+            key,
+            format!("has {} entries for {n} tokens", v.len()),
+        ));
+    }
+    Ok(v)
+}
+
 fn integers(a: &GgufArray) -> Option<Vec<i64>> {
     match a {
         GgufArray::I8(v) => Some(v.iter().map(|&x| x.into()).collect()),
@@ -872,23 +886,7 @@ fn spm_tokenizer(vocab: &GgufVocab<'_>) -> Result<tokenizers::Tokenizer> {
     let scores = match vocab.gguf.get_array(KEY_SCORES)? {
         None => vec![0.0; n],
         Some(a) => {
-            let s = a.to_f64s().ok_or_else(|| {
-                Error::config(
-                    path,
-                    KEY_SCORES,
-                    format!(
-                        "is an array of {}, expected numbers",
-                        a.element_type().name()
-                    ),
-                )
-            })?;
-            if s.len() < n {
-                return Err(Error::config(
-                    path,
-                    KEY_SCORES,
-                    format!("has {} entries for {n} tokens", s.len()),
-                ));
-            }
+            let s = per_token(path, KEY_SCORES, a, a.to_f64s(), "numbers", n)?;
             // llama.cpp keeps scores as f32.
             s.into_iter().map(|x| x as f32).collect()
         }
@@ -1097,6 +1095,11 @@ mod tests {
         meta
     }
 
+    /// The GPT-2 metadata with the string `value` under `key`.
+    fn gpt2_with_string(key: &str, value: &str) -> Vec<(String, GgufValue)> {
+        with(gpt2_metadata(), key, Some(GgufValue::String(value.into())))
+    }
+
     fn open(dir: &tempfile::TempDir, meta: &[(String, GgufValue)]) -> GgufFile {
         let path = dir.path().join("vocab.gguf");
         GgufWriter::create(&path, meta, vec![])
@@ -1143,11 +1146,7 @@ mod tests {
 
     #[test]
     fn unknown_pre_type_names_the_key_and_the_choices() {
-        let meta = with(
-            gpt2_metadata(),
-            KEY_PRE,
-            Some(GgufValue::String("nonesuch".into())),
-        );
+        let meta = gpt2_with_string(KEY_PRE, "nonesuch");
         let msg = build_err(&meta);
         assert!(msg.contains(KEY_PRE) && msg.contains("nonesuch"), "{msg}");
         assert!(msg.contains("llama-bpe") && msg.contains("qwen2"), "{msg}");
@@ -1177,11 +1176,7 @@ mod tests {
 
     #[test]
     fn unsupported_model_names_the_model() {
-        let meta = with(
-            gpt2_metadata(),
-            KEY_MODEL,
-            Some(GgufValue::String("bert".into())),
-        );
+        let meta = gpt2_with_string(KEY_MODEL, "bert");
         let dir = tempfile::tempdir().unwrap();
         let err = tokenizer_from_gguf(&open(&dir, &meta)).unwrap_err();
         assert!(matches!(err, Error::Unsupported(_)), "{err:?}");

@@ -107,6 +107,21 @@ enum Backing {
     Owned(Arc<Vec<u64>>),
 }
 
+impl Backing {
+    /// `file` (opened read-only from `path`) as `access` reads it: mapped, or read.
+    fn of(file: File, path: &Path, access: Access) -> Result<Backing> {
+        Ok(match access {
+            // SAFETY: the file is opened read-only; we treat the mapping as immutable bytes. A
+            // file truncated underneath us by another process would fault; checkpoints are not
+            // modified while being served.
+            Access::Mapped => Backing::Mapped(Arc::new(
+                unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
+            )),
+            Access::Read => Backing::Read(file),
+        })
+    }
+}
+
 struct ShardFile {
     path: PathBuf,
     backing: Backing,
@@ -169,22 +184,16 @@ impl Checkpoint {
         tensors: BTreeMap<String, TensorDesc>,
         access: Access,
     ) -> Result<Checkpoint> {
-        let mut files = Vec::new();
-        for path in paths {
-            let file = File::open(path).map_err(|e| Error::io(path, e))?;
-            let backing = match access {
-                // SAFETY: the file is opened read-only; as with every mapped checkpoint, the
-                // user must not truncate it while it is in use.
-                Access::Mapped => Backing::Mapped(Arc::new(
-                    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
-                )),
-                Access::Read => Backing::Read(file),
-            };
-            files.push(ShardFile {
-                path: path.clone(),
-                backing,
-            });
-        }
+        let files = paths
+            .iter()
+            .map(|path| {
+                let file = File::open(path).map_err(|e| Error::io(path, e))?;
+                Ok(ShardFile {
+                    path: path.clone(),
+                    backing: Backing::of(file, path, access)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             files,
@@ -762,14 +771,5 @@ fn read_shard(
             ));
         }
     }
-    let backing = match access {
-        // SAFETY: the file is opened read-only; we treat the mapping as immutable bytes. A file
-        // truncated underneath us by another process would fault; checkpoints are not modified
-        // while being served.
-        Access::Mapped => Backing::Mapped(Arc::new(
-            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
-        )),
-        Access::Read => Backing::Read(file),
-    };
-    Ok((backing, descs))
+    Ok((Backing::of(file, path, access)?, descs))
 }

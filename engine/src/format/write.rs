@@ -433,16 +433,21 @@ impl SafetensorsWriter {
 
     /// Flush, sync and rename into place (dropped unfinished, the temporary is removed).
     pub fn finish(self) -> Result<()> {
-        if self.next != self.specs.len() {
-            return Err(Error::Invalid(format!(
-                "{}: only {} of {} tensors were written",
-                self.path.display(),
-                self.next,
-                self.specs.len()
-            )));
-        }
+        all_written(&self.path, self.next, self.specs.len())?;
         self.out.commit()
     }
+}
+
+/// A tensor writer's check before it commits `path`: an error unless all `total` tensors
+/// were written (`written` of them were).
+pub(crate) fn all_written(path: &Path, written: usize, total: usize) -> Result<()> {
+    if written != total {
+        return Err(Error::Invalid(format!(
+            "{}: only {written} of {total} tensors were written",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

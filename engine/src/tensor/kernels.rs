@@ -454,18 +454,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::tensor::test_values::xorshift as pseudo_random;
 
     /// Naive f64 dot product: an independent reference for the value (not the bits).
     fn dot_f64(a: &[f32], w: &[f32]) -> f64 {

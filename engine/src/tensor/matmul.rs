@@ -13,17 +13,19 @@ use super::{WeightData, WeightView};
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 16;
 
-/// A raw output pointer shared by tasks that write disjoint elements.
+/// A raw output pointer shared by tasks that write disjoint elements (`matmul` here and
+/// `qmatmul`'s kernels).
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint index sets (distinct weight rows j), see `matmul`.
+pub(super) struct OutPtr(pub(super) *mut f32);
+// SAFETY: tasks write disjoint index sets (distinct weight rows j), see `matmul` and
+// `qmatmul::qmatmul`.
 unsafe impl Send for OutPtr {}
 // SAFETY: as above.
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut f32 {
+    pub(super) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -143,31 +145,43 @@ pub fn matmul_new(x: &[f32], w: &WeightView<'_>) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    use crate::tensor::test_values::{lcg, LCG_INC, LCG_MUL};
+
+    /// `n` values in `[-0.5, 0.5)` drawn from `seed`.
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
+        lcg(n, seed.wrapping_mul(LCG_MUL).wrapping_add(LCG_INC))
+    }
+
+    /// Activations `m × k` and weights `n × k` drawn from `seed` and `seed + 1`.
+    fn inputs(m: usize, n: usize, k: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        (values(m * k, seed), values(n * k, seed + 1))
+    }
+
+    /// `w` as `n` f32 rows of `k`.
+    fn f32_view(w: &[f32], n: usize, k: usize) -> WeightView<'_> {
+        WeightView {
+            rows: n,
+            cols: k,
+            data: WeightData::F32(w),
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
     }
 
     #[test]
     fn matches_naive_product() {
         let (m, n, k) = (5, 37, 70);
-        let x = values(m * k, 1);
-        let w = values(n * k, 2);
-        let view = WeightView {
-            rows: n,
-            cols: k,
-            data: WeightData::F32(&w),
-        };
-        let out = matmul_new(&x, &view);
+        let (x, w) = inputs(m, n, k, 1);
+        let out = matmul_new(&x, &f32_view(&w, n, k));
         for i in 0..m {
             for j in 0..n {
                 let want: f64 = (0..k)
@@ -181,49 +195,20 @@ mod tests {
     #[test]
     fn a_row_alone_and_inside_a_batch_give_identical_bits() {
         let (m, n, k) = (64, 300, 515);
-        let x = values(m * k, 3);
-        let w = values(n * k, 4);
-        let view = WeightView {
-            rows: n,
-            cols: k,
-            data: WeightData::F32(&w),
-        };
-        let batch = matmul_new(&x, &view);
+        let (x, w) = inputs(m, n, k, 3);
+        let batch = matmul_new(&x, &f32_view(&w, n, k));
         for i in [0, 17, 63] {
-            let alone = matmul_new(&x[i * k..(i + 1) * k], &view);
-            assert_eq!(
-                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                batch[i * n..(i + 1) * n]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            );
+            let alone = matmul_new(&x[i * k..(i + 1) * k], &f32_view(&w, n, k));
+            assert_eq!(bits(&alone), bits(&batch[i * n..(i + 1) * n]));
         }
     }
 
     #[test]
     fn thread_count_does_not_change_bits() {
         let (m, n, k) = (8, 1000, 333);
-        let x = values(m * k, 5);
-        let w = values(n * k, 6);
-        let view = WeightView {
-            rows: n,
-            cols: k,
-            data: WeightData::F32(&w),
-        };
-        let one = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let three = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
-        let a = one.install(|| matmul_new(&x, &view));
-        let b = three.install(|| matmul_new(&x, &view));
-        assert_eq!(
-            a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
+        let (x, w) = inputs(m, n, k, 5);
+        let a = pool(1).install(|| matmul_new(&x, &f32_view(&w, n, k)));
+        let b = pool(3).install(|| matmul_new(&x, &f32_view(&w, n, k)));
+        assert_eq!(bits(&a), bits(&b));
     }
 }

@@ -10,6 +10,8 @@ pub mod matmul;
 pub mod microscale;
 pub mod qmatmul;
 pub mod quant;
+#[cfg(test)]
+mod test_values;
 pub mod threads;
 
 use std::sync::Arc;

@@ -29,6 +29,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::{dot, Isa};
+use super::matmul::OutPtr;
 use super::quant::{dequantize_row, get_scale_min_k4, QuantType, QK32, QK_K};
 use super::WeightData;
 
@@ -380,20 +381,6 @@ fn vnni() -> bool {
     *YES.get_or_init(|| {
         avx512() && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
     })
-}
-
-/// A raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint index sets (distinct weight rows j), see `qmatmul`.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above.
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// `out[i·n + j] = Σ_k x[i, k] · W[j, k]` for a quantized `W` (`n × k_dim`, `bytes` holding
@@ -1278,16 +1265,13 @@ mod tests {
     use super::*;
     use crate::tensor::quant::quantize_row;
 
+    use crate::tensor::test_values::{lcg, LCG_MUL};
+
+    /// `n` values in `[-1, 1)` drawn from `seed`.
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5) * 2.0
-            })
-            .collect()
+        let mut v = lcg(n, seed.wrapping_mul(LCG_MUL).wrapping_add(1));
+        v.iter_mut().for_each(|x| *x *= 2.0);
+        v
     }
 
     const TYPES: [QuantType; 5] = [

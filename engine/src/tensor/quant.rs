@@ -1734,18 +1734,7 @@ pub fn quantize_row(ty: QuantType, src: &[f32], out: &mut Vec<u8>) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo_random(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::tensor::test_values::xorshift as pseudo_random;
 
     fn deq(ty: QuantType, bytes: &[u8]) -> Vec<f32> {
         let n = bytes.len() / ty.block_bytes() * ty.block_size();

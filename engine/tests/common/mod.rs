@@ -4,6 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
+use colibri::format::write::{SafetensorsWriter, TensorSpec};
+use colibri::model::LoadOptions;
+use colibri::tensor::{f8e4m3_to_f32, DType};
+
 /// The committed transformers fixture of `arch`.
 pub fn fixture(arch: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -135,4 +139,81 @@ pub fn argmax(v: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Write tensors `(name, dtype, shape, bytes)` to `dir/model.safetensors` (creating `dir`).
+pub fn write_tensors(dir: &Path, tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)>) {
+    std::fs::create_dir_all(dir).unwrap();
+    let (specs, data) = tensors
+        .into_iter()
+        .map(|(name, dtype, shape, bytes)| (TensorSpec { name, dtype, shape }, bytes))
+        .unzip();
+    write_specs(dir, specs, data);
+}
+
+/// Write the tensors `specs` describe, with the bytes `data` holds in the same order, to
+/// `dir/model.safetensors`.
+pub fn write_specs(dir: &Path, specs: Vec<TensorSpec>, data: Vec<Vec<u8>>) {
+    let mut w = SafetensorsWriter::create(&dir.join("model.safetensors"), specs).unwrap();
+    for d in data {
+        w.write(&d).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// The E4M3 code nearest to `v` (ties to the even code), by search over all finite codes.
+pub fn encode_e4m3(v: f32) -> u8 {
+    let mut best = 0u8;
+    for c in 0u8..=0x7e {
+        let (d, bd) = (
+            (f8e4m3_to_f32(c) - v.abs()).abs(),
+            (f8e4m3_to_f32(best) - v.abs()).abs(),
+        );
+        if d < bd || (d == bd && c.is_multiple_of(2) && !best.is_multiple_of(2)) {
+            best = c;
+        }
+    }
+    if v < 0.0 {
+        best | 0x80
+    } else {
+        best
+    }
+}
+
+/// The largest `|a[i] − b[i]|` (the slices have the same length).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+}
+
+/// The mean of `|a[i] − b[i]|` (the slices have the same length).
+pub fn mean_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32
+}
+
+/// Copy the checkpoint's text files (configuration, tokenizer, generation defaults) that
+/// `from` has into `to`.
+pub fn copy_text_files(from: &Path, to: &Path) {
+    for name in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        if from.join(name).exists() {
+            std::fs::copy(from.join(name), to.join(name)).unwrap();
+        }
+    }
+}
+
+/// The message of the error loading `dir` with `opts` gives (the load must fail).
+pub fn load_error(dir: &Path, opts: &LoadOptions) -> String {
+    match colibri::model::load_with(dir, opts) {
+        Ok(_) => panic!("loading {} must fail", dir.display()),
+        Err(e) => e.to_string(),
+    }
 }

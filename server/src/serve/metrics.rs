@@ -262,12 +262,17 @@ mod tests {
         }
     }
 
+    /// A scrape of a ready server with these engine and store totals, no requests in flight.
+    fn render(m: &Metrics, stats: &SchedulerStats, store: StoreSnapshot) -> String {
+        m.render(true, Some(stats), Some(store), 0, 0)
+    }
+
     #[test]
     fn totals_are_counters_and_only_counters_are_named_total() {
         let m = Metrics::new(4);
         m.request("/v1/models", 200);
         let stats = SchedulerStats::default();
-        let text = m.render(true, Some(&stats), Some(snapshot(1, 1, &[("a", 1)])), 0, 0);
+        let text = render(&m, &stats, snapshot(1, 1, &[("a", 1)]));
         let families = families(&text);
         assert!(families.len() >= 18, "{families:?}");
         for (name, kind) in &families {
@@ -297,13 +302,7 @@ mod tests {
         let stats = SchedulerStats::default();
         stats.steps.store(7, Ordering::Relaxed);
         stats.rows.store(40, Ordering::Relaxed);
-        let text = m.render(
-            true,
-            Some(&stats),
-            Some(snapshot(3, 2, &[("model", 100), ("m1", 50)])),
-            0,
-            0,
-        );
+        let text = render(&m, &stats, snapshot(3, 2, &[("model", 100), ("m1", 50)]));
         assert_eq!(sample(&text, "coli_engine_steps_total"), 7.0);
         assert_eq!(sample(&text, "coli_engine_rows_total"), 40.0);
         assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 3.0);
@@ -313,13 +312,7 @@ mod tests {
         assert_eq!(sample(&text, &drive("m1")), 50.0);
         // A second scrape reports the new totals, not their sum with the old ones.
         stats.steps.store(9, Ordering::Relaxed);
-        let text = m.render(
-            true,
-            Some(&stats),
-            Some(snapshot(5, 2, &[("model", 130), ("m1", 50)])),
-            0,
-            0,
-        );
+        let text = render(&m, &stats, snapshot(5, 2, &[("model", 130), ("m1", 50)]));
         assert_eq!(sample(&text, "coli_engine_steps_total"), 9.0);
         assert_eq!(sample(&text, "coli_engine_rows_total"), 40.0);
         assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 5.0);

@@ -31,6 +31,14 @@ def assert_usage(usage, completion_tokens=None):
     assert 0 <= cached < usage.prompt_tokens
 
 
+def assert_one_choice(r, server, kind, id_prefix):
+    """A non-streamed answer of `server`'s model: its object type, id and single choice."""
+    assert r.object == kind
+    assert r.model == server.model_id
+    assert r.id.startswith(id_prefix)
+    assert len(r.choices) == 1
+
+
 def test_models_lists_the_served_model(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.model_id]
@@ -41,10 +49,7 @@ def test_models_lists_the_served_model(server):
 
 def test_chat_completion(server):
     r = chat(server, max_tokens=16, temperature=0.7, seed=1, extra_body=IGNORE_EOS)
-    assert r.object == "chat.completion"
-    assert r.model == server.model_id
-    assert r.id.startswith("chatcmpl-")
-    assert len(r.choices) == 1
+    assert_one_choice(r, server, "chat.completion", "chatcmpl-")
     choice = r.choices[0]
     assert choice.index == 0
     assert choice.message.role == "assistant"
@@ -71,10 +76,7 @@ def test_chat_completion_without_ignore_eos_stays_within_max_tokens(server):
 
 def test_text_completion(server):
     r = complete(server, max_tokens=16, temperature=0.7, seed=1, extra_body=IGNORE_EOS)
-    assert r.object == "text_completion"
-    assert r.model == server.model_id
-    assert r.id.startswith("cmpl-")
-    assert len(r.choices) == 1
+    assert_one_choice(r, server, "text_completion", "cmpl-")
     assert isinstance(r.choices[0].text, str) and r.choices[0].text.strip()
     assert r.choices[0].finish_reason == "length"
     assert_usage(r.usage, completion_tokens=16)

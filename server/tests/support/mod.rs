@@ -2,10 +2,11 @@
 //! a `coli` command that never touches the user's cache or state directories.
 #![allow(dead_code)] // each test binary uses a different subset
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The committed transformers fixture `name` (engine/tests/fixtures).
@@ -81,4 +82,88 @@ pub fn sigterm(pid: u32) {
         .status()
         .unwrap()
         .success());
+}
+
+/// A spawned `coli serve` whose stderr a thread collects; killed when dropped.
+pub struct Served {
+    /// The process.
+    pub child: Child,
+    /// The port it listens on (0 until [`Served::wait_ready`] has read it).
+    pub port: u16,
+    log: Arc<Mutex<String>>,
+}
+
+impl Served {
+    /// Spawn `cmd` (a `coli serve`), stdin and stdout null, its stderr collected.
+    pub fn spawn(cmd: &mut Command) -> Served {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("coli serve starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("piped stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Served {
+            child,
+            port: 0,
+            log,
+        }
+    }
+
+    /// Wait for the `listening` line of a server on `127.0.0.1` (its port is read from it),
+    /// then until `/ready` answers 200; fails if the server exits first.
+    pub fn wait_ready(mut self) -> Served {
+        const LISTENING: &str = "coli: listening on http://127.0.0.1:";
+        self.port = wait_for(60, "the `listening` line", || {
+            self.check_running();
+            let log = self.log();
+            let rest = &log[log.find(LISTENING)? + LISTENING.len()..];
+            rest.split_whitespace().next()?.parse().ok()
+        });
+        wait_for(120, "/ready", || {
+            self.check_running();
+            let (status, _) = http(self.port, "GET", "/ready", "")?;
+            (status == 200).then_some(())
+        });
+        self
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Fail, with the log, if the server has exited.
+    pub fn check_running(&mut self) {
+        if let Some(status) = self.child.try_wait().unwrap() {
+            panic!("coli serve exited with {status}:\n{}", self.log());
+        }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An error message `e` about a command-line `option` (`--kv-dtype`) names it, as the flag or
+/// as its configuration key (`kv_dtype`).
+pub fn assert_names_option(e: &str, option: &str) {
+    assert!(
+        e.contains(option.trim_start_matches("--").replace('-', "_").as_str())
+            || e.contains(option),
+        "the message names the option: {e}"
+    );
 }
