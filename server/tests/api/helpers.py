@@ -79,6 +79,25 @@ def run_together(request: Callable[[int], object], n: int, timeout_s: float = 12
     return results
 
 
+def batched_equals_solo(server, request: Callable[[int], object], n: int) -> tuple[list, float, float]:
+    """Run `request(i)` for `i < n` one after another, then all at once: asserts each gets the
+    same answer both ways and that together they took fewer engine steps. Returns (the answers,
+    solo steps, together steps)."""
+    server.wait_idle()
+    before = server.metrics().get("coli_engine_steps_total")
+    alone = [request(i) for i in range(n)]
+    solo_steps = server.metrics().get("coli_engine_steps_total") - before
+    server.wait_idle()
+    before = server.metrics().get("coli_engine_steps_total")
+    together = run_together(request, n)
+    together_steps = server.metrics().get("coli_engine_steps_total") - before
+    for i in range(n):
+        assert together[i] == alone[i], f"request {i}: batched {together[i]!r}, alone {alone[i]!r}"
+    # The requests really ran together: fewer engine steps than one after another.
+    assert together_steps < solo_steps, (together_steps, solo_steps)
+    return alone, solo_steps, together_steps
+
+
 class Metrics:
     """A parsed `/metrics` scrape: every sample by name and labels, and every family's type."""
 

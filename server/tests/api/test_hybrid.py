@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from helpers import REPO, run_together
+from helpers import REPO, batched_equals_solo
 
 FIXTURE = REPO / "engine" / "tests" / "fixtures" / "qwen3_5_moe"
 REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
@@ -81,15 +81,5 @@ def test_hybrid_concurrent_requests_get_their_solo_tokens(hybrid_server):
     def request(i):
         return complete(hybrid_server, prompts[i], 16, temperature=0.8, seed=500 + i)[0]
 
-    hybrid_server.wait_idle()
-    before = hybrid_server.metrics().get("coli_engine_steps_total")
-    alone = [request(i) for i in range(n)]
-    solo_steps = hybrid_server.metrics().get("coli_engine_steps_total") - before
+    alone, _, _ = batched_equals_solo(hybrid_server, request, n)
     assert len(set(alone)) == n
-
-    hybrid_server.wait_idle()
-    before = hybrid_server.metrics().get("coli_engine_steps_total")
-    results = run_together(request, n)
-    together_steps = hybrid_server.metrics().get("coli_engine_steps_total") - before
-    assert results == alone
-    assert together_steps < solo_steps, (together_steps, solo_steps)
