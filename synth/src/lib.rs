@@ -199,7 +199,7 @@ impl Default for LinearArgs {
 
 /// Whether layer `l` of a hybrid is linear attention.
 fn linear_layer(a: &SynthArgs, l: usize) -> bool {
-    (l + 1) % a.linear.full_attention_interval.max(1) != 0
+    !(l + 1).is_multiple_of(a.linear.full_attention_interval.max(1))
 }
 
 /// Layer `l` of a Gated DeltaNet hybrid (qwen3-next, qwen3-5-moe): linear or gated full

@@ -182,7 +182,7 @@ impl DeepseekMoe {
         store: &Arc<dyn ExpertStore>,
     ) -> Result<Ffn> {
         if !self.is_moe[l] {
-            return Ffn::dense(ckpt, cfg, &p, d);
+            return Ffn::dense(ckpt, cfg, p, d);
         }
         let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
         let correction_bias = if ckpt.contains(&bias_name) {
