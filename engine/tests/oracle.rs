@@ -289,6 +289,11 @@ fn glm_moe_dsa_matches_transformers() {
 }
 
 #[test]
+fn kimi_linear_matches_transformers() {
+    check("kimi_linear");
+}
+
+#[test]
 fn deepseek_v4_matches_transformers() {
     check("deepseek_v4");
 }

@@ -10,6 +10,7 @@ pub mod deepseek_v4;
 pub mod gguf;
 pub mod glm4_moe;
 pub mod glm_moe_dsa;
+pub mod kimi_linear;
 pub mod layers;
 pub mod linear_attention;
 pub mod llama;

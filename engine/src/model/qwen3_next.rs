@@ -72,7 +72,7 @@ impl DeltaNetDims {
             dk: cfg.dim("linear_key_head_dim")?,
             dv: cfg.dim("linear_value_head_dim")?,
         };
-        if dims.v_heads % dims.k_heads != 0 {
+        if !dims.v_heads.is_multiple_of(dims.k_heads) {
             return Err(Error::config(
                 cfg.path(),
                 "linear_num_value_heads",
@@ -109,7 +109,7 @@ pub fn linear_layers(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {
                     Some("full_attention") => Ok(false),
                     _ => Err(Error::config(
                         cfg.path(),
-                        &format!("layer_types[{l}]"),
+                        format!("layer_types[{l}]"),
                         format!("is {t}, expected \"linear_attention\" or \"full_attention\""),
                     )),
                 })
