@@ -294,6 +294,11 @@ fn kimi_linear_matches_transformers() {
 }
 
 #[test]
+fn glm5_next_matches_transformers() {
+    check("glm5_next");
+}
+
+#[test]
 fn deepseek_v4_matches_transformers() {
     check("deepseek_v4");
 }

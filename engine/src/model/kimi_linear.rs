@@ -92,15 +92,7 @@ pub fn kimi_linear_config(cfg: &ModelConfig) -> Result<ModelConfig> {
     let layers = cfg.usize("num_hidden_layers")?;
     let linear_cfg = cfg.get("linear_attn_config").cloned();
     if let Some(lc) = &linear_cfg {
-        for (from, to) in [
-            ("head_dim", "linear_head_dim"),
-            ("num_heads", "linear_num_heads"),
-            ("short_conv_kernel_size", "linear_conv_kernel_dim"),
-        ] {
-            if let Some(v) = lc.get(from).filter(|v| !v.is_null()) {
-                obj.insert(to.to_string(), v.clone());
-            }
-        }
+        fold_linear_attn_config(obj, lc);
     }
     if obj.get("layer_types").is_none_or(Value::is_null) {
         let listed = |key: &str| linear_cfg.as_ref().and_then(|lc| lc.get(key)?.as_array());
@@ -146,12 +138,31 @@ pub fn kimi_linear_config(cfg: &ModelConfig) -> Result<ModelConfig> {
     }
     if obj.get("mlp_layer_types").is_none_or(Value::is_null) {
         let dense = cfg.usize_or("first_k_dense_replace", 1)?;
-        let types = (0..layers)
-            .map(|i| Value::from(if i < dense { "dense" } else { "sparse" }))
-            .collect();
-        obj.insert("mlp_layer_types".into(), Value::Array(types));
+        obj.insert("mlp_layer_types".into(), first_dense(layers, dense));
     }
     Ok(ModelConfig::from_value(cfg.path().to_path_buf(), json))
+}
+
+/// `mlp_layer_types` of `layers` layers whose first `dense` are dense, the rest sparse.
+pub fn first_dense(layers: usize, dense: usize) -> Value {
+    (0..layers)
+        .map(|i| Value::from(if i < dense { "dense" } else { "sparse" }))
+        .collect()
+}
+
+/// The KDA geometry of a checkpoint's `linear_attn_config` dict (`head_dim`, `num_heads`,
+/// `short_conv_kernel_size`) over the `linear_*` keys of config `obj`: the dict takes
+/// precedence, as in transformers.
+pub fn fold_linear_attn_config(obj: &mut serde_json::Map<String, Value>, lc: &Value) {
+    for (from, to) in [
+        ("head_dim", "linear_head_dim"),
+        ("num_heads", "linear_num_heads"),
+        ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+    ] {
+        if let Some(v) = lc.get(from).filter(|v| !v.is_null()) {
+            obj.insert(to.to_string(), v.clone());
+        }
+    }
 }
 
 /// The Kimi Delta Attention geometry of a config (`linear_*` keys): `heads` heads of
