@@ -19,7 +19,7 @@ export COLI_STATE_DIR="$work/state" COLI_CACHE_DIR="$work/cache" COLI_LOG=error
 exec 3>&2 2>"$work/stderr"
 trap 'rc=$?; [ $rc = 0 ] || cat "$work/stderr" >&3; rm -rf "$work"' EXIT
 
-fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_dsa deepseek_v4)
+fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_dsa deepseek_v4 kimi_linear glm5_next)
 for v in variants/*/; do fixtures+=("${v%/}"); done
 
 sum() { sha256sum | cut -d' ' -f1; }
@@ -30,7 +30,7 @@ for f in "${fixtures[@]}"; do
     echo "$("$coli" logits --model "$f" --ram 64M --no-learn --tokens "$tokens" | sum)  logits --ram 64M $f"
   fi
   case "$f" in
-    glm_moe_dsa|deepseek_v4|variants/*) continue ;;  # no GGUF layout for these (llama.cpp has none)
+    glm_moe_dsa|deepseek_v4|kimi_linear|glm5_next|variants/*) continue ;;  # no GGUF layout for these (llama.cpp has none)
   esac
   gguf="$work/$(echo "$f" | tr / _).gguf"
   "$coli" convert --model "$f" --out "$gguf" --type q8_0 >/dev/null 2>&1

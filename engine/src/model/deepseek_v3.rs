@@ -246,13 +246,17 @@ impl DeepseekMoe {
 /// The multi-head latent attention geometry of a config.
 #[derive(Debug, Clone, Copy)]
 pub struct MlaShape {
+    /// `num_attention_heads`.
     pub heads: usize,
     /// `q_lora_rank`; `None`: a full-rank `q_proj`.
     pub q_lora: Option<usize>,
+    /// `kv_lora_rank`.
     pub kv_lora: usize,
+    /// `qk_nope_head_dim`.
     pub nope: usize,
     /// `qk_rope_head_dim` (0 for NoPE models without the rope part).
     pub rope_dim: usize,
+    /// `v_head_dim`.
     pub v_dim: usize,
 }
 

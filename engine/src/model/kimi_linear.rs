@@ -169,8 +169,11 @@ pub fn fold_linear_attn_config(obj: &mut serde_json::Map<String, Value>, lc: &Va
 /// `head_dim` for queries, keys and values alike, and the short convolutions' kernel.
 #[derive(Debug, Clone, Copy)]
 pub struct KdaDims {
+    /// `linear_num_heads`.
     pub heads: usize,
+    /// `linear_head_dim` (queries, keys and values alike).
     pub head_dim: usize,
+    /// `linear_conv_kernel_dim`.
     pub kernel: usize,
 }
 

@@ -96,6 +96,7 @@ pub struct Indexer {
 /// the complete pools it sees (`Σ_h w_h·relu(qI_h·poolK·dI^-½)`), expanded to their tokens,
 /// plus (with `tail`) the visible tokens of the incomplete pool it is in.
 pub struct KPool {
+    /// Tokens per pool (`index_kpool`).
     pub size: usize,
     /// `[size, head_dim]` (`index_kpool_compress_ape`).
     pub ape: Vec<f32>,
