@@ -119,6 +119,18 @@ impl Indexer {
     }
 }
 
+/// A lightning-indexer score: `Σ_h (w_h · head_scale) · relu(q_h · k · score_scale)` over the
+/// heads of query `q` (`w.len()` heads of `k.len()` values) against one key `k`.
+fn relu_score(isa: Isa, q: &[f32], k: &[f32], w: &[f32], head_scale: f32, score_scale: f32) -> f32 {
+    let hd = k.len();
+    let mut total = 0.0f32;
+    for (head, wh) in w.iter().enumerate() {
+        let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
+        total += wh * head_scale * (d * score_scale).max(0.0);
+    }
+    total
+}
+
 /// The k-pool indexer's pick for every query (see [`KPool`]), in ascending order. The pools
 /// scored are the complete ones up to the call's last token, as transformers builds them in
 /// the same forward call; ties among pool scores are broken as `torch.topk` breaks them over
@@ -178,12 +190,8 @@ fn select_pooled(
                             return f32::MIN;
                         }
                         let k = &pool_keys[p * hd..(p + 1) * hd];
-                        let mut total = 0.0f32;
-                        for head in 0..nh {
-                            let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
-                            total += w[t * nh + head] * head_scale * (d * score_scale).max(0.0);
-                        }
-                        total
+                        let w_t = &w[t * nh..(t + 1) * nh];
+                        relu_score(isa, q, k, w_t, head_scale, score_scale)
                     })
                     .collect();
                 torch_topk_set(&scores, select_k)
@@ -483,13 +491,8 @@ impl Mla {
                 let mut scores: Vec<f32> = (0..=pos)
                     .map(|s| {
                         let k = &kv.aux.f32()[s * hd..(s + 1) * hd];
-                        let mut total = 0.0f32;
-                        for head in 0..nh {
-                            let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
-                            let weight = w[t * nh + head] * head_scale;
-                            total += weight * (d * score_scale).max(0.0);
-                        }
-                        total
+                        let w_t = &w[t * nh..(t + 1) * nh];
+                        relu_score(isa, q, k, w_t, head_scale, score_scale)
                     })
                     .collect();
                 scores.resize(end, f32::NEG_INFINITY);
