@@ -303,6 +303,16 @@ fn glm_moe_dsa_matches_transformers() {
 }
 
 #[test]
+fn kimi_linear_matches_transformers() {
+    check("kimi_linear");
+}
+
+#[test]
+fn glm5_next_matches_transformers() {
+    check("glm5_next");
+}
+
+#[test]
 fn deepseek_v4_matches_transformers() {
     check("deepseek_v4");
 }

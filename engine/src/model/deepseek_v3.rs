@@ -104,13 +104,28 @@ pub struct DeepseekMoe {
     pub router: Router,
     /// Which layers are MoE (the rest are dense).
     pub is_moe: Vec<bool>,
+    /// Where the MoE block, its experts and (on dense layers) the MLP are.
+    pub names: Experts,
+    /// The clamp of every SwiGLU (dense MLP, shared and routed experts), if any.
+    pub swiglu_limit: Option<f32>,
 }
 
 impl DeepseekMoe {
     /// Read the MoE keys: `mlp_layer_types` ("dense"/"sparse") if present, else the first
     /// `first_k_dense_replace` layers dense.
     pub fn read(cfg: &ModelConfig, ckpt: &Checkpoint, layers: usize) -> Result<DeepseekMoe> {
-        let experts = super::expert_count(cfg, ckpt, EXPERTS.count)?;
+        DeepseekMoe::read_named(cfg, ckpt, layers, EXPERTS)
+    }
+
+    /// [`DeepseekMoe::read`] for a family whose experts are named and counted as `names`
+    /// says (Kimi Linear's `block_sparse_moe`).
+    pub fn read_named(
+        cfg: &ModelConfig,
+        ckpt: &Checkpoint,
+        layers: usize,
+        names: Experts,
+    ) -> Result<DeepseekMoe> {
+        let experts = super::expert_count(cfg, ckpt, names.count)?;
         let n_group = cfg.usize_or("n_group", 1)?.max(1);
         let topk_group = cfg.usize_or("topk_group", n_group)?;
         if experts % n_group != 0 || experts / n_group < 2 || topk_group > n_group {
@@ -167,11 +182,14 @@ impl DeepseekMoe {
                 scaling: cfg.f64_or("routed_scaling_factor", 1.0)? as f32,
             },
             is_moe,
+            names,
+            swiglu_limit: None,
         })
     }
 
-    /// Layer `l`'s feed-forward part: a dense MLP (`{p}.mlp.*_proj`, `intermediate_size`) or
-    /// the MoE block (`{p}.mlp.gate`, its correction bias and the shared experts).
+    /// Layer `l`'s feed-forward part under `{p}.{block}` (`block` from [`DeepseekMoe::names`],
+    /// `mlp` for most): a dense MLP (`*_proj`, `intermediate_size`) or the MoE block (`gate`,
+    /// its correction bias and the shared experts).
     pub fn load_ffn(
         &self,
         ckpt: &Checkpoint,
@@ -181,29 +199,37 @@ impl DeepseekMoe {
         d: usize,
         store: &Arc<dyn ExpertStore>,
     ) -> Result<Ffn> {
+        let block = format!("{p}.{}", self.names.block);
+        let mlp = |name: &str, inter: usize| -> Result<Mlp> {
+            let mut mlp = Mlp::load(ckpt, name, d, inter, false)?;
+            mlp.limit = self.swiglu_limit;
+            Ok(mlp)
+        };
         if !self.is_moe[l] {
-            return Ffn::dense(ckpt, cfg, p, d);
+            // A dense layer's MLP may be saved as `{p}.mlp` whatever the MoE block is called.
+            let dense = match ckpt.contains(&format!("{block}.gate_proj.weight")) {
+                true => block,
+                false => format!("{p}.mlp"),
+            };
+            return Ok(Ffn::Dense(mlp(&dense, cfg.dim("intermediate_size")?)?));
         }
-        let bias_name = format!("{p}.mlp.gate.e_score_correction_bias");
+        let bias_name = format!("{block}.gate.e_score_correction_bias");
         let correction_bias = if ckpt.contains(&bias_name) {
             Some(ckpt.vector_f32(&bias_name, self.experts)?)
         } else {
             None
         };
         let shared = if self.shared > 0 {
-            Some(Mlp::load(
-                ckpt,
-                &format!("{p}.mlp.shared_experts"),
-                d,
+            Some(mlp(
+                &format!("{block}.shared_experts"),
                 self.intermediate * self.shared,
-                false,
             )?)
         } else {
             None
         };
         Ok(Ffn::Moe(MoeBlock {
             layer: l,
-            gate: Linear::load(ckpt, &format!("{p}.mlp.gate"), self.experts, d, false)?,
+            gate: Linear::load(ckpt, &format!("{block}.gate"), self.experts, d, false)?,
             router: self.router,
             top_k: self.top_k,
             num_experts: self.experts,
@@ -211,9 +237,138 @@ impl DeepseekMoe {
             store: store.clone(),
             correction_bias,
             shared,
-            swiglu_limit: None,
+            swiglu_limit: self.swiglu_limit,
             shared_gate: None,
         }))
+    }
+}
+
+/// The multi-head latent attention geometry of a config.
+#[derive(Debug, Clone, Copy)]
+pub struct MlaShape {
+    /// `num_attention_heads`.
+    pub heads: usize,
+    /// `q_lora_rank`; `None`: a full-rank `q_proj`.
+    pub q_lora: Option<usize>,
+    /// `kv_lora_rank`.
+    pub kv_lora: usize,
+    /// `qk_nope_head_dim`.
+    pub nope: usize,
+    /// `qk_rope_head_dim` (0 for NoPE models without the rope part).
+    pub rope_dim: usize,
+    /// `v_head_dim`.
+    pub v_dim: usize,
+}
+
+impl MlaShape {
+    /// Read `num_attention_heads`, `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`,
+    /// `qk_rope_head_dim` (even: rope rotates pairs) and `v_head_dim`.
+    pub fn read(cfg: &ModelConfig) -> Result<MlaShape> {
+        let rope_dim = cfg.usize_in("qk_rope_head_dim", 0..=MAX_DIM, "at most 2^24")?;
+        if rope_dim % 2 != 0 {
+            return Err(Error::config(
+                cfg.path(),
+                "qk_rope_head_dim",
+                format!("is {rope_dim}; MLA rotates pairs, so it must be even"),
+            ));
+        }
+        Ok(MlaShape {
+            heads: cfg.dim("num_attention_heads")?,
+            q_lora: cfg.opt_dim("q_lora_rank")?,
+            kv_lora: cfg.dim("kv_lora_rank")?,
+            nope: cfg.dim("qk_nope_head_dim")?,
+            rope_dim,
+            v_dim: cfg.dim("v_head_dim")?,
+        })
+    }
+
+    /// Layer `p`'s attention (`{p}.self_attn.*`: `q_a_proj`/`q_a_layernorm`/`q_b_proj` or
+    /// `q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`) over hidden
+    /// rows of `d`, with rope `rope` on the rope part (a no-op rope for NoPE), softmax scale
+    /// `scale`, latent norms of eps `latent_eps` and the sparse part `sparse`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        &self,
+        ckpt: &Checkpoint,
+        p: &str,
+        d: usize,
+        rope: Rope,
+        scale: f32,
+        latent_eps: f64,
+        sparse: Sparse,
+        opts: &LoadOptions,
+    ) -> Result<Mla> {
+        let MlaShape {
+            heads,
+            q_lora,
+            kv_lora,
+            nope,
+            rope_dim,
+            v_dim,
+        } = *self;
+        let a = format!("{p}.self_attn");
+        let query = match q_lora {
+            Some(r) => MlaQuery::LowRank {
+                a: Linear::load(ckpt, &format!("{a}.q_a_proj"), r, d, false)?,
+                norm: RmsNorm::load(ckpt, &format!("{a}.q_a_layernorm.weight"), r, latent_eps)?,
+                b: Linear::load(
+                    ckpt,
+                    &format!("{a}.q_b_proj"),
+                    heads * (nope + rope_dim),
+                    r,
+                    false,
+                )?,
+            },
+            None => MlaQuery::Full(Linear::load(
+                ckpt,
+                &format!("{a}.q_proj"),
+                heads * (nope + rope_dim),
+                d,
+                false,
+            )?),
+        };
+        if !matches!(sparse, Sparse::None) && q_lora.is_none() {
+            return Err(Error::Invalid(format!(
+                "{a}: sparse attention's indexer reads the query latent, so q_lora_rank must be set"
+            )));
+        }
+        let kv_b = Linear::load(
+            ckpt,
+            &format!("{a}.kv_b_proj"),
+            heads * (nope + v_dim),
+            kv_lora,
+            false,
+        )?;
+        let w_uk_t = transpose_w_uk(&kv_b.weight, heads, nope, v_dim, kv_lora)?;
+        Ok(Mla {
+            query,
+            kv_a: Linear::load(
+                ckpt,
+                &format!("{a}.kv_a_proj_with_mqa"),
+                kv_lora + rope_dim,
+                d,
+                false,
+            )?,
+            kv_norm: RmsNorm::load(
+                ckpt,
+                &format!("{a}.kv_a_layernorm.weight"),
+                kv_lora,
+                latent_eps,
+            )?,
+            kv_b,
+            o: Linear::load(ckpt, &format!("{a}.o_proj"), d, heads * v_dim, false)?,
+            heads,
+            nope_dim: nope,
+            rope_dim,
+            v_dim,
+            kv_lora,
+            rope,
+            scale,
+            form: opts.mla_form(),
+            sparse,
+            kv_dtype: opts.kv_dtype(),
+            w_uk_t,
+        })
     }
 }
 
@@ -229,21 +384,10 @@ pub fn load_mla_stack(
 ) -> Result<Transformer> {
     let d = cfg.dim("hidden_size")?;
     let layers = super::layer_count(cfg, ckpt)?;
-    let heads = cfg.dim("num_attention_heads")?;
     let vocab = cfg.dim("vocab_size")?;
-    let q_lora = cfg.opt_dim("q_lora_rank")?;
-    let kv_lora = cfg.dim("kv_lora_rank")?;
-    let nope = cfg.dim("qk_nope_head_dim")?;
-    let rope_dim = cfg.dim("qk_rope_head_dim")?;
-    let v_dim = cfg.dim("v_head_dim")?;
+    let shape = MlaShape::read(cfg)?;
+    let (nope, rope_dim) = (shape.nope, shape.rope_dim);
     let eps = cfg.f64_or("rms_norm_eps", 1e-6)?;
-    if rope_dim % 2 != 0 {
-        return Err(Error::config(
-            cfg.path(),
-            "qk_rope_head_dim",
-            format!("is {rope_dim}; MLA rotates pairs, so it must be even"),
-        ));
-    }
     let mut rope_params = cfg.rope(10000.0)?;
     rope_params.interleaved = interleave;
     rope_params.partial_rotary_factor = 1.0;
@@ -260,7 +404,6 @@ pub fn load_mla_stack(
             scale *= ms * ms;
         }
     }
-    let form = opts.mla_form();
     let mut moe = DeepseekMoe::read(cfg, ckpt, layers)?;
     let m = names.model;
     let mtp_name = format!("{m}.layers.{layers}.eh_proj.weight");
@@ -330,71 +473,12 @@ pub fn load_mla_stack(
     };
     let mut block = |l: usize| -> Result<Block> {
         let p = format!("{m}.layers.{l}");
-        let a = format!("{p}.self_attn");
-        let query = match q_lora {
-            Some(r) => MlaQuery::LowRank {
-                a: Linear::load(ckpt, &format!("{a}.q_a_proj"), r, d, false)?,
-                // The latent norms use eps 1e-6 whatever rms_norm_eps says.
-                norm: RmsNorm::load(ckpt, &format!("{a}.q_a_layernorm.weight"), r, 1e-6)?,
-                b: Linear::load(
-                    ckpt,
-                    &format!("{a}.q_b_proj"),
-                    heads * (nope + rope_dim),
-                    r,
-                    false,
-                )?,
-            },
-            None => MlaQuery::Full(Linear::load(
-                ckpt,
-                &format!("{a}.q_proj"),
-                heads * (nope + rope_dim),
-                d,
-                false,
-            )?),
-        };
-        let sparse = sparse(l)?;
-        if !matches!(sparse, Sparse::None) && q_lora.is_none() {
-            return Err(Error::config(
-                cfg.path(),
-                "q_lora_rank",
-                "sparse attention's indexer reads the query latent, so q_lora_rank must be set",
-            ));
-        }
-        let kv_b = Linear::load(
-            ckpt,
-            &format!("{a}.kv_b_proj"),
-            heads * (nope + v_dim),
-            kv_lora,
-            false,
-        )?;
-        let w_uk_t = transpose_w_uk(&kv_b.weight, heads, nope, v_dim, kv_lora)?;
-        let mla = Mla {
-            query,
-            kv_a: Linear::load(
-                ckpt,
-                &format!("{a}.kv_a_proj_with_mqa"),
-                kv_lora + rope_dim,
-                d,
-                false,
-            )?,
-            kv_norm: RmsNorm::load(ckpt, &format!("{a}.kv_a_layernorm.weight"), kv_lora, 1e-6)?,
-            kv_b,
-            o: Linear::load(ckpt, &format!("{a}.o_proj"), d, heads * v_dim, false)?,
-            heads,
-            nope_dim: nope,
-            rope_dim,
-            v_dim,
-            kv_lora,
-            rope: Rope::new(&rope_params, rope_dim),
-            scale: scale as f32,
-            form,
-            sparse,
-            kv_dtype: opts.kv_dtype(),
-            w_uk_t,
-        };
+        let rope = Rope::new(&rope_params, rope_dim);
+        // The latent norms use eps 1e-6 whatever rms_norm_eps says.
+        let attn = shape.load(ckpt, &p, d, rope, scale as f32, 1e-6, sparse(l)?, opts)?;
         Ok(Block {
             attn_norm: RmsNorm::load(ckpt, &format!("{p}.input_layernorm.weight"), d, eps)?,
-            attn: SelfAttention::Mla(mla),
+            attn: SelfAttention::Mla(attn),
             ffn_norm: RmsNorm::load(
                 ckpt,
                 &format!("{p}.post_attention_layernorm.weight"),
@@ -439,8 +523,8 @@ pub fn load_mla_stack(
         vocab_size: vocab,
         hidden_size: d,
         layers,
-        heads,
-        kv_heads: heads,
+        heads: shape.heads,
+        kv_heads: shape.heads,
         head_dim: nope + rope_dim,
         rms_norm_eps: eps,
         rope: rope_params,

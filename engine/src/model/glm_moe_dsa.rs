@@ -108,6 +108,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 heads,
                 head_dim,
                 rope_dim,
+                kpool: None,
             }),
             top_k,
         })

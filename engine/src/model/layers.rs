@@ -116,6 +116,16 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// No rotation at all (NoPE attention: Kimi Linear's and GLM-5-next's MLA).
+    pub fn none() -> Rope {
+        Rope {
+            inv_freq: Vec::new(),
+            scaling: 1.0,
+            rotary_dim: 0,
+            interleaved: false,
+        }
+    }
+
     /// Frequencies for heads of `head_dim` from the config's RoPE parameters, computed in f32
     /// the way transformers computes them.
     pub fn new(params: &RopeParams, head_dim: usize) -> Rope {

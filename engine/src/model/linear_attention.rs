@@ -138,6 +138,16 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
+/// `log(1 + e^x)` as Kimi Delta Attention writes it (`torch.log(1.0 + torch.exp(x))`, `x`
+/// itself above 20), which rounds differently from [`softplus`]'s `log1p`.
+fn softplus_log(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        (1.0 + x.exp()).ln()
+    }
+}
+
 impl Decay {
     /// Decay values per token: `heads` (per head) or `heads · dk` (per channel).
     fn width(&self, heads: usize, dk: usize) -> usize {
@@ -167,7 +177,7 @@ impl Decay {
                         let ea = exp_a[i / dk];
                         *g = match lower_bound {
                             Some(l) => l * sigmoid(ea * (*g + b)),
-                            None => -ea * softplus(*g + b),
+                            None => -ea * softplus_log(*g + b),
                         };
                     }
                 }

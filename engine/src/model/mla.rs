@@ -86,10 +86,131 @@ pub struct Indexer {
     pub head_dim: usize,
     /// Leading dimensions of each indexer head that rotate (interleaved pairs).
     pub rope_dim: usize,
+    /// GLM-5-next's k-pool: keys are scored per pool of tokens, not per token.
+    pub kpool: Option<KPool>,
+}
+
+/// The k-pool of a GLM-5-next indexer: the tokens are grouped into pools of `size` from the
+/// first; a complete pool's key is `Σ_j softmax_j(gate_j + ape_j)[c] · kI_j[c]` over its
+/// tokens `j` (per channel `c`, `gate = x · gateᵀ`); a query picks the `top_k / size` best of
+/// the complete pools it sees (`Σ_h w_h·relu(qI_h·poolK·dI^-½)`), expanded to their tokens,
+/// plus (with `tail`) the visible tokens of the incomplete pool it is in.
+pub struct KPool {
+    /// Tokens per pool (`index_kpool`).
+    pub size: usize,
+    /// `[size, head_dim]` (`index_kpool_compress_ape`).
+    pub ape: Vec<f32>,
+    /// `[head_dim, D]` (`index_kpool_compress_gate`).
+    pub gate: Linear,
+    /// `index_kpool_always_select_tail`.
+    pub tail: bool,
 }
 
 /// Which keys each query of a step attends to, in ascending order (one list per query).
 pub type Selection = Vec<Vec<u32>>;
+
+impl Indexer {
+    /// Values each token keeps in the cache: its key, and with a k-pool its pool gate.
+    pub fn key_width(&self) -> usize {
+        match self.kpool {
+            Some(_) => 2 * self.head_dim,
+            None => self.head_dim,
+        }
+    }
+}
+
+/// A lightning-indexer score: `Σ_h (w_h · head_scale) · relu(q_h · k · score_scale)` over the
+/// heads of query `q` (`w.len()` heads of `k.len()` values) against one key `k`.
+fn relu_score(isa: Isa, q: &[f32], k: &[f32], w: &[f32], head_scale: f32, score_scale: f32) -> f32 {
+    let hd = k.len();
+    let mut total = 0.0f32;
+    for (head, wh) in w.iter().enumerate() {
+        let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
+        total += wh * head_scale * (d * score_scale).max(0.0);
+    }
+    total
+}
+
+/// The k-pool indexer's pick for every query (see [`KPool`]), in ascending order. The pools
+/// scored are the complete ones up to the call's last token, as transformers builds them in
+/// the same forward call; ties among pool scores are broken as `torch.topk` breaks them over
+/// that row, the pools a query cannot see yet masked to `f32::MIN` (`finfo.min`).
+#[allow(clippy::too_many_arguments)]
+fn select_pooled(
+    ix: &Indexer,
+    pool: &KPool,
+    top_k: usize,
+    qi: &[f32],
+    rows: &[f32],
+    w: &[f32],
+    start: usize,
+    kv: &mut LayerKv,
+) -> Selection {
+    let (nh, hd, kp) = (ix.heads, ix.head_dim, pool.size);
+    let width = 2 * hd;
+    let t_len = rows.len() / width;
+    kv.aux.extend(rows);
+    let end = start + t_len;
+    let cached = kv.aux.f32();
+    // The key of every complete pool: per channel, a softmax over the pool's tokens of
+    // gate + ape weighting their keys.
+    let pools = end / kp;
+    let pool_keys: Vec<f32> = (0..pools)
+        .into_par_iter()
+        .flat_map_iter(|p| {
+            let token = move |j: usize| &cached[(p * kp + j) * width..(p * kp + j + 1) * width];
+            (0..hd).map(move |c| {
+                let mut logits: Vec<f32> = (0..kp)
+                    .map(|j| token(j)[hd + c] + pool.ape[j * hd + c])
+                    .collect();
+                softmax_inplace(&mut logits);
+                logits
+                    .iter()
+                    .enumerate()
+                    .fold(0.0f32, |acc, (j, pr)| acc + pr * token(j)[c])
+            })
+        })
+        .collect();
+    let select_k = (top_k / kp).min(pools);
+    let isa = Isa::detect();
+    let head_scale = (nh as f32).powf(-0.5);
+    let score_scale = (hd as f32).powf(-0.5);
+    (0..t_len)
+        .into_par_iter()
+        .map(|t| {
+            let pos = start + t;
+            let visible = (pos + 1) / kp;
+            let q = &qi[t * nh * hd..(t + 1) * nh * hd];
+            let mut picked: Vec<usize> = if visible <= select_k {
+                (0..visible).collect()
+            } else {
+                let scores: Vec<f32> = (0..pools)
+                    .map(|p| {
+                        if p >= visible {
+                            return f32::MIN;
+                        }
+                        let k = &pool_keys[p * hd..(p + 1) * hd];
+                        let w_t = &w[t * nh..(t + 1) * nh];
+                        relu_score(isa, q, k, w_t, head_scale, score_scale)
+                    })
+                    .collect();
+                torch_topk_set(&scores, select_k)
+                    .into_iter()
+                    .filter(|&p| p < visible)
+                    .collect()
+            };
+            picked.sort_unstable();
+            let mut keys: Vec<u32> = picked
+                .iter()
+                .flat_map(|&p| (p * kp..(p + 1) * kp).map(|s| s as u32))
+                .collect();
+            if pool.tail {
+                keys.extend((visible * kp..=pos).map(|s| s as u32));
+            }
+            keys
+        })
+        .collect()
+}
 
 /// Sparse attention settings of one layer.
 pub enum Sparse {
@@ -209,7 +330,7 @@ impl Mla {
     /// precision) and, with an indexer, its key (f32).
     pub fn cache_bytes_per_token(&self) -> usize {
         let index = match &self.sparse {
-            Sparse::Own { indexer, .. } => indexer.head_dim,
+            Sparse::Own { indexer, .. } => indexer.key_width(),
             _ => 0,
         };
         let width = match self.kv_dtype {
@@ -234,6 +355,16 @@ impl Mla {
                 let qi = indexer.wq_b.forward(&cq);
                 let mut ki = indexer.wk.forward(x);
                 indexer.k_norm.forward_inplace(&mut ki);
+                if let Some(pool) = &indexer.kpool {
+                    // Each token's cached indexer row is its key, then its pool gate.
+                    let gate = pool.gate.forward(x);
+                    let hd = indexer.head_dim;
+                    ki = ki
+                        .chunks(hd)
+                        .zip(gate.chunks(hd))
+                        .flat_map(|(k, g)| k.iter().chain(g).copied())
+                        .collect();
+                }
                 let w = indexer.weights_proj.forward(x);
                 Some((qi, ki, w))
             }
@@ -289,7 +420,10 @@ impl Mla {
             Sparse::None => *selection = None,
             Sparse::Own { indexer, top_k } => {
                 let (qi, ki, w) = rows.index.expect("an indexer layer projects indexer rows");
-                *selection = Some(self.select(indexer, *top_k, qi, ki, &w, start, kv));
+                *selection = Some(match &indexer.kpool {
+                    None => self.select(indexer, *top_k, qi, ki, &w, start, kv),
+                    Some(pool) => select_pooled(indexer, pool, *top_k, &qi, &ki, &w, start, kv),
+                });
             }
             Sparse::Shared => {
                 assert!(
@@ -354,13 +488,8 @@ impl Mla {
                 let mut scores: Vec<f32> = (0..=pos)
                     .map(|s| {
                         let k = &kv.aux.f32()[s * hd..(s + 1) * hd];
-                        let mut total = 0.0f32;
-                        for head in 0..nh {
-                            let d = dot(isa, &q[head * hd..(head + 1) * hd], WeightData::F32(k));
-                            let weight = w[t * nh + head] * head_scale;
-                            total += weight * (d * score_scale).max(0.0);
-                        }
-                        total
+                        let w_t = &w[t * nh..(t + 1) * nh];
+                        relu_score(isa, q, k, w_t, head_scale, score_scale)
                     })
                     .collect();
                 scores.resize(end, f32::NEG_INFINITY);

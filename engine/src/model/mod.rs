@@ -9,7 +9,9 @@ pub mod deepseek_v3;
 pub mod deepseek_v4;
 pub mod gguf;
 pub mod glm4_moe;
+pub mod glm5_next;
 pub mod glm_moe_dsa;
+pub mod kimi_linear;
 pub mod layers;
 pub mod linear_attention;
 pub mod llama;
@@ -221,7 +223,7 @@ pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
 
 /// The text model's configuration of a multimodal config: its `text_config`, with what lives
 /// at the top level there: `tie_word_embeddings` (default `tie_default`) and the
-/// `eos_token_id` / `bos_token_id` the text config leaves out. `what` names the text model in
+/// `eos_token_id` / `bos_token_id` / `architectures` the text config leaves out. `what` names the text model in
 /// the error when `text_config` is missing.
 pub fn unwrap_text_config(cfg: &ModelConfig, tie_default: bool, what: &str) -> Result<ModelConfig> {
     let model_type = cfg.model_type()?;
@@ -239,7 +241,7 @@ pub fn unwrap_text_config(cfg: &ModelConfig, tie_default: bool, what: &str) -> R
     }
     text["tie_word_embeddings"] =
         serde_json::Value::Bool(cfg.bool_or("tie_word_embeddings", tie_default)?);
-    for key in ["eos_token_id", "bos_token_id"] {
+    for key in ["eos_token_id", "bos_token_id", "architectures"] {
         if text.get(key).is_none_or(|v| v.is_null()) {
             if let Some(v) = cfg.get(key) {
                 text[key] = v.clone();

@@ -30,6 +30,8 @@ pub const FAMILIES: &[&Family] = &[
     &super::deepseek_v4::FAMILY,
     &super::qwen3_next::QWEN3_NEXT,
     &super::qwen3_next::QWEN3_5_MOE,
+    &super::kimi_linear::FAMILY,
+    &super::glm5_next::FAMILY,
 ];
 
 /// A [`LoadFn`] from a family's `load` that returns its own model type.

@@ -182,33 +182,41 @@ pub enum Streams {
     /// One row of `hidden_size` values.
     One,
     /// `head.hc` hyper-connection streams, each a copy of the embedding at the start,
-    /// collapsed by `head` before the final norm.
+    /// collapsed by `head` before the final norm (DeepSeek-V4).
     Hyper(HyperHead),
+    /// This many hyper-connection streams, each a copy of the embedding at the start,
+    /// collapsed by their plain mean before the final norm (GLM-5-next).
+    HyperMean(usize),
 }
 
 impl Streams {
+    /// Streams per token.
+    fn count(&self) -> usize {
+        match self {
+            Streams::One => 1,
+            Streams::Hyper(head) => head.hc,
+            Streams::HyperMean(hc) => *hc,
+        }
+    }
+
     /// Residual values per token for rows of `d`.
     pub fn width(&self, d: usize) -> usize {
-        match self {
-            Streams::One => d,
-            Streams::Hyper(head) => head.hc * d,
-        }
+        self.count() * d
     }
 
     /// The residual rows of embeddings `e` (`[T, D]`).
     fn spread(&self, e: Vec<f32>, d: usize) -> Vec<f32> {
-        match self {
-            Streams::One => e,
-            Streams::Hyper(head) => {
-                let mut x = Vec::with_capacity(e.len() * head.hc);
-                for row in e.chunks(d) {
-                    for _ in 0..head.hc {
-                        x.extend_from_slice(row);
-                    }
-                }
-                x
+        if matches!(self, Streams::One) {
+            return e;
+        }
+        let hc = self.count();
+        let mut x = Vec::with_capacity(e.len() * hc);
+        for row in e.chunks(d) {
+            for _ in 0..hc {
+                x.extend_from_slice(row);
             }
         }
+        x
     }
 
     /// Residual rows collapsed to one row of `d` per token, for the final norm.
@@ -216,6 +224,18 @@ impl Streams {
         match self {
             Streams::One => Cow::Borrowed(x),
             Streams::Hyper(head) => Cow::Owned(head.collapse(x, d)),
+            Streams::HyperMean(hc) => {
+                let mut y = Vec::with_capacity(x.len() / hc);
+                for xt in x.chunks(hc * d) {
+                    let start = y.len();
+                    y.extend_from_slice(&xt[..d]);
+                    for stream in xt[d..].chunks(d) {
+                        add_assign(&mut y[start..], stream);
+                    }
+                    y[start..].iter_mut().for_each(|v| *v /= *hc as f32);
+                }
+                Cow::Owned(y)
+            }
         }
     }
 }
@@ -518,7 +538,7 @@ impl Transformer {
         telemetry::add(Part::LmHead, t0);
         let hidden = match self.streams {
             Streams::One => x,
-            Streams::Hyper(_) => rows,
+            Streams::Hyper(_) | Streams::HyperMean(_) => rows,
         };
         let vocab = out.len() / counts.iter().sum::<usize>();
         let mut result = Vec::with_capacity(items.len());
