@@ -33,6 +33,8 @@ fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
         "deepseek_v4",
         "qwen3_next",
         "qwen3_5_moe",
+        "kimi_linear",
+        "glm5_next",
     ] {
         let m = model::load(&fixture(arch)).unwrap();
         let ids = prompt(arch);

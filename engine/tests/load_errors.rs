@@ -12,8 +12,13 @@ use colibri::model;
 
 /// A copy of the olmoe fixture to break.
 fn copy_fixture() -> tempfile::TempDir {
+    copy_of("olmoe")
+}
+
+/// A copy of `arch`'s fixture to break.
+fn copy_of(arch: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture("olmoe")).unwrap() {
+    for entry in std::fs::read_dir(fixture(arch)).unwrap() {
         let p = entry.unwrap().path();
         std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
     }
@@ -72,6 +77,35 @@ fn unknown_model_type_names_the_field_and_the_supported_types() {
         e.contains("olmoe") && e.contains("qwen3_moe"),
         "should list supported types: {e}"
     );
+}
+
+#[test]
+fn kimi_k3_and_its_blocks_are_refused_naming_them() {
+    // The K3 wrapper, its text model a kimi_linear one plus K3's blocks: refused, naming them.
+    let tmp = copy_of("kimi_linear");
+    edit_config(tmp.path(), |v| {
+        let mut text = v.clone();
+        text["attn_res_block_size"] = 6.into();
+        text["moe_latent_size"] = 3584.into();
+        *v = serde_json::json!({"model_type": "kimi_k3", "text_config": text});
+    });
+    let e = load_err(tmp.path());
+    for want in [
+        "kimi_k3",
+        "AttnRes",
+        "attn_res_block_size",
+        "LatentMoE",
+        "moe_latent_size",
+    ] {
+        assert!(e.contains(want), "missing {want}: {e}");
+    }
+    // A kimi_linear config with another activation is refused too, naming it.
+    let tmp = copy_of("kimi_linear");
+    edit_config(tmp.path(), |v| v["hidden_act"] = "situ_glu".into());
+    let e = load_err(tmp.path());
+    assert!(e.contains("situ_glu") && e.contains("hidden_act"), "{e}");
+    // Without them the same model loads.
+    assert!(model::load(&fixture("kimi_linear")).is_ok());
 }
 
 #[test]

@@ -67,10 +67,13 @@ fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
 
 #[test]
 fn every_budget_and_thread_count_gives_identical_bits() {
-    for arch in MOE_FIXTURES
-        .into_iter()
-        .chain(["deepseek_v4", "qwen3_next", "qwen3_5_moe"])
-    {
+    for arch in MOE_FIXTURES.into_iter().chain([
+        "deepseek_v4",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "kimi_linear",
+        "glm5_next",
+    ]) {
         let dir = fixture(arch);
         let ids = prompt(arch);
         let reference = outputs(model::load(&dir).unwrap().as_ref(), &ids);

@@ -67,7 +67,7 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
     // split can legitimately differ, so for them the tokens and caches are compared. The
     // families cover grouped-query attention (k, v) and MLA (latent k, rope v) with and
     // without the DSA indexer's keys (aux), and hybrids whose linear-attention layers keep a
-    // recurrent state (qwen3_next, qwen3_5_moe).
+    // recurrent state (qwen3_next, qwen3_5_moe, kimi_linear, glm5_next).
     for (arch, compare_text) in [
         ("qwen3_moe", true),
         ("olmoe", false),
@@ -76,6 +76,8 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
         ("glm_moe_dsa", false),
         ("qwen3_next", false),
         ("qwen3_5_moe", false),
+        ("kimi_linear", false),
+        ("glm5_next", false),
     ] {
         let r = reference(arch);
         let prompt = r["prompt_text"].as_str().unwrap();
@@ -135,12 +137,12 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
             "{arch}: only the pending token is run: {err_b2}"
         );
 
-        if arch.starts_with("qwen3_") && arch != "qwen3_moe" {
-            assert!(
-                a.cache.layers.iter().any(|l| !l.state.is_empty()),
-                "{arch}: the recurrent states are saved"
-            );
-        }
+        let hybrid = ["qwen3_next", "qwen3_5_moe", "kimi_linear", "glm5_next"].contains(&arch);
+        assert_eq!(
+            a.cache.is_recurrent(),
+            hybrid,
+            "{arch}: the file holds the recurrent states exactly when the model has them"
+        );
         if arch == "glm_moe_dsa" {
             assert!(
                 a.cache.layers.iter().any(|l| !l.aux.is_empty()),

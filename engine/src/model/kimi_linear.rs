@@ -255,8 +255,75 @@ pub fn kda(
     })
 }
 
+/// Blocks Kimi K3 adds to `kimi_linear` that transformers 5.23.0 does not have, by the config
+/// keys that announce them (matched as substrings, case-insensitive).
+const K3_BLOCKS: &[(&str, &str)] = &[
+    ("attn_res", "block attention residuals (AttnRes)"),
+    ("attention_residual", "block attention residuals (AttnRes)"),
+    ("latent", "latent-space experts (LatentMoE)"),
+];
+
+/// Why a Kimi K3 config (or a `kimi_linear` one carrying K3's blocks) is refused: the blocks
+/// its keys announce that transformers' `kimi_linear` does not have, and an activation other
+/// than SiLU. colibri implements them only once they can be checked against an independent
+/// reference; until then they are refused, never guessed. `None`: nothing of the kind.
+pub fn missing_blocks(cfg: &ModelConfig) -> Option<String> {
+    let text = cfg.get("text_config").unwrap_or(cfg.json());
+    let keys: Vec<&String> = text
+        .as_object()
+        .map(|o| o.keys().collect())
+        .unwrap_or_default();
+    let mut found: Vec<String> = Vec::new();
+    for (pattern, block) in K3_BLOCKS {
+        let hits: Vec<&str> = keys
+            .iter()
+            .filter(|k| k.to_ascii_lowercase().contains(pattern))
+            .map(|k| k.as_str())
+            .collect();
+        if !hits.is_empty() && !found.iter().any(|f| f.starts_with(block)) {
+            found.push(format!("{block} (`{}`)", hits.join("`, `")));
+        }
+    }
+    match text.get("hidden_act").and_then(|v| v.as_str()) {
+        Some(act) if act != "silu" => found.push(format!("the activation `{act}` (hidden_act)")),
+        _ => {}
+    }
+    (!found.is_empty()).then(|| found.join(", "))
+}
+
+/// The error for a `kimi_k3` config: K3's text model is `kimi_linear` plus blocks colibri does
+/// not implement yet.
+pub fn refuse_kimi_k3(cfg: &ModelConfig) -> Error {
+    let blocks = missing_blocks(cfg).unwrap_or_else(|| {
+        "block attention residuals (AttnRes), latent-space experts (LatentMoE) and its SiTU-GLU \
+         activation, as its model card describes them"
+            .into()
+    });
+    Error::config(
+        cfg.path(),
+        "model_type",
+        format!(
+            "`kimi_k3` (Kimi K3) is not supported by this build: its text model is `kimi_linear` \
+             plus {blocks}, which transformers 5.23.0's `kimi_linear` does not have and colibri \
+             does not implement (they cannot be checked against a reference here); \
+             `kimi_linear` checkpoints without them run"
+        ),
+    )
+}
+
 /// Build a Kimi Linear model.
 pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<Transformer> {
+    if let Some(blocks) = missing_blocks(cfg) {
+        return Err(Error::config(
+            cfg.path(),
+            "model_type",
+            format!(
+                "this `kimi_linear` config carries {blocks}, which transformers 5.23.0's \
+                 `kimi_linear` does not have and colibri does not implement (Kimi K3's blocks); \
+                 refusing rather than running a different model"
+            ),
+        ));
+    }
     let cfg = &kimi_linear_config(cfg)?;
     let sc = StandardConfig::read(cfg, ckpt, 1e-5, 10000.0)?;
     let d = sc.hidden_size;

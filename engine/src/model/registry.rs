@@ -327,6 +327,9 @@ pub fn by_model_type(model_type: &str) -> Option<&'static Family> {
 /// The family of `cfg`'s `model_type`, or an error naming the field and what is supported.
 pub fn family_of(cfg: &ModelConfig) -> Result<&'static Family> {
     let model_type = cfg.model_type()?;
+    if model_type == "kimi_k3" {
+        return Err(super::kimi_linear::refuse_kimi_k3(cfg));
+    }
     by_model_type(&model_type).ok_or_else(|| {
         Error::config(
             cfg.path(),
