@@ -14,7 +14,8 @@ use anyhow::{bail, Context, Result};
 use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
 use colibri::model::registry::{Experts, Family};
 use colibri::model::{
-    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, llama, mixtral, olmoe, qwen3_moe, qwen3_next,
+    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, kimi_linear, llama, mixtral, olmoe, qwen3_moe,
+    qwen3_next,
 };
 use colibri::tensor::DType;
 use half::bf16;
@@ -50,20 +51,32 @@ pub enum SynthArch {
     /// Qwen3.5/3.6 MoE (text model): qwen3-next with split DeltaNet projections.
     #[value(name = "qwen3-5-moe")]
     Qwen35Moe,
+    /// Kimi Linear: Kimi Delta Attention on 3 of every 4 layers (`--linear-value-heads` heads
+    /// of `--linear-head-dim`), NoPE MLA on the others, deepseek-v3's MoE under
+    /// `block_sparse_moe` (experts `w1`/`w3`/`w2`).
+    #[value(name = "kimi-linear")]
+    KimiLinear,
 }
 
 impl SynthArch {
-    /// deepseek-v3, glm4-moe and glm-moe-dsa: the architectures `DsArgs` applies to.
+    /// deepseek-v3, glm4-moe, glm-moe-dsa and kimi-linear: the architectures `DsArgs` applies
+    /// to.
     fn deepseek_style(self) -> bool {
         matches!(
             self,
-            SynthArch::DeepseekV3 | SynthArch::Glm4Moe | SynthArch::GlmMoeDsa
+            SynthArch::DeepseekV3
+                | SynthArch::Glm4Moe
+                | SynthArch::GlmMoeDsa
+                | SynthArch::KimiLinear
         )
     }
 
     /// Multi-head latent attention (one key/value head per query head).
     fn mla(self) -> bool {
-        matches!(self, SynthArch::DeepseekV3 | SynthArch::GlmMoeDsa)
+        matches!(
+            self,
+            SynthArch::DeepseekV3 | SynthArch::GlmMoeDsa | SynthArch::KimiLinear
+        )
     }
 
     /// The family's registry descriptor: the `model_type` written, where experts, routers and
@@ -80,6 +93,7 @@ impl SynthArch {
             SynthArch::DeepseekV4 => &deepseek_v4::FAMILY,
             SynthArch::Qwen3Next => &qwen3_next::QWEN3_NEXT,
             SynthArch::Qwen35Moe => &qwen3_next::QWEN3_5_MOE,
+            SynthArch::KimiLinear => &kimi_linear::FAMILY,
         }
     }
 
@@ -195,6 +209,72 @@ impl Default for LinearArgs {
         let cmd = Self::augment_args(clap::Command::new("synth"));
         Self::from_arg_matches(&cmd.get_matches_from(["synth"])).expect("defaults parse")
     }
+}
+
+/// Kimi Delta Attention's tensors under `s` (`{layer}.self_attn`): q/k/v projections and their
+/// short convolutions, the low-rank decay (`f_a`/`f_b`) and output-gate (`g_a`/`g_b`) pairs,
+/// per-channel `dt_bias`, per-head `A_log`, `b_proj`, the gated output norm and `o_proj`.
+fn kda_attention(pl: &mut Plan, a: &SynthArgs, s: &str) {
+    let (d, x) = (a.hidden, &a.linear);
+    let (h, dk) = (x.linear_value_heads, x.linear_head_dim);
+    let conv_scale = init_scale("conv1d", x.conv_kernel);
+    for proj in ["q", "k", "v"] {
+        pl.mat(format!("{s}.{proj}_proj.weight"), h * dk, d);
+        pl.push(
+            format!("{s}.{proj}_conv1d.weight"),
+            pl.dtype,
+            vec![h * dk, 1, x.conv_kernel],
+            Init::Uniform(conv_scale),
+        );
+    }
+    for pair in ["f", "g"] {
+        pl.mat(format!("{s}.{pair}_a_proj.weight"), dk, d);
+        pl.mat(format!("{s}.{pair}_b_proj.weight"), h * dk, dk);
+    }
+    pl.bias(format!("{s}.dt_bias"), h * dk);
+    pl.push(
+        format!("{s}.A_log"),
+        pl.dtype,
+        vec![1, 1, h, 1],
+        Init::Uniform(BIAS_SCALE),
+    );
+    pl.mat(format!("{s}.b_proj.weight"), h, d);
+    pl.norm(format!("{s}.o_norm.weight"), dk);
+    pl.mat(format!("{s}.o_proj.weight"), d, h * dk);
+}
+
+/// kimi-linear's config keys (transformers' `KimiLinearConfig` as it saves them: Kimi's own
+/// key names).
+fn kimi_linear_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
+    let (x, lin) = (&a.ds, &a.linear);
+    let layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| {
+            if linear_layer(a, l) {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let mlp_layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| if l < x.first_dense { "dense" } else { "sparse" })
+        .collect();
+    json!({
+        "architectures": ["KimiLinearForCausalLM"], "model_type": a.arch.model_type(),
+        "intermediate_size": dense_intermediate(a), "moe_intermediate_size": a.moe_intermediate,
+        "num_experts": a.experts, "num_experts_per_token": a.top_k,
+        "num_shared_experts": x.shared_experts, "num_expert_group": x.n_group,
+        "topk_group": x.topk_group, "moe_renormalize": true,
+        "routed_scaling_factor": x.routed_scaling, "layer_types": layer_types,
+        "mlp_layer_types": mlp_layer_types, "linear_conv_kernel_dim": lin.conv_kernel,
+        "linear_head_dim": lin.linear_head_dim, "linear_num_heads": lin.linear_value_heads,
+        "q_lora_rank": if x.q_lora_rank > 0 { json!(x.q_lora_rank) } else { json!(null) },
+        "kv_lora_rank": x.kv_lora_rank, "qk_nope_head_dim": x.qk_nope_dim,
+        "qk_rope_head_dim": x.qk_rope_dim, "qk_head_dim": x.qk_nope_dim + x.qk_rope_dim,
+        "v_head_dim": x.v_head_dim, "head_dim": x.qk_rope_dim, "rms_norm_eps": 1e-5,
+        "model_max_length": 4096, "pretraining_tp": 1, "output_router_logits": false,
+        "pad_token_id": 0, "num_key_value_heads": heads,
+    })
 }
 
 /// Whether layer `l` of a hybrid is linear attention.
@@ -750,7 +830,8 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
             | SynthArch::GlmMoeDsa
             | SynthArch::DeepseekV4
             | SynthArch::Qwen3Next
-            | SynthArch::Qwen35Moe => unreachable!(),
+            | SynthArch::Qwen35Moe
+            | SynthArch::KimiLinear => unreachable!(),
         }
     }
     pl.norm("model.norm.weight".into(), d);
@@ -779,7 +860,9 @@ fn ds_layer(
     pl.norm(format!("{p}.input_layernorm.weight"), d);
     pl.norm(format!("{p}.post_attention_layernorm.weight"), d);
     let s = format!("{p}.self_attn");
-    if a.arch.mla() {
+    if a.arch == SynthArch::KimiLinear && linear_layer(a, l) {
+        kda_attention(pl, a, &s);
+    } else if a.arch.mla() {
         let qk = x.qk_nope_dim + x.qk_rope_dim;
         if x.q_lora_rank > 0 {
             pl.mat(format!("{s}.q_a_proj.weight"), x.q_lora_rank, d);
@@ -818,7 +901,11 @@ fn ds_layer(
             pl.norm(format!("{s}.k_norm.weight"), hd);
         }
     }
-    let m = format!("{p}.mlp");
+    let layout = a
+        .arch
+        .experts()
+        .expect("a DeepSeek-style family has routed experts");
+    let m = layout.block("model", l);
     if dense {
         let i = dense_intermediate(a);
         pl.mat(format!("{m}.gate_proj.weight"), i, d);
@@ -827,10 +914,6 @@ fn ds_layer(
         return;
     }
     let inter = a.moe_intermediate;
-    let layout = a
-        .arch
-        .experts()
-        .expect("a DeepSeek-style family has routed experts");
     pl.router(&layout, l, a.experts, d);
     pl.correction_bias(format!("{m}.gate.e_score_correction_bias"), a.experts);
     pl.experts(&layout, l, a.experts, inter, d);
@@ -955,6 +1038,7 @@ fn config_json(
         ]),
         SynthArch::DeepseekV4 => v4_config(a, heads),
         SynthArch::Qwen3Next | SynthArch::Qwen35Moe => delta_net_config(a, heads),
+        SynthArch::KimiLinear => kimi_linear_config(a, heads),
         SynthArch::GlmMoeDsa => {
             let indexer_types: Vec<&str> = (0..a.layers)
                 .map(|l| {
@@ -1480,6 +1564,13 @@ mod tests {
                 a.ds.index_topk = 6;
                 a.ds.index_topk_freq = 2;
             }
+            SynthArch::KimiLinear => {
+                a.layers = 4;
+                a.ds.q_lora_rank = 0;
+                a.ds.routed_scaling = 2.446;
+                a.linear.linear_value_heads = 4;
+                a.linear.linear_head_dim = 16;
+            }
             SynthArch::Qwen3Next | SynthArch::Qwen35Moe => {
                 a.layers = 4;
                 a.kv_heads = Some(2);
@@ -1526,6 +1617,7 @@ mod tests {
             (SynthArch::DeepseekV4, "deepseek_v4"),
             (SynthArch::Qwen3Next, "qwen3_next"),
             (SynthArch::Qwen35Moe, "qwen3_5_moe"),
+            (SynthArch::KimiLinear, "kimi_linear"),
         ] {
             let out = tmp.path().join(name);
             synthesize(&fixture_args(arch, out.clone()), false).unwrap();
@@ -1553,12 +1645,13 @@ mod tests {
                     "eos_token_id",
                     "num_nextn_predict_layers",
                     "hc_sinkhorn_iters",
+                    "model_max_length",
                 ];
                 if !free.contains(&k.as_str()) {
                     assert_eq!(&got[k], v, "{name}: config {k}");
                 }
             }
-            if !arch.delta_net() {
+            if !arch.delta_net() && arch != SynthArch::KimiLinear {
                 assert_eq!(got["num_nextn_predict_layers"], 0, "{name}");
             }
         }
