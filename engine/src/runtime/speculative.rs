@@ -292,21 +292,25 @@ mod tests {
 
     const V: usize = 8;
 
-    /// The toy model's next token after `t` at position `p`.
-    fn next(t: u32, p: usize) -> usize {
-        (3 * t as usize + p) % V
+    /// The toy model's next token after `t` at position `p` with recurrent state `state`.
+    fn next(t: u32, p: usize, state: usize) -> usize {
+        (3 * t as usize + p + state) % V
     }
 
-    /// Logits peaked at `next(t, p)` (a spread distribution, so sampling has choices).
-    fn row(t: u32, p: usize) -> Vec<f32> {
-        let f = next(t, p);
+    /// Logits peaked at `next(t, p, state)` (a spread distribution, so sampling has choices).
+    fn row(t: u32, p: usize, state: usize) -> Vec<f32> {
+        let f = next(t, p, state);
         (0..V).map(|v| -(((v + V - f) % V) as f32) * 0.7).collect()
     }
 
     /// A toy main model (one cached value per token) with a drafter that is right except
-    /// at positions divisible by 3.
+    /// at positions divisible by 3. `recurrent`: its layer also keeps a state that every token
+    /// updates and every prediction reads (as linear attention does), so a cache that kept a
+    /// rejected draft's update, or lost an accepted one, predicts other tokens; its drafter,
+    /// blind to the state, is often wrong.
     struct Toy {
         info: ModelInfo,
+        recurrent: bool,
     }
 
     impl Toy {
@@ -318,6 +322,14 @@ mod tests {
                     max_position_embeddings: 1000,
                     ..ModelInfo::default()
                 },
+                recurrent: false,
+            }
+        }
+
+        fn recurrent() -> Toy {
+            Toy {
+                recurrent: true,
+                ..Toy::new()
             }
         }
     }
@@ -327,7 +339,11 @@ mod tests {
             &self.info
         }
         fn new_cache(&self, max_len: usize) -> KvCache {
-            KvCache::new(1, max_len)
+            let mut cache = KvCache::new(1, max_len);
+            if self.recurrent {
+                cache.layers[0].state = vec![0.0];
+            }
+            cache
         }
         fn forward(&self, tokens: &[u32], cache: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
             let (all, _) = self.forward_hidden(tokens, cache)?;
@@ -361,7 +377,14 @@ mod tests {
             let mut hidden = Vec::new();
             for (j, &t) in tokens.iter().enumerate() {
                 let p = cache.len + j;
-                logits.extend(row(t, p));
+                let state = &mut cache.layers[0].state;
+                let s = if let Some(s) = state.first_mut() {
+                    *s = ((*s as usize * 5 + t as usize + 1) % 1009) as f32;
+                    *s as usize
+                } else {
+                    0
+                };
+                logits.extend(row(t, p, s));
                 hidden.extend([p as f32, t as f32]);
                 cache.layers[0].k.extend(&[t as f32]);
             }
@@ -379,9 +402,9 @@ mod tests {
             let pos = cache.len; // position of `last`
             let mut out = vec![0.0; V];
             let guess = if pos.is_multiple_of(3) {
-                (next(last, pos) + 1) % V
+                (next(last, pos, 0) + 1) % V
             } else {
-                next(last, pos)
+                next(last, pos, 0)
             };
             out[guess] = 1.0;
             Ok(out)
@@ -428,5 +451,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A recurrent state cannot drop a rejected draft's position: it goes back to the
+    /// checkpoint taken before the verification and the kept token is run again, so drafting
+    /// (mostly rejected here) gives exactly the tokens of plain decoding.
+    #[test]
+    fn rejected_drafts_leave_a_recurrent_state_exact() {
+        let toy = Toy::recurrent();
+        let prompt = [1u32, 5, 2];
+        let p = params(SamplingParams::greedy(), 40);
+        let plain = generate(&toy, None, &prompt, &p, |_| {}, |_| {}).unwrap();
+        let (got, stats) =
+            generate_with_drafts(&toy, None, &prompt, &p, DraftPolicy::Always, |_| {}, |_| {})
+                .unwrap();
+        assert!(
+            stats.drafted > 10 && stats.accepted < stats.drafted,
+            "{stats:?}"
+        );
+        assert_eq!(got.tokens, plain.tokens);
+        // The toy really depends on its state: starting from another state changes the tokens.
+        let mut other = toy.new_cache(64);
+        other.layers[0].state[0] = 3.0;
+        let mut from_other = Vec::new();
+        let mut logits = toy.forward(&prompt, &mut other, Logits::Last).unwrap();
+        for _ in 0..8 {
+            let last = super::argmax(&logits);
+            from_other.push(last);
+            logits = toy.forward(&[last], &mut other, Logits::Last).unwrap();
+        }
+        assert_ne!(from_other[..], plain.tokens[..8]);
     }
 }
