@@ -159,3 +159,64 @@ fn old_rope_config_form_is_equivalent() {
         bits(&logits(&fixture(arch), &ids))
     );
 }
+
+/// Qwen3.5/3.6 as the hub ships it: a vision-language config (`qwen3_5_moe`, the text model in
+/// `text_config`) and the text model under `model.language_model.`, beside a vision tower and
+/// MTP layers. It computes exactly what the text-only form computes, and `coli info`'s facts
+/// say what was left out.
+#[test]
+fn qwen3_5_vision_language_checkpoint_runs_its_text_model() {
+    let src = fixture("qwen3_5_moe");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    copy_text_files(&src, dir);
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let hub = serde_json::json!({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": false,
+    });
+    std::fs::write(dir.join("config.json"), hub.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = all_f32(&src)
+        .into_iter()
+        .map(|(name, shape, values)| {
+            let name = match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name,
+            };
+            (name, shape, values)
+        })
+        .collect();
+    tensors.push((
+        "model.visual.patch_embed.weight".into(),
+        vec![8, 12],
+        vec![0.5; 96],
+    ));
+    tensors.push(("mtp.fc.weight".into(), vec![64, 128], vec![0.25; 64 * 128]));
+    write_shards(dir, &tensors, 1, DType::F32);
+
+    let ids = prompt("qwen3_5_moe");
+    assert_eq!(bits(&logits(dir, &ids)), bits(&logits(&src, &ids)));
+    let m = model::load(dir).unwrap();
+    let info = m.info();
+    assert_eq!(info.model_type, "qwen3_5_moe");
+    assert_eq!(info.unused_bytes, 4 * (96 + 64 * 128));
+    let skipped = info.skipped.join("; ");
+    assert!(
+        skipped.contains("vision tower") && skipped.contains("model.visual."),
+        "{skipped}"
+    );
+    assert!(
+        skipped.contains("multi-token-prediction") && skipped.contains("mtp."),
+        "{skipped}"
+    );
+    let text_only = model::load(&src).unwrap();
+    assert_eq!(
+        info.dense_bytes,
+        text_only.info().dense_bytes,
+        "what is left out is not resident"
+    );
+}
