@@ -63,6 +63,20 @@ const MLA: &[&str] = &[
     "intermediate_size",
 ];
 
+/// Sizes of the Gated DeltaNet hybrids (gated attention beside linear attention).
+const DELTA_NET: &[&str] = &[
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+];
+
 const FAMILIES: &[Family] = &[
     Family {
         fixture: "llama",
@@ -113,6 +127,16 @@ const FAMILIES: &[Family] = &[
             "index_n_heads",
             "index_head_dim",
         ],
+    },
+    Family {
+        fixture: "qwen3_next",
+        experts: Some("num_experts"),
+        sizes: DELTA_NET,
+    },
+    Family {
+        fixture: "qwen3_5_moe",
+        experts: Some("num_experts"),
+        sizes: DELTA_NET,
     },
     Family {
         fixture: "deepseek_v4",

@@ -387,6 +387,14 @@ pub fn load_mla_stack(
     let vocab = cfg.dim("vocab_size")?;
     let shape = MlaShape::read(cfg)?;
     let (nope, rope_dim) = (shape.nope, shape.rope_dim);
+    if rope_dim == 0 {
+        // Only the NoPE families (Kimi Linear, GLM-5-next) have no rotated part.
+        return Err(Error::config(
+            cfg.path(),
+            "qk_rope_head_dim",
+            "is 0, but this family rotates a rope part of every query and key head (at least 2)",
+        ));
+    }
     let eps = cfg.f64_or("rms_norm_eps", 1e-6)?;
     let mut rope_params = cfg.rope(10000.0)?;
     rope_params.interleaved = interleave;
