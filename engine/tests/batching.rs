@@ -35,6 +35,7 @@ fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
         "qwen3_5_moe",
         "kimi_linear",
         "glm5_next",
+        "minimax_m2",
     ] {
         let m = model::load(&fixture(arch)).unwrap();
         let ids = prompt(arch);

@@ -220,3 +220,34 @@ fn qwen3_5_vision_language_checkpoint_runs_its_text_model() {
         "what is left out is not resident"
     );
 }
+
+/// MiniMax-M2 as released: partial RoPE given by the legacy `rotary_dim` instead of
+/// `partial_rotary_factor` computes exactly the same.
+#[test]
+fn minimax_m2_legacy_rotary_dim_is_the_partial_rotary_factor() {
+    let src = fixture("minimax_m2");
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let factor = cfg["rope_parameters"]["partial_rotary_factor"]
+        .as_f64()
+        .unwrap();
+    let head_dim = cfg["head_dim"].as_u64().unwrap();
+    cfg["rope_parameters"]
+        .as_object_mut()
+        .unwrap()
+        .remove("partial_rotary_factor");
+    cfg["rotary_dim"] = ((factor * head_dim as f64) as u64).into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let ids = prompt("minimax_m2");
+    assert_eq!(bits(&logits(tmp.path(), &ids)), bits(&logits(&src, &ids)));
+    // Without either, the whole head would rotate: a different model.
+    cfg.as_object_mut().unwrap().remove("rotary_dim");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    assert_ne!(bits(&logits(tmp.path(), &ids)), bits(&logits(&src, &ids)));
+}

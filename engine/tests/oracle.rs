@@ -318,6 +318,11 @@ fn deepseek_v4_matches_transformers() {
 }
 
 #[test]
+fn minimax_m2_matches_transformers() {
+    check("minimax_m2");
+}
+
+#[test]
 fn qwen3_next_matches_transformers() {
     check("qwen3_next");
 }

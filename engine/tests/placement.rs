@@ -73,6 +73,7 @@ fn every_budget_and_thread_count_gives_identical_bits() {
         "qwen3_5_moe",
         "kimi_linear",
         "glm5_next",
+        "minimax_m2",
     ]) {
         let dir = fixture(arch);
         let ids = prompt(arch);

@@ -33,8 +33,7 @@ use crate::{Error, Result};
 /// (gate, up, down), counted by `num_experts`.
 pub const EXPERTS: Experts = Experts {
     count: "num_experts",
-    block: "block_sparse_moe",
-    matrices: ["w1", "w3", "w2"],
+    ..super::mixtral::EXPERTS
 };
 
 /// Kimi Linear in the registry.

@@ -15,6 +15,7 @@ pub mod kimi_linear;
 pub mod layers;
 pub mod linear_attention;
 pub mod llama;
+pub mod minimax_m2;
 pub mod mixtral;
 pub mod mla;
 pub mod olmoe;

@@ -28,6 +28,7 @@ pub const FAMILIES: &[&Family] = &[
     &super::glm4_moe::FAMILY,
     &super::glm_moe_dsa::FAMILY,
     &super::deepseek_v4::FAMILY,
+    &super::minimax_m2::FAMILY,
     &super::qwen3_next::QWEN3_NEXT,
     &super::qwen3_next::QWEN3_5_MOE,
     &super::kimi_linear::FAMILY,

@@ -430,6 +430,9 @@ VARIANTS = [
     ("glm5n_hc3_sinkhorn7_lb2", "glm5_next", 41, 40, ["hc_mult=3", "hc_sinkhorn_iters=7", "linear_lower_bound=-2.0"], False),
     ("glm5n_kpool2_topk6_schedule", "glm5_next", 42, 44, ["num_hidden_layers=5", "index_kpool=2", "index_topk=6", 'layer_types=["indexed_attention","linear_attention","indexed_attention","indexed_attention",' '"linear_attention"]', 'indexer_types=["full","full","full","shared","full"]', 'mlp_layer_types=["sparse","sparse","sparse","sparse","sparse"]', "hc_sinkhorn_iters=3"], False),
     ("glm5n_kda_h2d24_conv2_kpool8_nolb", "glm5_next", 43, 38, ["linear_num_heads=2", "linear_head_dim=24", "linear_conv_kernel_dim=2", "linear_lower_bound=null", "index_kpool=8", "index_topk=16", "hc_mult=1", 'mlp_layer_types=["dense","dense","sparse","sparse"]'], False),
+    # MiniMax-M2: one key/value head, a quarter of each head rotated, top-3 of 8; and 4/4 heads, rotary 0.75, 3 layers.
+    ("minimax_kv1_rope025_top3", "minimax_m2", 51, 40, ["num_key_value_heads=1", "rope_parameters.partial_rotary_factor=0.25", "num_experts_per_tok=3"], False),
+    ("minimax_kv4_rope075_3layers", "minimax_m2", 52, 38, ["num_key_value_heads=4", "rope_parameters.partial_rotary_factor=0.75", "num_hidden_layers=3"], False),
 ]
 VARIANT_NAMES = [v[0] for v in VARIANTS]
 
