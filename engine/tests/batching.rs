@@ -411,54 +411,58 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
 
 #[test]
 fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() {
-    let dir = fixture("qwen3_moe");
-    let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
-    let base = prompt("qwen3_moe");
-    let scheduler = Scheduler::start(
-        loaded.clone(),
-        SchedulerConfig {
-            slots: 2,
+    // The hybrids' recurrent state goes back to a checkpoint (end of a turn, end of a prefill
+    // chunk: chunks of 8 here) instead of being cut; attention caches are cut exactly.
+    for (arch, chunk) in [("qwen3_moe", 256), ("qwen3_5_moe", 8), ("kimi_linear", 8)] {
+        let loaded = Arc::new(LoadedModel::open(&fixture(arch), false).unwrap());
+        let config = |slots| SchedulerConfig {
+            slots,
             context: 64,
-            prefill_chunk: 256,
+            prefill_chunk: chunk,
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
             history_save_interval: Duration::from_secs(60),
-        },
-    );
-    let (r, rx) = request(base.clone(), 7, 6);
-    scheduler.submit(r).unwrap();
-    let (first, end) = collect(rx);
-    assert_eq!(end.unwrap().cached_tokens, 0);
-    // The next turn: the previous prompt, its answer, and two new tokens.
-    let mut turn2 = base.clone();
-    turn2.extend_from_slice(&first);
-    turn2.extend_from_slice(&[5, 9]);
-    let (r, rx) = request(turn2.clone(), 8, 6);
-    scheduler.submit(r).unwrap();
-    let (second, end) = collect(rx);
-    let usage = end.unwrap();
-    // Every token whose KV the slot holds is reused: the prompt and all generated tokens but
-    // the last (which was sampled, never run).
-    assert_eq!(usage.cached_tokens, base.len() + first.len() - 1);
-    // Without reuse: the same request on a fresh scheduler.
-    let fresh = Scheduler::start(
-        loaded,
-        SchedulerConfig {
-            slots: 1,
-            context: 64,
-            prefill_chunk: 256,
-            queue_limit: 4,
-            queue_timeout: Duration::from_secs(120),
-            persist_dir: None,
-            history_save_interval: Duration::from_secs(60),
-        },
-    );
-    let (r, rx) = request(turn2, 8, 6);
-    fresh.submit(r).unwrap();
-    let (again, end) = collect(rx);
-    assert_eq!(end.unwrap().cached_tokens, 0);
-    assert_eq!(second, again);
+        };
+        let base = prompt(arch);
+        let scheduler = Scheduler::start(loaded.clone(), config(2));
+        let fresh = Scheduler::start(loaded, config(1));
+        let run = |s: &Scheduler, tokens: &[u32], seed| {
+            let (r, rx) = request(tokens.to_vec(), seed, 6);
+            s.submit(r).unwrap();
+            let (out, end) = collect(rx);
+            (out, end.unwrap().cached_tokens)
+        };
+        let (first, cached) = run(&scheduler, &base, 7);
+        assert_eq!(cached, 0, "{arch}");
+        // The next turn: the previous prompt, its answer, and two new tokens.
+        let mut turn2 = base.clone();
+        turn2.extend_from_slice(&first);
+        turn2.extend_from_slice(&[5, 9]);
+        let (second, cached) = run(&scheduler, &turn2, 8);
+        // Every token whose KV the slot holds is reused: the prompt and all generated tokens
+        // but the last (which was sampled, never run).
+        let turn1_end = base.len() + first.len() - 1;
+        assert_eq!(cached, turn1_end, "{arch}");
+        // Without reuse: the same request on a fresh scheduler.
+        let (again, cached) = run(&fresh, &turn2, 8);
+        assert_eq!(cached, 0, "{arch}");
+        assert_eq!(second, again, "{arch}");
+        // A prompt that leaves the slot's sequence one token before turn 2's end: attention
+        // keeps everything before it, a recurrent state its newest checkpoint before it.
+        let mut branch = turn2[..turn2.len() - 1].to_vec();
+        branch.push(3);
+        let (out, cached) = run(&scheduler, &branch, 9);
+        if arch == "qwen3_moe" {
+            assert_eq!(cached, turn2.len() - 1, "{arch}");
+        } else {
+            assert!(
+                (turn1_end..turn2.len() - 1).contains(&cached),
+                "{arch}: {cached}"
+            );
+        }
+        assert_eq!(out, run(&fresh, &branch, 9).0, "{arch}");
+    }
 }
 
 #[test]
