@@ -6,7 +6,7 @@
 //! alone, and the request batched with it gets its tokens all the same.
 
 mod common;
-use common::{bits, fixture, prompt};
+use common::{bits, fixture, prompt, MOE_FIXTURES};
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -23,20 +23,7 @@ use colibri::runtime::scheduler::{
 
 #[test]
 fn a_sequence_inside_a_batch_gives_the_bits_it_gives_alone() {
-    for arch in [
-        "olmoe",
-        "qwen3_moe",
-        "llama",
-        "glm4_moe",
-        "deepseek_v3",
-        "glm_moe_dsa",
-        "deepseek_v4",
-        "qwen3_next",
-        "qwen3_5_moe",
-        "kimi_linear",
-        "glm5_next",
-        "minimax_m2",
-    ] {
+    for arch in MOE_FIXTURES.into_iter().chain(["llama"]) {
         let m = model::load(&fixture(arch)).unwrap();
         let ids = prompt(arch);
         let vocab = m.info().vocab_size as u32;

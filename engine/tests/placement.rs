@@ -3,7 +3,7 @@
 //! one expert, half of them or all of them, on 1 or 2 threads.
 
 mod common;
-use common::{copy_text_files, fixture, load_error, prompt};
+use common::{copy_text_files, fixture, load_error, prompt, MOE_FIXTURES};
 
 use std::path::Path;
 
@@ -12,17 +12,6 @@ use colibri::model::{self, CausalLm, Logits};
 use colibri::runtime::generate::{generate, GenerateParams};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::store::StoreOptions;
-
-/// The fixtures with routed experts (besides `deepseek_v4`).
-const MOE_FIXTURES: [&str; 7] = [
-    "mixtral",
-    "olmoe",
-    "qwen3_moe",
-    "glm4_moe",
-    "deepseek_v3",
-    "kimi_k25",
-    "glm_moe_dsa",
-];
 
 /// A compute pool of `threads` threads.
 fn pool(threads: usize) -> rayon::ThreadPool {
@@ -67,14 +56,7 @@ fn outputs(m: &dyn CausalLm, ids: &[u32]) -> (Vec<u32>, Vec<u32>) {
 
 #[test]
 fn every_budget_and_thread_count_gives_identical_bits() {
-    for arch in MOE_FIXTURES.into_iter().chain([
-        "deepseek_v4",
-        "qwen3_next",
-        "qwen3_5_moe",
-        "kimi_linear",
-        "glm5_next",
-        "minimax_m2",
-    ]) {
+    for arch in MOE_FIXTURES {
         let dir = fixture(arch);
         let ids = prompt(arch);
         let reference = outputs(model::load(&dir).unwrap().as_ref(), &ids);
@@ -225,7 +207,7 @@ fn sharded_copy(arch: &str, to: &Path) {
 
 #[test]
 fn readers_direct_io_mirrors_and_learned_pins_never_change_bits() {
-    for arch in MOE_FIXTURES.into_iter().chain(["qwen3_next"]) {
+    for arch in MOE_FIXTURES {
         variants_never_change_bits(arch);
     }
 }

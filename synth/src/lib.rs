@@ -247,15 +247,7 @@ fn kda_attention(pl: &mut Plan, a: &SynthArgs, s: &str) {
 /// key names).
 fn kimi_linear_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
     let (x, lin) = (&a.ds, &a.linear);
-    let layer_types: Vec<&str> = (0..a.layers)
-        .map(|l| {
-            if linear_layer(a, l) {
-                "linear_attention"
-            } else {
-                "full_attention"
-            }
-        })
-        .collect();
+    let layer_types = hybrid_layer_types(a);
     let mlp_layer_types: Vec<&str> = (0..a.layers)
         .map(|l| if l < x.first_dense { "dense" } else { "sparse" })
         .collect();
@@ -275,6 +267,20 @@ fn kimi_linear_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
         "model_max_length": 4096, "pretraining_tp": 1, "output_router_logits": false,
         "pad_token_id": 0, "num_key_value_heads": heads,
     })
+}
+
+/// A hybrid's `layer_types`: `linear_attention`, with `full_attention` every
+/// `--full-attention-interval`-th layer.
+fn hybrid_layer_types(a: &SynthArgs) -> Vec<&'static str> {
+    (0..a.layers)
+        .map(|l| {
+            if linear_layer(a, l) {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect()
 }
 
 /// Whether layer `l` of a hybrid is linear attention.
@@ -335,15 +341,7 @@ fn delta_net_layer(pl: &mut Plan, a: &SynthArgs, l: usize, heads: usize, kv_head
 /// The config keys of a Gated DeltaNet hybrid (as transformers writes them).
 fn delta_net_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
     let x = &a.linear;
-    let layer_types: Vec<&str> = (0..a.layers)
-        .map(|l| {
-            if linear_layer(a, l) {
-                "linear_attention"
-            } else {
-                "full_attention"
-            }
-        })
-        .collect();
+    let layer_types = hybrid_layer_types(a);
     let mut v = json!({
         "model_type": a.arch.model_type(), "head_dim": head_dim(a, heads), "rms_norm_eps": 1e-6,
         "layer_types": layer_types, "linear_conv_kernel_dim": x.conv_kernel,

@@ -19,7 +19,7 @@ use serde_json::Value;
 use super::deepseek_v3::{DeepseekMoe, MlaShape, EXPERTS};
 use super::glm_moe_dsa::indexer_types;
 use super::kimi_linear::{first_dense, fold_linear_attn_config, kda, KdaDims};
-use super::layers::{HyperConnection, Linear, QkNorm, Rope};
+use super::layers::{HyperConnection, Linear, Rope};
 use super::mla::{Indexer, KPool, LayerNorm, Sparse};
 use super::qwen3_next::{linear_layers, text_model_config};
 use super::registry::{boxed_load, Abilities, Family};
@@ -79,15 +79,7 @@ pub fn glm5_next_config(cfg: &ModelConfig) -> Result<ModelConfig> {
                 _ => t.clone(),
             })
             .collect(),
-        None => (0..layers)
-            .map(|i| {
-                Value::from(if i % 4 == 3 {
-                    "full_attention"
-                } else {
-                    "linear_attention"
-                })
-            })
-            .collect(),
+        None => super::kimi_linear::layer_types_where(layers, |i| i % 4 == 3),
     };
     obj.insert("layer_types".into(), Value::Array(types));
     if obj.get("mlp_layer_types").is_none_or(Value::is_null) {
@@ -204,13 +196,10 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             // The latent norms use rms_norm_eps here.
             SelfAttention::Mla(shape.load(ckpt, &p, d, Rope::none(), scale, eps, sparse, opts)?)
         };
-        Ok(LayerParts {
-            attn: Some(attn),
-            qk_norm: QkNorm::None,
-            clip_qkv: None,
-            window: None,
-            ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
-        })
+        Ok(LayerParts::own(
+            attn,
+            moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
+        ))
     })?;
     for (l, block) in model.blocks.iter_mut().enumerate() {
         let hyper = |part: &str| {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::deepseek_v3::{DeepseekMoe, MlaShape};
-use super::layers::{Linear, QkNorm, Rope};
+use super::layers::{Linear, Rope};
 use super::linear_attention::{Decay, GateAct, L2Norm, LinearAttention, Projection, ShortConv};
 use super::mla::Sparse;
 use super::qwen3_next::linear_layers;
@@ -53,6 +53,20 @@ const KIMI_KEYS: &[(&str, &str)] = &[
     ("num_shared_experts", "n_shared_experts"),
     ("model_max_length", "max_position_embeddings"),
 ];
+
+/// `layer_types` of `layers` layers: `full_attention` where `full(i)`, else `linear_attention`
+/// (the defaults transformers derives for the KDA hybrids).
+pub fn layer_types_where(layers: usize, full: impl Fn(usize) -> bool) -> Vec<Value> {
+    (0..layers)
+        .map(|i| {
+            Value::from(if full(i) {
+                "full_attention"
+            } else {
+                "linear_attention"
+            })
+        })
+        .collect()
+}
 
 /// A Kimi Linear config in the form the loaders read, as `KimiLinearConfig` reads it: Kimi's
 /// key names under their transformers names, the geometry of `linear_attn_config` (which
@@ -123,15 +137,7 @@ pub fn kimi_linear_config(cfg: &ModelConfig) -> Result<ModelConfig> {
                 }
                 types
             }
-            _ => (0..layers)
-                .map(|i| {
-                    Value::from(if i > 0 && i % 4 == 0 {
-                        "full_attention"
-                    } else {
-                        "linear_attention"
-                    })
-                })
-                .collect(),
+            _ => layer_types_where(layers, |i| i > 0 && i % 4 == 0),
         };
         obj.insert("layer_types".into(), Value::Array(types));
     }
@@ -346,13 +352,10 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             let mla = shape.load(ckpt, &p, d, Rope::none(), scale, 1e-6, Sparse::None, opts)?;
             SelfAttention::Mla(mla)
         };
-        Ok(LayerParts {
-            attn: Some(attn),
-            qk_norm: QkNorm::None,
-            clip_qkv: None,
-            window: None,
-            ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
-        })
+        Ok(LayerParts::own(
+            attn,
+            moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
+        ))
     })?;
     model.info.model_type = cfg.model_type()?;
     Ok(model)

@@ -772,6 +772,19 @@ pub struct LayerParts {
     pub attn: Option<SelfAttention>,
 }
 
+impl LayerParts {
+    /// A layer whose attention part the family built itself, and its feed-forward part.
+    pub fn own(attn: SelfAttention, ffn: Ffn) -> LayerParts {
+        LayerParts {
+            attn: Some(attn),
+            qk_norm: super::layers::QkNorm::None,
+            clip_qkv: None,
+            window: None,
+            ffn,
+        }
+    }
+}
+
 /// Build a standard decoder from HF names (`model.embed_tokens`, `model.layers.{L}.self_attn.*`,
 /// `input_layernorm`, `post_attention_layernorm`, `model.norm`, `lm_head`), with the
 /// family-specific parts of each layer given by `layer_parts`.

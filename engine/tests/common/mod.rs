@@ -141,6 +141,23 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// Every committed fixture with routed experts (each family's own, not the variants).
+pub const MOE_FIXTURES: [&str; 13] = [
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "kimi_k25",
+    "glm_moe_dsa",
+    "deepseek_v4",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "kimi_linear",
+    "glm5_next",
+    "minimax_m2",
+];
+
 /// Write tensors `(name, dtype, shape, bytes)` to `dir/model.safetensors` (creating `dir`).
 pub fn write_tensors(dir: &Path, tensors: Vec<(String, DType, Vec<usize>, Vec<u8>)>) {
     std::fs::create_dir_all(dir).unwrap();
