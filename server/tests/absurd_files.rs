@@ -139,6 +139,22 @@ const FAMILIES: &[Family] = &[
         sizes: DELTA_NET,
     },
     Family {
+        fixture: "kimi_linear",
+        experts: Some("num_experts"),
+        sizes: &[
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "moe_intermediate_size",
+            "linear_num_heads",
+            "linear_head_dim",
+            "linear_conv_kernel_dim",
+        ],
+    },
+    Family {
         fixture: "deepseek_v4",
         experts: Some("n_routed_experts"),
         sizes: &[
