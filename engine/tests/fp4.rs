@@ -279,6 +279,11 @@ fn gpt_oss_mxfp4_experts_equal_their_dequantization_resident_and_streamed() {
         info.routed_expert_bytes,
         n("num_hidden_layers") * n("num_local_experts") * per_expert
     );
+    // Packed codes hold two parameters a byte, their scales none: both forms hold as many.
+    let deq_info = model::load(&deq_dir).unwrap().info().clone();
+    assert_eq!(info.total_params, deq_info.total_params);
+    assert_eq!(info.active_params, deq_info.active_params);
+    assert!(info.active_params < info.total_params);
     assert_eq!(
         info.dense_bytes,
         Checkpoint::open(&quant_dir).unwrap().total_bytes() - info.routed_expert_bytes

@@ -668,6 +668,43 @@ impl Checkpoint {
         self.weight(name, &[len])?.to_f32_vec()
     }
 
+    /// The parameters the tensors hold: their elements, except that packed FP4 codes hold two
+    /// values per byte and their E8M0 scales (`<x>_scales` of `<x>_blocks`, `<module>.scale`
+    /// of an int8/uint8 `<module>.weight`) are no parameters of their own.
+    pub fn parameter_count(&self) -> usize {
+        let packed = |name: &str| {
+            self.tensors
+                .get(name)
+                .is_some_and(|d| matches!(d.dtype, DType::I8 | DType::U8))
+        };
+        let scale_of = |name: &str| -> Option<String> {
+            name.strip_suffix("_blocks")
+                .map(|b| format!("{b}_scales"))
+                .or_else(|| name.strip_suffix(".weight").map(|m| format!("{m}.scale")))
+        };
+        self.tensors
+            .iter()
+            .map(|(name, d)| {
+                let n = d.shape.iter().product::<usize>();
+                let is_scales = name
+                    .strip_suffix("_scales")
+                    .map(|b| format!("{b}_blocks"))
+                    .or_else(|| name.strip_suffix(".scale").map(|m| format!("{m}.weight")))
+                    .is_some_and(|codes| packed(&codes))
+                    && matches!(d.dtype, DType::U8 | DType::F8E8M0);
+                let is_codes =
+                    packed(name) && scale_of(name).is_some_and(|s| self.tensors.contains_key(&s));
+                if is_scales {
+                    0
+                } else if is_codes {
+                    2 * n
+                } else {
+                    n
+                }
+            })
+            .sum()
+    }
+
     /// Total bytes of all tensors.
     pub fn total_bytes(&self) -> usize {
         self.tensors.values().map(|d| d.len).sum()

@@ -534,12 +534,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         None
     };
     let hc_head = HyperHead::load(ckpt, hc_head, hc, d, hc_eps, eps as f32)?;
-    let total_params: usize = ckpt
-        .tensors()
-        .values()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum::<usize>()
-        - unused_params;
+    let total_params = ckpt.parameter_count().saturating_sub(unused_params);
     let expert_params = layers_n * experts * 3 * d * inter;
     let mut skipped = Vec::new();
     if !mtp_left.is_empty() {
@@ -560,7 +555,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         shared_experts: 1,
         active_experts: top_k,
         total_params,
-        active_params: total_params - expert_params + layers_n * top_k * 3 * d * inter,
+        active_params: total_params.saturating_sub(expert_params)
+            + layers_n * top_k * 3 * d * inter,
         dense_bytes: ckpt.total_bytes() - store.total_bytes() - unused_bytes,
         routed_expert_bytes: store.total_bytes(),
         dtypes: checkpoint_dtypes(ckpt),

@@ -965,11 +965,7 @@ pub(crate) fn standard_info(
 ) -> Result<ModelInfo> {
     let dtypes = checkpoint_dtypes(ckpt);
     let total_bytes = ckpt.total_bytes();
-    let total_params: usize = ckpt
-        .tensors()
-        .values()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
+    let total_params = ckpt.parameter_count();
     let routed_expert_bytes = store.map_or(0, |s| s.total_bytes());
     let mut moe_layers = 0;
     let (mut routed, mut active, mut expert_params) = (0, 0, 0);
@@ -1019,7 +1015,7 @@ pub(crate) fn standard_info(
         state_bytes_per_sequence: blocks.iter().map(|b| b.attn.state_bytes()).sum(),
         active_experts: active,
         total_params,
-        active_params: total_params - expert_params + active_expert_params,
+        active_params: total_params.saturating_sub(expert_params) + active_expert_params,
         dense_bytes: total_bytes - routed_expert_bytes,
         routed_expert_bytes,
         dtypes,
