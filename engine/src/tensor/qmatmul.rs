@@ -23,18 +23,24 @@
 //!
 //! Every other ggml type (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4) is computed by
 //! dequantizing the weight row (bit-identical to ggml's dequantization) and taking the f32
-//! dot product of `tensor::kernels`: exact to the format, deterministic, but slower.
+//! dot product of `tensor::kernels`: exact to the format, deterministic, but slower. MXFP4
+//! against a few activation rows (decode) skips the row buffer: `kernels::dot_mxfp4` decodes
+//! each block in registers and fuses it into the same 32 lanes, giving the same bits.
 
 use half::f16;
 use rayon::prelude::*;
 
-use super::kernels::{dot, Isa};
+use super::kernels::{dot, dot_mxfp4, Isa};
 use super::matmul::OutPtr;
 use super::quant::{dequantize_row, get_scale_min_k4, QuantType, QK32, QK_K};
 use super::WeightData;
 
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 16;
+
+/// Below this many activation rows an MXFP4 weight row is decoded inside the dot kernel for
+/// each of them; from it on, once into a buffer shared by all (both give the same bits).
+const MXFP4_DECODE_ROWS: usize = 4;
 
 /// Activation rows handled together against one weight row (prefill).
 const ROW_GROUP: usize = 4;
@@ -504,6 +510,13 @@ pub fn qmatmul_multi(x: &[f32], k_dim: usize, mats: &mut [QMat<'_>]) {
                 let mut wf = vec![0.0f32; k_dim];
                 for j in j0..j1 {
                     let w = &job.bytes[j * job.row_bytes..(j + 1) * job.row_bytes];
+                    if ty == QuantType::MXFP4 && m < MXFP4_DECODE_ROWS {
+                        // Few rows: decode each block in registers (same bits, no row buffer).
+                        for i in 0..m {
+                            put(i, j, dot_mxfp4(isa, &x[i * k_dim..(i + 1) * k_dim], w));
+                        }
+                        continue;
+                    }
                     dequantize_row(ty, w, &mut wf).expect("row length checked at load");
                     for i in 0..m {
                         put(
