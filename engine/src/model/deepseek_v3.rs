@@ -238,6 +238,7 @@ impl DeepseekMoe {
             correction_bias,
             shared,
             swiglu_limit: self.swiglu_limit,
+            tmp_softcap: None,
             shared_gate: None,
         }))
     }
@@ -495,6 +496,7 @@ pub fn load_mla_stack(
             )?,
             ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
             residual: Residual::Plain,
+            post_conv: None,
         })
     };
     let mut blocks = Vec::with_capacity(layers);
@@ -560,5 +562,7 @@ pub fn load_mla_stack(
         store: Some(store),
         mtp,
         streams: Streams::One,
+        embed_norm: None,
+        logits: Default::default(),
     })
 }

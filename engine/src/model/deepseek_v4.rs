@@ -463,6 +463,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             },
             shared: Some(shared),
             swiglu_limit: limit,
+            tmp_softcap: None,
             shared_gate: None,
         };
         let ffn = if hash {
@@ -500,6 +501,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 attn: hyper("attn")?,
                 ffn: hyper("ffn")?,
             },
+            post_conv: None,
         })
     };
     let mut blocks = Vec::with_capacity(layers_n);
@@ -584,5 +586,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         store: Some(store),
         mtp,
         streams: Streams::Hyper(hc_head),
+        embed_norm: None,
+        logits: Default::default(),
     })
 }

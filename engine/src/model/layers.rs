@@ -603,6 +603,17 @@ pub enum Router {
     /// DeepSeek-V4: `s = sqrt(softplus(logits))`; the selection uses `s + correction_bias`;
     /// the weights are the chosen `s`, renormalised (`Σ + 1e-20`), times `scaling`.
     SqrtSoftplus { scaling: f32 },
+    /// Inkling: the gate's last `shared` logits score the shared experts. The selection is
+    /// the top-k of `sigmoid(logits) + correction_bias` over the routed experts; the weights
+    /// are one softmax over the log-sigmoids of the chosen experts' and the shared experts'
+    /// logits (so `σ_i / Σ σ`: the shared experts act as a sink), times `route_scale`, times
+    /// `global_scale`. The choices are the `k` routed experts, then the shared experts as
+    /// experts `E..E + shared` of the block (whose store holds them after the routed ones).
+    SharedSink {
+        shared: usize,
+        route_scale: f32,
+        global_scale: f32,
+    },
 }
 
 impl Router {
@@ -670,6 +681,33 @@ impl Router {
                 let ids: Vec<usize> = top_k(&choice, k).into_iter().map(|c| c.0).collect();
                 weights_of(&scores, &ids, scaling)
             }
+            Router::SharedSink {
+                shared,
+                route_scale,
+                global_scale,
+            } => {
+                let routed = logits.len() - shared;
+                let mut choice: Vec<f32> = logits[..routed].iter().map(|&x| sigmoid(x)).collect();
+                if let Some(b) = bias {
+                    choice.iter_mut().zip(b).for_each(|(c, b)| *c += b);
+                }
+                let ids: Vec<usize> = top_k(&choice, k)
+                    .into_iter()
+                    .map(|c| c.0)
+                    .chain(routed..logits.len())
+                    .collect();
+                // As transformers: exp(logsigmoid(x) − logsumexp(logsigmoid(chosen ∪ shared))).
+                let lp: Vec<f32> = ids
+                    .iter()
+                    .map(|&e| logits[e].min(0.0) - (-logits[e].abs()).exp().ln_1p())
+                    .collect();
+                let max = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = max + lp.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+                ids.iter()
+                    .zip(&lp)
+                    .map(|(&e, v)| (e, (v - lse).exp() * route_scale * global_scale))
+                    .collect()
+            }
         }
     }
 }
@@ -722,6 +760,8 @@ pub struct MoeBlock {
     pub shared: Option<Mlp>,
     /// Clamp of the experts' SwiGLU (DeepSeek-V4's `swiglu_limit`).
     pub swiglu_limit: Option<f32>,
+    /// TMP
+    pub tmp_softcap: Option<(f32, f32)>,
     /// A `[1, D]` gate on the shared experts' output: `sigmoid(gate · x) · shared(x)`
     /// (Qwen3-Next's `shared_expert_gate`).
     pub shared_gate: Option<Linear>,
@@ -751,6 +791,7 @@ impl MoeBlock {
             correction_bias: None,
             shared: None,
             swiglu_limit: None,
+            tmp_softcap: None,
             shared_gate: None,
         }
     }
@@ -803,7 +844,25 @@ impl MoeBlock {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
             let t0 = std::time::Instant::now();
-            let ys = expert_swiglu_limited(&expert, &xs, self.swiglu_limit);
+            let ys = match self.tmp_softcap {
+                None => expert_swiglu_limited(&expert, &xs, self.swiglu_limit),
+                Some((gc, uc)) => {
+                    let (g, u) = crate::tensor::matmul::matmul_pair(
+                        &xs,
+                        &expert.gate.view().unwrap(),
+                        &expert.up.view().unwrap(),
+                    );
+                    let h: Vec<f32> = g
+                        .iter()
+                        .zip(&u)
+                        .map(|(&g, &u)| (g / gc).tanh() * gc * sigmoid(g) * ((u / uc).tanh() * uc))
+                        .collect();
+                    let down = expert.down.view().unwrap();
+                    let mut y = vec![0.0; (h.len() / down.cols) * down.rows];
+                    matmul(&h, &down, &mut y);
+                    y
+                }
+            };
             super::telemetry::add(super::telemetry::Part::Experts, t0);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]
@@ -1168,5 +1227,27 @@ mod router_tests {
         let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
         assert_eq!(ids, vec![0, 7]);
         assert!((got[1].1 - 0.3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn shared_sink_routing_weights_chosen_and_shared_experts_by_one_normalisation() {
+        // 4 routed experts, then 2 shared ones; sigmoid scores chosen directly.
+        let scores = [0.9, 0.2, 0.6, 0.7, 0.5, 0.25];
+        let logits: Vec<f32> = scores.iter().map(|&p| logit(p)).collect();
+        // The bias lifts expert 1 above expert 2 (and 3) for selection only.
+        let bias = [0.0, 0.6, 0.0, 0.0];
+        let router = Router::SharedSink {
+            shared: 2,
+            route_scale: 8.0,
+            global_scale: 0.5,
+        };
+        let got = router.route(&logits, 2, Some(&bias));
+        let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
+        assert_eq!(ids, vec![0, 1, 4, 5]);
+        // Each weight: its unbiased score over the sum of the chosen and shared ones, × 8 × 0.5.
+        let sum = 0.9 + 0.2 + 0.5 + 0.25;
+        for (c, p) in got.iter().zip([0.9, 0.2, 0.5, 0.25]) {
+            assert!((c.1 - 4.0 * p / sum).abs() < 1e-5, "{got:?}");
+        }
     }
 }

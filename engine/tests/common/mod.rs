@@ -142,7 +142,7 @@ pub fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Every committed fixture with routed experts (each family's own, not the variants).
-pub const MOE_FIXTURES: [&str; 13] = [
+pub const MOE_FIXTURES: [&str; 15] = [
     "mixtral",
     "olmoe",
     "qwen3_moe",
@@ -156,6 +156,8 @@ pub const MOE_FIXTURES: [&str; 13] = [
     "kimi_linear",
     "glm5_next",
     "minimax_m2",
+    "inkling",
+    "inkling2",
 ];
 
 /// Write tensors `(name, dtype, shape, bytes)` to `dir/model.safetensors` (creating `dir`).

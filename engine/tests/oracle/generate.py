@@ -433,6 +433,18 @@ VARIANTS = [
     # MiniMax-M2: one key/value head, a quarter of each head rotated, top-3 of 8; and 4/4 heads, rotary 0.75, 3 layers.
     ("minimax_kv1_rope025_top3", "minimax_m2", 51, 40, ["num_key_value_heads=1", "rope_parameters.partial_rotary_factor=0.25", "num_experts_per_tok=3"], False),
     ("minimax_kv4_rope075_3layers", "minimax_m2", 52, 38, ["num_key_value_heads=4", "rope_parameters.partial_rotary_factor=0.75", "num_hidden_layers=3"], False),
+    # Inkling: a window (5) and relative extents (5 / 12) below the prompt, log scaling that binds from
+    # position 2, one full-attention kv head beside 4 sliding ones, full attention first and twice, two
+    # dense layers, a padded head cut to 300 logits; and 8 sliding heads of 8 with another kv count, conv
+    # kernel 3, one shared expert, top-3, no log scaling, another muP multiplier.
+    ("inkling_window5_nfloor2_kv1_unpadded", "inkling", 61, 40, ["num_hidden_layers=5", "sliding_window_size=5", "rel_extent=12", "log_scaling_n_floor=2", "num_key_value_heads=1", "swa_num_key_value_heads=4", 'layer_types=["hybrid","hybrid_sliding","hybrid_sliding","hybrid","hybrid_sliding"]', "dense_mlp_idx=2", "unpadded_vocab_size=300"], False),
+    ("inkling_swa8x8_conv3_shared1_top3", "inkling", 62, 38, ["swa_num_attention_heads=8", "swa_head_dim=8", "swa_num_key_value_heads=2", "conv_kernel_size=3", "n_shared_experts=1", "num_experts_per_tok=3", "log_scaling_n_floor=null", "logits_mup_width_multiplier=4.0", "rel_extent=40"], False),
+    # Inkling 2: three-layer blocks over five layers with full attention first (no attention residual on
+    # layer 0) and fourth, L2 clips, SwiGLU softcaps and the logit softcap all binding, a window of 5,
+    # log scaling from position 2, a head cut to 320 logits; and one-layer blocks, one full-attention kv
+    # head, 8 sliding heads of 8, conv kernel 3, a relative extent above the prompt, top-3.
+    ("inkling2_blocks3_fullfirst_clips_bind", "inkling2", 71, 40, ["num_hidden_layers=5", "n_layers_per_attn_res_block=3", 'layer_types=["hybrid","hybrid_sliding","hybrid_sliding","hybrid","hybrid_sliding"]', "qk_l2_clip_threshold=2.0", "rel_l2_clip_threshold=0.5", "mlp_gate_softcap=0.5", "mlp_up_softcap=0.3", "final_logit_softcapping=1.5", "sliding_window_size=5", "log_scaling_n_floor=2", "unpadded_vocab_size=320"], False),
+    ("inkling2_block1_kv1_swa8x8_conv3", "inkling2", 72, 38, ["n_layers_per_attn_res_block=1", "num_key_value_heads=1", "swa_num_attention_heads=8", "swa_head_dim=8", "swa_num_key_value_heads=4", "conv_kernel_size=3", "rel_extent=48", "num_experts_per_tok=3"], False),
 ]
 VARIANT_NAMES = [v[0] for v in VARIANTS]
 
