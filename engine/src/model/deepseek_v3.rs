@@ -238,7 +238,6 @@ impl DeepseekMoe {
             correction_bias,
             shared,
             swiglu_limit: self.swiglu_limit,
-            tmp_softcap: None,
             shared_gate: None,
         }))
     }

@@ -463,7 +463,6 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             },
             shared: Some(shared),
             swiglu_limit: limit,
-            tmp_softcap: None,
             shared_gate: None,
         };
         let ffn = if hash {

@@ -36,6 +36,7 @@ use super::transformer::{
 };
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
+use crate::format::fused::{FusedExperts, FusedLayout};
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertNames, ExpertStore};
 use crate::{Error, Result};
@@ -47,7 +48,6 @@ pub const EXPERTS: Experts = Experts {
     ..Experts::QWEN
 };
 
-/* TMP-FUSED
 /// Inkling's fused expert tensors: transformers' `gate_up_proj` (gate rows, then up rows) and
 /// `down_proj`, the shared experts' `[S, ·, ·]` matrices, and the hub's interleaved `w13`.
 const FUSED: &[FusedExperts] = &[
@@ -88,11 +88,11 @@ const FUSED: &[FusedExperts] = &[
     },
 ];
 
-TMP-FUSED */
 /// Inkling in the registry.
 pub const FAMILY: Family = Family::new(&["inkling_text"], boxed_load!(load))
     .with_normalize(inkling_config)
-    .with_experts(EXPERTS);
+    .with_experts(EXPERTS)
+    .with_fused_experts(FUSED);
 
 /// transformers' `attribute_map` names of Inkling's fields (the other name first) and the
 /// key checkpoints spell differently.

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use super::inkling::{
     fold_aliases, Geometry, HeadNorm, KvConv, LogScaling, RelAttention, TML_ATTN,
 };
-use super::layers::{Linear, MoeBlock, RmsNorm, Router};
+use super::layers::{GluActivation, Linear, MoeBlock, RmsNorm, Router};
 use super::linear_attention::{DynamicConv, ShortConv};
 use super::registry::{boxed_load, Experts, Family};
 use super::transformer::{
@@ -35,6 +35,7 @@ use super::transformer::{
 };
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
+use crate::format::fused::{FusedExperts, FusedLayout};
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::Result;
@@ -45,7 +46,6 @@ const MODEL: &str = "model.llm";
 /// Where Inkling 2's routed experts are once split: `model.llm.layers.{L}.mlp.experts.{e}.…`.
 pub const EXPERTS: Experts = super::inkling::EXPERTS;
 
-/* TMP-FUSED
 /// Inkling 2's fused experts: `w13_weight` (gate and up rows interleaved) and `w2_weight`.
 const FUSED: &[FusedExperts] = &[
     FusedExperts {
@@ -60,7 +60,6 @@ const FUSED: &[FusedExperts] = &[
     },
 ];
 
-TMP-FUSED */
 /// Inkling 2 in the registry.
 pub const FAMILY: Family = Family::new(&["inkling2_text"], boxed_load!(load))
     .with_normalize(inkling2_config)
@@ -68,7 +67,8 @@ pub const FAMILY: Family = Family::new(&["inkling2_text"], boxed_load!(load))
         model: MODEL,
         lm_head: "model.llm.unembed",
     })
-    .with_experts(EXPERTS);
+    .with_experts(EXPERTS)
+    .with_fused_experts(FUSED);
 
 /// transformers' `attribute_map` names of Inkling 2's fields (the other name first).
 const KEY_ALIASES: &[(&str, &str)] = &[
@@ -130,11 +130,10 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     }
     let qk_clip = cfg.f64_or("qk_l2_clip_threshold", 22.627416997969522)? as f32;
     let rel_clip = cfg.f64_or("rel_l2_clip_threshold", 8.0)? as f32;
-    let activation = Some((
-        cfg.f64_or("mlp_gate_softcap", 4.0)? as f32,
-        cfg.f64_or("mlp_up_softcap", 25.0)? as f32,
-    ));
-    let n_floor = cfg.usize_in_or(
+    let activation = GluActivation::Softcapped {
+        gate: cfg.f64_or("mlp_gate_softcap", 4.0)? as f32,
+        up: cfg.f64_or("mlp_up_softcap", 25.0)? as f32,
+    };    let n_floor = cfg.usize_in_or(
         "log_scaling_n_floor",
         1..=usize::MAX,
         "full-attention positions are divided by it",
@@ -238,7 +237,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         };
         let ffn = Ffn::Moe(MoeBlock {
             correction_bias: Some(ckpt.vector_f32(&format!("{p}.mlp.gate.bias"), experts)?),
-            tmp_softcap: activation,
+            activation,
             ..MoeBlock::routed(l, gate, router, top_k, experts, moe_inter, store.clone())
         });
         // Layer L's queries are `attn_queries.{L − 1}`: `[D]`, or `[3, D]` on full layers.

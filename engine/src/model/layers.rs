@@ -760,8 +760,6 @@ pub struct MoeBlock {
     pub shared: Option<Mlp>,
     /// Clamp of the experts' SwiGLU (DeepSeek-V4's `swiglu_limit`).
     pub swiglu_limit: Option<f32>,
-    /// TMP
-    pub tmp_softcap: Option<(f32, f32)>,
     /// A `[1, D]` gate on the shared experts' output: `sigmoid(gate · x) · shared(x)`
     /// (Qwen3-Next's `shared_expert_gate`).
     pub shared_gate: Option<Linear>,
@@ -791,7 +789,6 @@ impl MoeBlock {
             correction_bias: None,
             shared: None,
             swiglu_limit: None,
-            tmp_softcap: None,
             shared_gate: None,
         }
     }
@@ -844,25 +841,7 @@ impl MoeBlock {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
             let t0 = std::time::Instant::now();
-            let ys = match self.tmp_softcap {
-                None => expert_swiglu_limited(&expert, &xs, self.swiglu_limit),
-                Some((gc, uc)) => {
-                    let (g, u) = crate::tensor::matmul::matmul_pair(
-                        &xs,
-                        &expert.gate.view().unwrap(),
-                        &expert.up.view().unwrap(),
-                    );
-                    let h: Vec<f32> = g
-                        .iter()
-                        .zip(&u)
-                        .map(|(&g, &u)| (g / gc).tanh() * gc * sigmoid(g) * ((u / uc).tanh() * uc))
-                        .collect();
-                    let down = expert.down.view().unwrap();
-                    let mut y = vec![0.0; (h.len() / down.cols) * down.rows];
-                    matmul(&h, &down, &mut y);
-                    y
-                }
-            };
+            let ys = expert_swiglu_limited(&expert, &xs, self.swiglu_limit);
             super::telemetry::add(super::telemetry::Part::Experts, t0);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]
