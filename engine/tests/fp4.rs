@@ -154,6 +154,160 @@ fn is_dense_projection(name: &str) -> bool {
 
 type Tensors = Vec<(String, DType, Vec<usize>, Vec<u8>)>;
 
+/// Row-major values (rows a whole number of 32-value blocks) as split FP4: the packed codes
+/// (low nibble first), one E8M0 scale byte per 32 values (the largest magnitude at most
+/// 6·scale), and the values they dequantize to.
+fn fp4_rows(values: &[f32]) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+    let mut codes = vec![0u8; values.len()];
+    let mut scales = vec![0u8; values.len() / 32];
+    let mut dq = vec![0.0f32; values.len()];
+    for (b, s) in scales.iter_mut().enumerate() {
+        let block = &values[b * 32..(b + 1) * 32];
+        *s = scale_byte(block.iter().fold(0.0f32, |m, v| m.max(v.abs())), 6.0);
+        let scale = 2f32.powi(*s as i32 - 127);
+        for k in 0..32 {
+            let c = encode_e2m1(block[k] / scale);
+            codes[b * 32 + k] = c;
+            dq[b * 32 + k] = E2M1_BY_HAND[c as usize] * scale;
+        }
+    }
+    let packed = codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+    (packed, scales, dq)
+}
+
+/// `[rows, cols]` row-major → `[cols, rows]`.
+fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| v[r * cols + c]))
+        .collect()
+}
+
+/// The gpt_oss fixture (transformers' fused `x·W` experts: `gate_up_proj [E, D, 2I]` with
+/// gate/up columns interleaved, `down_proj [E, I, D]`) as the hub ships it — MXFP4
+/// `…_blocks [E, R, C/32, 16]` + `…_scales [E, R, C/32]` in the row layout, gate and up rows
+/// interleaved — and in transformers' layout holding exactly the values that dequantizes to.
+fn gpt_oss_tensors() -> (Tensors, Tensors) {
+    let ckpt = Checkpoint::open(&fixture("gpt_oss")).unwrap();
+    let (mut quant, mut deq) = (vec![], vec![]);
+    let f32_bytes = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
+    for (name, d) in ckpt.tensors() {
+        let values = ckpt.tensor_any_shape(name).unwrap().to_f32_vec().unwrap();
+        let fused =
+            name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
+        if !fused {
+            quant.push((
+                name.clone(),
+                DType::F32,
+                d.shape.clone(),
+                f32_bytes(&values),
+            ));
+            deq.push((
+                name.clone(),
+                DType::F32,
+                d.shape.clone(),
+                f32_bytes(&values),
+            ));
+            continue;
+        }
+        // [E, C, R] in x·W: each expert's matrix is the transpose, [R, C].
+        let (e, c, r) = (d.shape[0], d.shape[1], d.shape[2]);
+        let (mut blocks, mut scales, mut dq_xw) = (vec![], vec![], vec![]);
+        for x in values.chunks(c * r) {
+            let (p, s, dq) = fp4_rows(&transpose(x, c, r));
+            blocks.extend(p);
+            scales.extend(s);
+            dq_xw.extend(transpose(&dq, r, c));
+        }
+        quant.push((
+            format!("{name}_blocks"),
+            DType::U8,
+            vec![e, r, c / 32, 16],
+            blocks,
+        ));
+        quant.push((
+            format!("{name}_scales"),
+            DType::U8,
+            vec![e, r, c / 32],
+            scales,
+        ));
+        deq.push((name.clone(), DType::F32, d.shape.clone(), f32_bytes(&dq_xw)));
+    }
+    (quant, deq)
+}
+
+fn gpt_oss_logits(
+    dir: &Path,
+    opts: &StoreOptions,
+) -> (Vec<u32>, Option<colibri::store::StoreSnapshot>) {
+    let ids = common::prompt("gpt_oss");
+    let m = model::load_with(dir, &colibri::model::LoadOptions::from(opts.clone()))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let mut cache = m.new_cache(ids.len());
+    let out = m.forward(&ids, &mut cache, Logits::All).unwrap();
+    (common::bits(&out), m.store_stats())
+}
+
+/// gpt-oss's hub MXFP4 experts (fused, rows interleaved) give bit for bit the logits of
+/// transformers' fused `x·W` layout holding their dequantized values — resident, and
+/// streamed with each expert's gate/up block read once; the expert bytes are the MXFP4
+/// bytes (17 per 32 values).
+#[test]
+fn gpt_oss_mxfp4_experts_equal_their_dequantization_resident_and_streamed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (quant_dir, deq_dir) = (tmp.path().join("mxfp4"), tmp.path().join("deq"));
+    let (quant, deq) = gpt_oss_tensors();
+    for (dir, tensors) in [(&quant_dir, quant), (&deq_dir, deq)] {
+        write_tensors(dir, tensors);
+        common::copy_text_files(&fixture("gpt_oss"), dir);
+    }
+    let want = gpt_oss_logits(&deq_dir, &StoreOptions::default()).0;
+    let resident = gpt_oss_logits(&quant_dir, &StoreOptions::default()).0;
+    assert!(
+        resident == want,
+        "MXFP4 experts differ from their dequantization"
+    );
+    let original = gpt_oss_logits(&fixture("gpt_oss"), &StoreOptions::default()).0;
+    assert!(original != want, "quantization changed nothing?");
+
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(quant_dir.join("config.json")).unwrap())
+            .unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let per_expert = 3 * n("hidden_size") * n("intermediate_size") / 32 * 17;
+    let info = model::load(&quant_dir).unwrap().info().clone();
+    assert_eq!(
+        info.routed_expert_bytes,
+        n("num_hidden_layers") * n("num_local_experts") * per_expert
+    );
+    assert_eq!(
+        info.dense_bytes,
+        Checkpoint::open(&quant_dir).unwrap().total_bytes() - info.routed_expert_bytes
+    );
+    for (threads, prefetch) in [(0, false), (2, true)] {
+        let opts = StoreOptions {
+            ram_budget: Some(info.dense_bytes as u64 + 4 * per_expert as u64),
+            io_threads: threads,
+            prefetch,
+            learn: false,
+            ..StoreOptions::default()
+        };
+        let (bits, stats) = gpt_oss_logits(&quant_dir, &opts);
+        let stats = stats.expect("a streaming store");
+        assert!(
+            bits == want,
+            "streamed MXFP4 experts changed the logits (threads {threads}, prefetch {prefetch})"
+        );
+        assert!(stats.bytes_read > 0, "nothing was streamed");
+        // Each read expert costs its own bytes: gate and up share one block, read once.
+        assert_eq!(stats.bytes_read as usize % per_expert, 0, "{stats:?}");
+        assert!(
+            stats.bytes_read as usize
+                <= (stats.misses as usize + stats.prefetch_reads as usize) * per_expert,
+            "{stats:?}"
+        );
+    }
+}
+
 /// The deepseek_v4 fixture as V4-Flash ships it (routed experts FP4, attention and shared
 /// experts FP8 with E8M0 block scales; every scale naming and encoding variant appears) and
 /// as the exact f32 dequantization of that.
@@ -172,22 +326,8 @@ fn v4_tensors() -> (Tensors, Tensors) {
         let values = t.to_f32_vec().unwrap();
         let module = name.strip_suffix(".weight").unwrap_or(name);
         if name.contains(".ffn.experts.") {
-            // FP4: one scale per row per 32 values, the largest magnitude at most 6·scale.
             let (rows, cols) = (d.shape[0], d.shape[1]);
-            let mut codes = vec![0u8; rows * cols];
-            let mut scales = vec![0u8; rows * cols / 32];
-            let mut dq = vec![0.0f32; rows * cols];
-            for (b, s) in scales.iter_mut().enumerate() {
-                let block = &values[b * 32..(b + 1) * 32];
-                *s = scale_byte(block.iter().fold(0.0f32, |m, v| m.max(v.abs())), 6.0);
-                let scale = 2f32.powi(*s as i32 - 127);
-                for k in 0..32 {
-                    let c = encode_e2m1(block[k] / scale);
-                    codes[b * 32 + k] = c;
-                    dq[b * 32 + k] = E2M1_BY_HAND[c as usize] * scale;
-                }
-            }
-            let packed: Vec<u8> = codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+            let (packed, scales, dq) = fp4_rows(&values);
             // V4 stores int8; uint8 (as gpt-oss) is the same bytes.
             let dtype = if i.is_multiple_of(2) {
                 DType::I8

@@ -323,6 +323,11 @@ fn minimax_m2_matches_transformers() {
 }
 
 #[test]
+fn gpt_oss_matches_transformers() {
+    check("gpt_oss");
+}
+
+#[test]
 fn qwen3_next_matches_transformers() {
     check("qwen3_next");
 }

@@ -135,6 +135,47 @@ impl ModelConfig {
         self.check_in(field, v, range, bound)
     }
 
+    /// A per-layer list of kinds (`layer_types`): for each of the `layers` entries, its index
+    /// in `kinds`. `None` when the field is absent or null; an error naming the field (and
+    /// the entry) when it is not a list of `layers` of the `kinds`.
+    pub fn layer_kinds(
+        &self,
+        key: &str,
+        layers: usize,
+        kinds: &[&str],
+    ) -> Result<Option<Vec<usize>>> {
+        let Some(v) = self.get(key).filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let list = v.as_array().filter(|t| t.len() == layers).ok_or_else(|| {
+            Error::config(
+                &self.path,
+                key,
+                format!("must be a list of {layers} entries (num_hidden_layers)"),
+            )
+        })?;
+        let expected = kinds
+            .iter()
+            .map(|k| format!("\"{k}\""))
+            .collect::<Vec<_>>()
+            .join(" or ");
+        list.iter()
+            .enumerate()
+            .map(|(l, t)| {
+                t.as_str()
+                    .and_then(|t| kinds.iter().position(|k| *k == t))
+                    .ok_or_else(|| {
+                        Error::config(
+                            &self.path,
+                            format!("{key}[{l}]"),
+                            format!("is {t}, expected {expected}"),
+                        )
+                    })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// [`Self::usize_in`] with a default for a missing field (the default is not checked).
     pub fn usize_in_or(
         &self,

@@ -3,6 +3,7 @@
 
 pub mod chat_template;
 pub mod config;
+pub mod fused;
 pub mod generation_config;
 pub mod gguf;
 pub mod gguf_vocab;

@@ -12,6 +12,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::fused::{slices_of, ExpertSlice, FusedExperts};
 use crate::tensor::microscale::{e8m0_to_f32, split_fp4_tensor};
 use crate::tensor::{DType, Storage, Tensor};
 use crate::{Error, Result};
@@ -39,6 +40,8 @@ pub enum StoredWeight {
     Tensor(TensorDesc),
     /// Packed E2M1 codes and their E8M0 scales, one per row per 32 values.
     Fp4(Fp4Parts),
+    /// One expert's matrix inside a fused tensor of every expert's ([`super::fused`]).
+    Slice(Arc<ExpertSlice>),
 }
 
 impl StoredWeight {
@@ -47,6 +50,7 @@ impl StoredWeight {
         match self {
             StoredWeight::Tensor(d) => vec![d],
             StoredWeight::Fp4(p) => vec![&p.codes, &p.scales],
+            StoredWeight::Slice(s) => s.parts(),
         }
     }
 }
@@ -132,6 +136,9 @@ pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<ShardFile>,
     tensors: BTreeMap<String, TensorDesc>,
+    /// Per-expert matrices of fused tensors ([`Checkpoint::split_fused`]), by name; the
+    /// fused tensors themselves stay in `tensors`.
+    slices: BTreeMap<String, Arc<ExpertSlice>>,
 }
 
 impl Checkpoint {
@@ -172,6 +179,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files,
             tensors,
+            slices: BTreeMap::new(),
         })
     }
 
@@ -198,6 +206,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files,
             tensors,
+            slices: BTreeMap::new(),
         })
     }
 
@@ -271,12 +280,66 @@ impl Checkpoint {
     /// tensor names (`numbered("layers")` counts the `N` of `model.layers.{N}.…`): see
     /// [`numbered_parts`].
     pub fn numbered(&self, segment: &str) -> usize {
-        numbered_parts(self.tensors.keys().map(String::as_str), segment)
+        numbered_parts(
+            self.tensors
+                .keys()
+                .chain(self.slices.keys())
+                .map(String::as_str),
+            segment,
+        )
     }
 
-    /// Whether a tensor exists.
+    /// How many matrices the checkpoint describes: its tensors and the per-expert matrices of
+    /// its fused tensors.
+    pub fn described(&self) -> usize {
+        self.tensors.len() + self.slices.len()
+    }
+
+    /// Whether a tensor (or a fused expert's matrix) exists.
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.slices.contains_key(name)
+    }
+
+    /// Describe the per-expert matrices of every fused expert tensor `fused` names
+    /// ([`super::fused`]): `{prefix}.{into}.{e}.{matrix}.weight`, read from the fused
+    /// tensor's bytes when asked for. Nothing is read here. Returns how many fused tensors
+    /// were split; a fused tensor whose shape or dtype does not fit its layout is an error
+    /// naming it.
+    pub fn split_fused(&mut self, fused: &[FusedExperts]) -> Result<usize> {
+        let mut split = 0;
+        for f in fused {
+            let suffix = format!(".{}", f.tensor);
+            let names: Vec<String> = self
+                .tensors
+                .keys()
+                .filter(|n| n.ends_with(&suffix))
+                .cloned()
+                .collect();
+            for name in names {
+                let t = &self.tensors[&name];
+                let scales = name
+                    .strip_suffix("_blocks")
+                    .and_then(|base| self.tensors.get(&format!("{base}_scales")));
+                let prefix = &name[..name.len() - suffix.len()];
+                let parent = format!("{prefix}.{}", f.into);
+                let path = self.files[t.file].path.clone();
+                for s in slices_of(t, scales, f.layout, &parent, &path)? {
+                    if self.contains(&s.name) {
+                        return Err(Error::tensor(
+                            &path,
+                            &name,
+                            format!(
+                                "is fused experts, but `{}` is in the checkpoint too",
+                                s.name
+                            ),
+                        ));
+                    }
+                    self.slices.insert(s.name.clone(), s);
+                }
+                split += 1;
+            }
+        }
+        Ok(split)
     }
 
     /// The description of a tensor, or an error naming it.
@@ -341,11 +404,11 @@ impl Checkpoint {
         self.tensor_any_shape(name)
     }
 
-    /// A tensor with whatever shape it has.
-    pub fn tensor_any_shape(&self, name: &str) -> Result<Tensor> {
-        let d = self.desc(name)?;
+    /// The bytes `d` describes: a view of the mapping, or read (streaming mode).
+    fn storage(&self, d: &TensorDesc) -> Result<Storage> {
+        let name = &d.name;
         let shard = &self.files[d.file];
-        let storage = match &shard.backing {
+        Ok(match &shard.backing {
             Backing::Owned(words) => Storage::Owned {
                 words: words.clone(),
                 len: d.len,
@@ -376,7 +439,13 @@ impl Checkpoint {
                     len: d.len,
                 }
             }
-        };
+        })
+    }
+
+    /// A tensor with whatever shape it has.
+    pub fn tensor_any_shape(&self, name: &str) -> Result<Tensor> {
+        let d = self.desc(name)?;
+        let storage = self.storage(d)?;
         let t = Tensor {
             name: name.to_string(),
             shape: d.shape.clone(),
@@ -391,6 +460,14 @@ impl Checkpoint {
     /// scales attached, or a split FP4 matrix repacked into MXFP4 blocks), shape checked.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         match self.stored_weight(name, shape)? {
+            StoredWeight::Slice(s) => s.build(
+                &self.storage(&s.block)?,
+                s.scales
+                    .as_ref()
+                    .map(|d| self.storage(d))
+                    .transpose()?
+                    .as_ref(),
+            ),
             StoredWeight::Fp4(p) => p.repack(
                 &self.tensor_any_shape(&p.codes.name)?.storage,
                 &self.tensor_any_shape(&p.scales.name)?.storage,
@@ -409,6 +486,19 @@ impl Checkpoint {
     /// `<module>.scale` for `<module>.weight` (DeepSeek-V4) or `<x>_scales` for `<x>_blocks`
     /// (gpt-oss MXFP4).
     pub fn stored_weight(&self, name: &str, shape: &[usize]) -> Result<StoredWeight> {
+        if let Some(s) = self.slices.get(name) {
+            if [s.rows, s.cols] != shape {
+                return Err(Error::tensor(
+                    &s.path,
+                    name,
+                    format!(
+                        "is a {}×{} expert matrix of fused `{}`, expected {shape:?} from config.json",
+                        s.rows, s.cols, s.block.name
+                    ),
+                ));
+            }
+            return Ok(StoredWeight::Slice(s.clone()));
+        }
         let d = self.desc(name)?;
         let (rows, cols) = match shape {
             [rows, cols] => (*rows, *cols),

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use super::layers::{Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
+use super::layers::{GluActivation, Linear, Mlp, MoeBlock, RmsNorm, Rope, Router};
 use super::mla::{transpose_w_uk, Mla, MlaQuery, Sparse};
 pub use super::registry::StackNames;
 use super::registry::{boxed_load, Abilities, Experts, Family, Gguf, GgufReads};
@@ -237,7 +237,10 @@ impl DeepseekMoe {
             store: store.clone(),
             correction_bias,
             shared,
-            swiglu_limit: self.swiglu_limit,
+            activation: GluActivation::SwiGlu {
+                limit: self.swiglu_limit,
+            },
+            expert_biases: None,
             shared_gate: None,
         }))
     }

@@ -26,7 +26,8 @@
 use std::sync::Arc;
 
 use super::layers::{
-    HashRoutedMoe, HyperConnection, HyperHead, Linear, Mlp, MoeBlock, RmsNorm, Rope, Router,
+    GluActivation, HashRoutedMoe, HyperConnection, HyperHead, Linear, Mlp, MoeBlock, RmsNorm, Rope,
+    Router,
 };
 use super::mla::{CompressedAttention, CompressedIndexer, Compression, Compressor};
 use super::transformer::{
@@ -462,7 +463,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 Some(ckpt.vector_f32(&format!("{p}.ffn.gate.bias"), experts)?)
             },
             shared: Some(shared),
-            swiglu_limit: limit,
+            activation: GluActivation::SwiGlu { limit },
+            expert_biases: None,
             shared_gate: None,
         };
         let ffn = if hash {

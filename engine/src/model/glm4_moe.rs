@@ -56,6 +56,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         };
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: if qk_norm {
                 QkNorm::PerHead {
                     q: norm("q_norm")?,

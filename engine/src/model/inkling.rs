@@ -27,7 +27,8 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::layers::{
-    rows_of, sigmoid, softmax_inplace, unweighted_rms, Linear, Mlp, MoeBlock, RmsNorm, Router,
+    attend, rows_of, sigmoid, unweighted_rms, AttendShape, Linear, Mlp, MoeBlock, RelBias, RmsNorm,
+    Router, Sinks,
 };
 use super::linear_attention::{DynamicConv, ShortConv};
 use super::registry::{boxed_load, Experts, Family};
@@ -595,19 +596,23 @@ impl RelAttention {
         kv.k.extend(&k);
         kv.v.extend(&v);
         let sinks = rows.sinks.as_deref().map(seg);
-        let mut out = tmp_attend(
+        let mut out = attend(
             &q,
             kv,
-            TmpShape {
+            AttendShape {
                 heads: h,
                 kv_heads: kvh,
                 head_dim: hd,
                 window: self.window,
                 scale: self.scale,
-                token_sinks: sinks.as_deref(),
-                bias: Some((&rel, ext)),
+                sinks: sinks.as_deref().map(Sinks::PerToken),
+                bias: Some(RelBias {
+                    profiles: &rel,
+                    extent: ext,
+                }),
             },
             pos,
+            false,
         );
         if let Some(gate) = rows.gate.as_deref().map(seg) {
             for (o, g) in out.iter_mut().zip(&gate) {
@@ -786,78 +791,4 @@ pub(crate) fn finish_info(
             }
         }
     }
-}
-
-// TMP: until AttendShape lands.
-struct TmpShape<'a> {
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    window: Option<usize>,
-    scale: f32,
-    token_sinks: Option<&'a [f32]>,
-    bias: Option<(&'a [f32], usize)>,
-}
-
-fn tmp_attend(
-    q: &[f32],
-    kv: &super::cache::LayerKv,
-    shape: TmpShape<'_>,
-    start: usize,
-) -> Vec<f32> {
-    use crate::tensor::kernels::{dot, Isa};
-    use crate::tensor::WeightData;
-    let TmpShape {
-        heads,
-        kv_heads,
-        head_dim,
-        window,
-        scale,
-        token_sinks,
-        bias,
-    } = shape;
-    let isa = Isa::detect();
-    let (keys, values) = (kv.k.f32(), kv.v.f32());
-    let group = heads / kv_heads;
-    let kv_dim = kv_heads * head_dim;
-    let mut out = vec![0.0f32; q.len()];
-    for (idx, o) in out.chunks_mut(head_dim).enumerate() {
-        let (t, hh) = (idx / heads, idx % heads);
-        let pos = start + t;
-        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let qv = &q[idx * head_dim..(idx + 1) * head_dim];
-        let kvh = hh / group;
-        let mut scores: Vec<f32> = (first..=pos)
-            .map(|j| {
-                let kj = &keys[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-                let s = dot(isa, qv, WeightData::F32(kj)) * scale;
-                match bias {
-                    Some((rel, ext)) if pos - j < ext => s + rel[idx * ext + pos - j],
-                    _ => s,
-                }
-            })
-            .collect();
-        match token_sinks {
-            Some(sinks) => {
-                let sink = sinks[idx];
-                let max = scores.iter().copied().fold(sink, f32::max);
-                let mut sum = (sink - max).exp();
-                for v in scores.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
-                for v in scores.iter_mut() {
-                    *v /= sum;
-                }
-            }
-            None => softmax_inplace(&mut scores),
-        }
-        for (p, j) in scores.iter().zip(first..=pos) {
-            let vj = &values[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-            for (oo, vv) in o.iter_mut().zip(vj) {
-                *oo += p * vv;
-            }
-        }
-    }
-    out
 }

@@ -133,7 +133,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     let activation = GluActivation::Softcapped {
         gate: cfg.f64_or("mlp_gate_softcap", 4.0)? as f32,
         up: cfg.f64_or("mlp_up_softcap", 25.0)? as f32,
-    };    let n_floor = cfg.usize_in_or(
+    };
+    let n_floor = cfg.usize_in_or(
         "log_scaling_n_floor",
         1..=usize::MAX,
         "full-attention positions are divided by it",

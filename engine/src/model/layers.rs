@@ -341,6 +341,9 @@ pub struct Attention {
     /// attention rows are multiplied by `sigmoid(gate)` before the output projection
     /// (Qwen3-Next's gated attention).
     pub output_gate: bool,
+    /// One learned sink logit per head: it joins each softmax's denominator and adds no
+    /// value (`p_j = e^{s_j} / (Σ_k e^{s_k} + e^{sink})`; gpt-oss).
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl Attention {
@@ -422,33 +425,74 @@ impl Attention {
         attend(
             &q,
             kv,
-            h,
-            kvh,
-            hd,
+            AttendShape {
+                heads: h,
+                kv_heads: kvh,
+                head_dim: hd,
+                window: self.window,
+                scale: self.scale,
+                sinks: self.sinks.as_deref().map(Sinks::PerHead),
+                bias: None,
+            },
             start,
-            self.window,
-            self.scale,
             self.kv_f16,
         )
     }
 }
 
+/// What [`attend`] needs to know of the attention besides its rows.
+#[derive(Debug, Clone, Copy)]
+pub struct AttendShape<'a> {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Each query sees this many most recent keys, itself included.
+    pub window: Option<usize>,
+    pub scale: f32,
+    /// Sink logits ([`Attention::sinks`]).
+    pub sinks: Option<Sinks<'a>>,
+    /// A relative position bias added to every score (Inkling).
+    pub bias: Option<RelBias<'a>>,
+}
+
+/// Attention-sink logits: each joins its softmax's denominator and adds no value.
+#[derive(Debug, Clone, Copy)]
+pub enum Sinks<'a> {
+    /// One per head, `[H]` (gpt-oss).
+    PerHead(&'a [f32]),
+    /// One per query token and head, `[T, H]` (Inkling 2's `attn_sink_proj`).
+    PerToken(&'a [f32]),
+}
+
+/// A relative position bias: the score of key `j` for query token `t` (at position `p`) of
+/// head `h` gains `profiles[t, h, p − j]` when `p − j < extent`, nothing farther back.
+#[derive(Debug, Clone, Copy)]
+pub struct RelBias<'a> {
+    /// `[T, H, extent]`.
+    pub profiles: &'a [f32],
+    pub extent: usize,
+}
+
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
-/// the cached keys and values, causal, optionally windowed; with `probs_f16` the attention
-/// probabilities are rounded to f16 before weighting the values (llama.cpp's f16 KV path). Each (token, head) is computed
-/// by one task in a fixed order.
-#[allow(clippy::too_many_arguments)]
+/// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
+/// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
+/// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order.
 pub fn attend(
     q: &[f32],
     kv: &LayerKv,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    shape: AttendShape<'_>,
     start: usize,
-    window: Option<usize>,
-    scale: f32,
     probs_f16: bool,
 ) -> Vec<f32> {
+    let AttendShape {
+        heads,
+        kv_heads,
+        head_dim,
+        window,
+        scale,
+        sinks,
+        bias,
+    } = shape;
     let isa = Isa::detect();
     let (keys, values) = (kv.k.f32(), kv.v.f32());
     let group = heads / kv_heads;
@@ -463,10 +507,18 @@ pub fn attend(
         let mut scores: Vec<f32> = (first..=pos)
             .map(|j| {
                 let kj = &keys[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-                dot(isa, qv, WeightData::F32(kj)) * scale
+                let s = dot(isa, qv, WeightData::F32(kj)) * scale;
+                match bias {
+                    Some(b) if pos - j < b.extent => s + b.profiles[idx * b.extent + pos - j],
+                    _ => s,
+                }
             })
             .collect();
-        softmax_inplace(&mut scores);
+        match sinks {
+            Some(Sinks::PerHead(sinks)) => softmax_with_sink(&mut scores, sinks[hh]),
+            Some(Sinks::PerToken(sinks)) => softmax_with_sink(&mut scores, sinks[idx]),
+            None => softmax_inplace(&mut scores),
+        }
         if probs_f16 {
             // llama.cpp multiplies its f16 values by probabilities converted to f16.
             for p in scores.iter_mut() {
@@ -486,6 +538,21 @@ pub fn attend(
         out.par_chunks_mut(head_dim).enumerate().for_each(work);
     }
     out
+}
+
+/// Softmax in place over `x` and one more logit, `sink`, which is left out of the result:
+/// `x_j ← e^{x_j − m} / (Σ_k e^{x_k − m} + e^{sink − m})`, `m` the maximum of both
+/// (attention sinks, as transformers computes them).
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let max = x.iter().copied().fold(sink, f32::max);
+    let mut sum = (sink - max).exp();
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
 }
 
 /// Numerically stable softmax in place.
@@ -556,31 +623,104 @@ pub fn swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
     }
 }
 
-/// SwiGLU over an expert's three matrices, `[m, D]` → `[m, D]`.
-pub fn expert_swiglu(expert: &crate::store::Expert, x: &[f32]) -> Vec<f32> {
-    expert_swiglu_limited(expert, x, None)
+/// The activation between an expert's gate/up rows and its down projection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GluActivation {
+    /// `silu(g) · u`, optionally clamped ([`swiglu`]; DeepSeek-V4's `swiglu_limit`).
+    SwiGlu { limit: Option<f32> },
+    /// gpt-oss: `g ← min(g, ℓ)`, `u ← clamp(u, −ℓ, ℓ)`, then `(u + 1) · g · sigmoid(α·g)`.
+    ClampedGlu { alpha: f32, limit: f32 },
+    /// Inkling 2: `gate · tanh(g / gate) · sigmoid(g) · up · tanh(u / up)`, the softcaps
+    /// bounding the gate's linear factor and `u` (the sigmoid sees the raw `g`).
+    Softcapped { gate: f32, up: f32 },
 }
 
-/// [`expert_swiglu`] with an optional clamp (see [`swiglu`]).
-pub fn expert_swiglu_limited(
+impl GluActivation {
+    /// The plain SwiGLU.
+    pub const SWIGLU: GluActivation = GluActivation::SwiGlu { limit: None };
+
+    /// The activation of one (gate, up) pair.
+    #[inline]
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            GluActivation::SwiGlu { limit } => swiglu(g, u, limit),
+            GluActivation::ClampedGlu { alpha, limit } => {
+                let g = g.min(limit);
+                let u = u.clamp(-limit, limit);
+                (u + 1.0) * (g * sigmoid(g * alpha))
+            }
+            GluActivation::Softcapped { gate, up } => {
+                (g / gate).tanh() * gate * sigmoid(g) * ((u / up).tanh() * up)
+            }
+        }
+    }
+}
+
+/// One expert's biases (gpt-oss): added to its gate, up and down outputs.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBias<'a> {
+    pub gate: &'a [f32],
+    pub up: &'a [f32],
+    pub down: &'a [f32],
+}
+
+/// Every routed expert's biases of a layer, expert-major (`gate`/`up`: `[E, I]`, `down`:
+/// `[E, D]`), kept resident (they are small).
+#[derive(Debug, Clone)]
+pub struct ExpertBiases {
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+impl ExpertBiases {
+    /// Expert `e`'s biases (`inter`-wide gate/up, `hidden`-wide down).
+    pub fn of(&self, e: usize, inter: usize, hidden: usize) -> ExpertBias<'_> {
+        ExpertBias {
+            gate: &self.gate[e * inter..(e + 1) * inter],
+            up: &self.up[e * inter..(e + 1) * inter],
+            down: &self.down[e * hidden..(e + 1) * hidden],
+        }
+    }
+}
+
+/// SwiGLU over an expert's three matrices, `[m, D]` → `[m, D]`.
+pub fn expert_swiglu(expert: &crate::store::Expert, x: &[f32]) -> Vec<f32> {
+    expert_ffn(expert, x, GluActivation::SWIGLU, None)
+}
+
+/// An expert's feed-forward over rows `x` (`[m, D]` → `[m, D]`): gate and up, their
+/// biases if any, `act`, down and its bias.
+pub fn expert_ffn(
     expert: &crate::store::Expert,
     x: &[f32],
-    limit: Option<f32>,
+    act: GluActivation,
+    bias: Option<ExpertBias<'_>>,
 ) -> Vec<f32> {
-    let (g, u) = crate::tensor::matmul::matmul_pair(
+    let (mut g, mut u) = crate::tensor::matmul::matmul_pair(
         x,
         &expert.gate.view().expect("checked at load"),
         &expert.up.view().expect("checked at load"),
     );
-    let h: Vec<f32> = g
-        .iter()
-        .zip(&u)
-        .map(|(&g, &u)| swiglu(g, u, limit))
-        .collect();
+    if let Some(b) = bias {
+        add_row_bias(&mut g, b.gate);
+        add_row_bias(&mut u, b.up);
+    }
+    let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g, u)).collect();
     let down = expert.down.view().expect("checked at load");
     let mut y = vec![0.0; (h.len() / down.cols) * down.rows];
     matmul(&h, &down, &mut y);
+    if let Some(b) = bias {
+        add_row_bias(&mut y, b.down);
+    }
     y
+}
+
+/// Add `bias` to every row of `rows`.
+pub fn add_row_bias(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_mut(bias.len()) {
+        add_assign(row, bias);
+    }
 }
 
 /// How router logits become expert choices and weights.
@@ -614,6 +754,9 @@ pub enum Router {
         route_scale: f32,
         global_scale: f32,
     },
+    /// gpt-oss: the top-k of the logits (the gate's bias included), weighted by a softmax
+    /// over those k logits alone.
+    TopKSoftmax,
 }
 
 impl Router {
@@ -708,6 +851,12 @@ impl Router {
                     .map(|(&e, v)| (e, (v - lse).exp() * route_scale * global_scale))
                     .collect()
             }
+            Router::TopKSoftmax => {
+                let chosen = top_k(logits, k);
+                let mut w: Vec<f32> = chosen.iter().map(|c| c.1).collect();
+                softmax_inplace(&mut w);
+                chosen.iter().zip(w).map(|(c, w)| (c.0, w)).collect()
+            }
         }
     }
 }
@@ -758,8 +907,10 @@ pub struct MoeBlock {
     pub correction_bias: Option<Vec<f32>>,
     /// Always-on experts added to the routed sum (DeepSeek's `shared_experts`).
     pub shared: Option<Mlp>,
-    /// Clamp of the experts' SwiGLU (DeepSeek-V4's `swiglu_limit`).
-    pub swiglu_limit: Option<f32>,
+    /// The experts' activation (a clamped SwiGLU for DeepSeek-V4, gpt-oss's clamped GLU).
+    pub activation: GluActivation,
+    /// The routed experts' biases (gpt-oss).
+    pub expert_biases: Option<ExpertBiases>,
     /// A `[1, D]` gate on the shared experts' output: `sigmoid(gate · x) · shared(x)`
     /// (Qwen3-Next's `shared_expert_gate`).
     pub shared_gate: Option<Linear>,
@@ -788,7 +939,8 @@ impl MoeBlock {
             store,
             correction_bias: None,
             shared: None,
-            swiglu_limit: None,
+            activation: GluActivation::SWIGLU,
+            expert_biases: None,
             shared_gate: None,
         }
     }
@@ -841,7 +993,11 @@ impl MoeBlock {
                 xs.extend_from_slice(&x[t * d..(t + 1) * d]);
             }
             let t0 = std::time::Instant::now();
-            let ys = expert_swiglu_limited(&expert, &xs, self.swiglu_limit);
+            let bias = self
+                .expert_biases
+                .as_ref()
+                .map(|b| b.of(e, self.intermediate, d));
+            let ys = expert_ffn(&expert, &xs, self.activation, bias);
             super::telemetry::add(super::telemetry::Part::Experts, t0);
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]

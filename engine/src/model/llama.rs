@@ -27,6 +27,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, _opts: &LoadOptions) -> Result
     load_standard(ckpt, cfg, &sc, None, |l| {
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window: None,

@@ -79,6 +79,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             |n: &str, width: usize| sc.norm(ckpt, &format!("{p}.self_attn.{n}.weight"), width);
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: QkNorm::FullWidth {
                 q: norm("q_norm", sc.heads * hd)?,
                 k: norm("k_norm", sc.kv_heads * hd)?,

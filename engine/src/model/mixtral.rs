@@ -45,6 +45,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     load_standard(ckpt, cfg, &sc, Some(store.clone()), |l| {
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: QkNorm::None,
             clip_qkv: None,
             window,

@@ -961,15 +961,8 @@ impl CompressedAttention {
                 .iter()
                 .map(|kj| dot(isa, qv, WeightData::F32(kj)) * scale)
                 .collect();
-            let sink = self.sinks[head];
-            let max = scores.iter().copied().fold(sink, f32::max);
-            let mut sum = (sink - max).exp();
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            for (s, kj) in scores.iter().zip(&keys) {
-                let p = s / sum;
+            super::layers::softmax_with_sink(&mut scores, self.sinks[head]);
+            for (&p, kj) in scores.iter().zip(&keys) {
                 for (a, v) in o.iter_mut().zip(kj.iter()) {
                     *a += p * v;
                 }

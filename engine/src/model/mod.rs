@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod glm4_moe;
 pub mod glm5_next;
 pub mod glm_moe_dsa;
+pub mod gpt_oss;
 pub mod inkling;
 pub mod inkling2;
 pub mod kimi_linear;
@@ -219,8 +220,9 @@ pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     }
     let cfg = ModelConfig::from_model_dir(dir)?;
     // Check the family before touching the weights, so the error is about the real problem.
-    registry::family_of(&cfg)?;
-    let ckpt = Checkpoint::open_with(dir, access)?;
+    let family = registry::family_of(&cfg)?;
+    let mut ckpt = Checkpoint::open_with(dir, access)?;
+    ckpt.split_fused(family.fused_experts)?;
     load_family(&ckpt, &cfg, opts)
 }
 

@@ -34,6 +34,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         let p = format!("model.layers.{l}");
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: QkNorm::FullWidth {
                 q: RmsNorm::load(
                     ckpt,

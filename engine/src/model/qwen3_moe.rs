@@ -65,6 +65,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         };
         Ok(LayerParts {
             attn: None,
+            sinks: None,
             qk_norm: QkNorm::PerHead {
                 q: sc.norm(ckpt, &format!("{p}.self_attn.q_norm.weight"), hd)?,
                 k: sc.norm(ckpt, &format!("{p}.self_attn.k_norm.weight"), hd)?,

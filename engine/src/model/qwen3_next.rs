@@ -89,44 +89,22 @@ impl DeltaNetDims {
 /// Which layers are linear attention: `layer_types`, else every layer but each
 /// `full_attention_interval`-th.
 pub fn linear_layers(cfg: &ModelConfig, layers: usize) -> Result<Vec<bool>> {
-    match cfg.get("layer_types") {
-        Some(types) => {
-            let types = types
-                .as_array()
-                .filter(|t| t.len() == layers)
-                .ok_or_else(|| {
-                    Error::config(
-                        cfg.path(),
-                        "layer_types",
-                        format!("must be a list of {layers} layer types (num_hidden_layers)"),
-                    )
-                })?;
-            types
-                .iter()
-                .enumerate()
-                .map(|(l, t)| match t.as_str() {
-                    Some("linear_attention") => Ok(true),
-                    Some("full_attention") => Ok(false),
-                    _ => Err(Error::config(
-                        cfg.path(),
-                        format!("layer_types[{l}]"),
-                        format!("is {t}, expected \"linear_attention\" or \"full_attention\""),
-                    )),
-                })
-                .collect()
-        }
-        None => {
-            let interval = cfg.usize_in_or(
-                "full_attention_interval",
-                1..=layers.max(1),
-                "every n-th layer is full attention",
-                4,
-            )?;
-            Ok((0..layers)
-                .map(|l| !(l + 1).is_multiple_of(interval))
-                .collect())
-        }
+    if let Some(kinds) = cfg.layer_kinds(
+        "layer_types",
+        layers,
+        &["full_attention", "linear_attention"],
+    )? {
+        return Ok(kinds.into_iter().map(|k| k == 1).collect());
     }
+    let interval = cfg.usize_in_or(
+        "full_attention_interval",
+        1..=layers.max(1),
+        "every n-th layer is full attention",
+        4,
+    )?;
+    Ok((0..layers)
+        .map(|l| !(l + 1).is_multiple_of(interval))
+        .collect())
 }
 
 /// Build a Qwen3-Next or Qwen3.5/3.6 MoE model.
@@ -213,6 +191,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
             qk_norm,
             clip_qkv: None,
             window: None,
+            sinks: None,
             ffn,
         })
     })?;

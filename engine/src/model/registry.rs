@@ -13,6 +13,7 @@ use std::borrow::Cow;
 
 use super::{CausalLm, LoadOptions};
 use crate::format::config::ModelConfig;
+use crate::format::fused::FusedExperts;
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertNames};
 use crate::{Error, Result};
@@ -29,6 +30,7 @@ pub const FAMILIES: &[&Family] = &[
     &super::glm_moe_dsa::FAMILY,
     &super::deepseek_v4::FAMILY,
     &super::minimax_m2::FAMILY,
+    &super::gpt_oss::FAMILY,
     &super::qwen3_next::QWEN3_NEXT,
     &super::qwen3_next::QWEN3_5_MOE,
     &super::kimi_linear::FAMILY,
@@ -64,6 +66,9 @@ pub struct Family {
     pub names: StackNames,
     /// Where its routed experts are; `None`: a dense family.
     pub experts: Option<Experts>,
+    /// Expert tensors it may store fused, every expert in one tensor: split into per-expert
+    /// matrices before it loads ([`Checkpoint::split_fused`]).
+    pub fused_experts: &'static [FusedExperts],
     /// How llama.cpp calls it; `None`: GGUF has no layout for it.
     pub gguf: Option<Gguf>,
 }
@@ -249,7 +254,16 @@ impl Family {
             normalize: None,
             names: StackNames::STANDARD,
             experts: None,
+            fused_experts: &[],
             gguf: None,
+        }
+    }
+
+    /// With these fused expert tensors split into per-expert matrices before loading.
+    pub const fn with_fused_experts(self, fused_experts: &'static [FusedExperts]) -> Family {
+        Family {
+            fused_experts,
+            ..self
         }
     }
 

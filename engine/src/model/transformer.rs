@@ -1013,6 +1013,8 @@ pub struct LayerParts {
     pub qk_norm: super::layers::QkNorm,
     pub clip_qkv: Option<f32>,
     pub window: Option<usize>,
+    /// One learned attention-sink logit per head ([`Attention::sinks`]; gpt-oss).
+    pub sinks: Option<Vec<f32>>,
     pub ffn: Ffn,
     /// The attention part when it is not the grouped-query attention of `self_attn.*`
     /// (a hybrid's linear-attention layers); `qk_norm`, `clip_qkv` and `window` then go
@@ -1028,6 +1030,7 @@ impl LayerParts {
             qk_norm: super::layers::QkNorm::None,
             clip_qkv: None,
             window: None,
+            sinks: None,
             ffn,
         }
     }
@@ -1064,6 +1067,7 @@ pub fn load_standard(
                 parts.qk_norm,
                 parts.clip_qkv,
                 parts.window,
+                parts.sinks.take(),
             )?),
         };
         blocks.push(Block {
@@ -1099,6 +1103,7 @@ fn standard_attention(
     qk_norm: super::layers::QkNorm,
     clip_qkv: Option<f32>,
     window: Option<usize>,
+    sinks: Option<Vec<f32>>,
 ) -> Result<Attention> {
     use super::layers::Rope;
     let (d, hd) = (sc.hidden_size, sc.head_dim);
@@ -1143,6 +1148,7 @@ fn standard_attention(
         scale: (hd as f32).powf(-0.5),
         kv_f16: sc.kv_f16,
         output_gate: sc.output_gate,
+        sinks,
     })
 }
 

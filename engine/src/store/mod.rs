@@ -68,13 +68,13 @@ pub fn expert_table(
         let needed = experts
             .checked_mul(moe_layers)
             .and_then(|n| n.checked_mul(3));
-        let have = ckpt.tensors().len();
+        let have = ckpt.described();
         if needed.is_none_or(|n| n > have) {
             return Err(cfg.error(
                 field,
                 format!(
                     "{experts} routed experts in each of {moe_layers} MoE layers need {} expert \
-                     matrices, but the checkpoint has only {have} tensors",
+                     matrices, but the checkpoint describes only {have} tensors",
                     needed.map_or("more".to_string(), |n| n.to_string())
                 ),
             ));

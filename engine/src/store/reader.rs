@@ -35,7 +35,7 @@ use crate::tensor::Storage;
 use crate::{Error, Result};
 
 /// One byte range of one checkpoint file.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ByteRange {
     /// Index of the file in the list the reader was opened with.
     pub file: usize,

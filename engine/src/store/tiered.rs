@@ -22,6 +22,7 @@ use super::reader::{open_reader, ByteRange, RangeReader, ReaderOptions};
 use super::{
     Arrival, CachePolicy, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot,
 };
+use crate::format::fused::ExpertSlice;
 use crate::format::safetensors::{Checkpoint, Fp4Parts, StoredWeight};
 use crate::tensor::quant::QuantType;
 use crate::tensor::{DType, Storage, Tensor};
@@ -41,12 +42,18 @@ struct MatrixLocation {
     scales: Option<Arc<crate::tensor::BlockScales>>,
     /// A split FP4 matrix, repacked into MXFP4 blocks when its ranges arrive.
     fp4: Option<Arc<Fp4Parts>>,
+    /// One expert's matrix of a fused tensor, built from its block when the block arrives
+    /// (the gate and up matrices of an expert share one block, read once).
+    slice: Option<Arc<ExpertSlice>>,
 }
 
 impl MatrixLocation {
-    /// Bytes read for this matrix.
+    /// Bytes of this matrix (a fused block's share, for a slice of one).
     fn bytes(&self) -> usize {
-        self.ranges.iter().map(|r| r.len).sum()
+        match &self.slice {
+            Some(s) => s.bytes(),
+            None => self.ranges.iter().map(|r| r.len).sum(),
+        }
     }
 
     /// The matrix from its buffers, taken from `bufs` in range order.
@@ -59,6 +66,14 @@ impl MatrixLocation {
                 ))
             })
         };
+        if let Some(s) = &self.slice {
+            let block = next()?;
+            let scales = match s.scales {
+                Some(_) => Some(next()?),
+                None => None,
+            };
+            return s.build(&block, scales.as_ref());
+        }
         match &self.fp4 {
             Some(p) => {
                 let (codes, scales) = (next()?, next()?);
@@ -266,6 +281,7 @@ impl TieredStore {
                     ranges,
                     scales: ckpt.block_scales(name)?,
                     fp4: None,
+                    slice: None,
                 },
                 StoredWeight::Fp4(p) => MatrixLocation {
                     name: name.to_string(),
@@ -274,6 +290,16 @@ impl TieredStore {
                     ranges,
                     scales: None,
                     fp4: Some(Arc::new(p)),
+                    slice: None,
+                },
+                StoredWeight::Slice(s) => MatrixLocation {
+                    name: name.to_string(),
+                    shape: shape.to_vec(),
+                    dtype: s.dtype(),
+                    ranges,
+                    scales: None,
+                    fp4: None,
+                    slice: Some(s),
                 },
             })
         };
@@ -327,7 +353,7 @@ impl TieredStore {
             .iter()
             .flatten()
             .flatten()
-            .any(|m| m.fp4.is_some())
+            .any(|m| m.fp4.is_some() || m.slice.is_some())
         {
             Some(Arc::new(
                 rayon::ThreadPoolBuilder::new()
@@ -335,7 +361,7 @@ impl TieredStore {
                     .thread_name(|i| format!("coli-repack-{i}"))
                     .build()
                     .map_err(|e| {
-                        Error::Invalid(format!("cannot start the FP4 repack threads: {e}"))
+                        Error::Invalid(format!("cannot start the expert repack threads: {e}"))
                     })?,
             ))
         } else {
@@ -475,18 +501,28 @@ impl TieredStore {
     fn submit_read(&self, key: Key) {
         let loc = self.locations[key.0][key.1].clone();
         let inner = self.inner.clone();
-        let ranges = loc.iter().flat_map(|m| m.ranges.clone()).collect();
-        // Repacking FP4 is CPU work: it runs on the repack threads, not the reader's.
+        // A range two matrices share (a fused expert's gate/up block) is read once.
+        let mut ranges: Vec<ByteRange> = Vec::new();
+        let mut order = Vec::new();
+        for r in loc.iter().flat_map(|m| m.ranges.iter()) {
+            let at = ranges.iter().position(|x| x == r).unwrap_or_else(|| {
+                ranges.push(r.clone());
+                ranges.len() - 1
+            });
+            order.push(at);
+        }
+        // Repacking FP4 and gathering fused rows are CPU work: they run on the repack
+        // threads, not the reader's.
         let repack = self
             .repack
             .clone()
-            .filter(|_| loc.iter().any(|m| m.fp4.is_some()));
+            .filter(|_| loc.iter().any(|m| m.fp4.is_some() || m.slice.is_some()));
         self.reader.submit(
             ranges,
             Box::new(move |bufs| {
                 let finish = move || {
                     let result = bufs.and_then(|b| {
-                        let mut b = b.into_iter();
+                        let mut b = order.iter().map(|&i| b[i].clone());
                         let gate = loc[0].assemble(&mut b)?;
                         let up = loc[1].assemble(&mut b)?;
                         let down = loc[2].assemble(&mut b)?;

@@ -142,7 +142,7 @@ pub fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Every committed fixture with routed experts (each family's own, not the variants).
-pub const MOE_FIXTURES: [&str; 15] = [
+pub const MOE_FIXTURES: [&str; 16] = [
     "mixtral",
     "olmoe",
     "qwen3_moe",
@@ -156,6 +156,7 @@ pub const MOE_FIXTURES: [&str; 15] = [
     "kimi_linear",
     "glm5_next",
     "minimax_m2",
+    "gpt_oss",
     "inkling",
     "inkling2",
 ];

@@ -433,6 +433,10 @@ VARIANTS = [
     # MiniMax-M2: one key/value head, a quarter of each head rotated, top-3 of 8; and 4/4 heads, rotary 0.75, 3 layers.
     ("minimax_kv1_rope025_top3", "minimax_m2", 51, 40, ["num_key_value_heads=1", "rope_parameters.partial_rotary_factor=0.25", "num_experts_per_tok=3"], False),
     ("minimax_kv4_rope075_3layers", "minimax_m2", 52, 38, ["num_key_value_heads=4", "rope_parameters.partial_rotary_factor=0.75", "num_hidden_layers=3"], False),
+    # gpt-oss: windows far below the prompt, clamps that bind, other head layouts and yarn settings.
+    ("gptoss_window4_limit05_full_first", "gpt_oss", 61, 40, ["num_hidden_layers=3", "sliding_window=4", "swiglu_limit=0.5", 'layer_types=["full_attention","sliding_attention","sliding_attention"]'], False),
+    ("gptoss_kv1_top3_alpha09_yarn8", "gpt_oss", 62, 36, ["num_key_value_heads=1", "num_experts_per_tok=3", "swiglu_alpha=0.9", "sliding_window=7", "rope_parameters.truncate=true", "rope_parameters.factor=8.0"], False),
+    ("gptoss_heads8_window2_limit1", "gpt_oss", 63, 38, ["num_attention_heads=8", "num_key_value_heads=4", "head_dim=8", "sliding_window=2", "swiglu_limit=1.0"], False),
     # Inkling: a window (5) and relative extents (5 / 12) below the prompt, log scaling that binds from
     # position 2, one full-attention kv head beside 4 sliding ones, full attention first and twice, two
     # dense layers, a padded head cut to 300 logits; and 8 sliding heads of 8 with another kv count, conv
