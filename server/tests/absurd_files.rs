@@ -63,6 +63,22 @@ const MLA: &[&str] = &[
     "intermediate_size",
 ];
 
+/// Sizes of the Inkling family (full and sliding layers' heads, the relative bias, the
+/// short convolutions).
+const INKLING: &[&str] = &[
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "head_dim",
+    "swa_num_attention_heads",
+    "swa_num_key_value_heads",
+    "swa_head_dim",
+    "sliding_window_size",
+    "rel_extent",
+    "d_rel",
+    "conv_kernel_size",
+    "moe_intermediate_size",
+];
 /// Sizes of the Gated DeltaNet hybrids (gated attention beside linear attention).
 const DELTA_NET: &[&str] = &[
     "hidden_size",
@@ -157,40 +173,12 @@ const FAMILIES: &[Family] = &[
     Family {
         fixture: "inkling",
         experts: Some("n_routed_experts"),
-        sizes: &[
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "head_dim",
-            "swa_num_attention_heads",
-            "swa_num_key_value_heads",
-            "swa_head_dim",
-            "sliding_window_size",
-            "rel_extent",
-            "d_rel",
-            "conv_kernel_size",
-            "moe_intermediate_size",
-            "intermediate_size",
-        ],
+        sizes: INKLING,
     },
     Family {
         fixture: "inkling2",
         experts: Some("n_routed_experts"),
-        sizes: &[
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "head_dim",
-            "swa_num_attention_heads",
-            "swa_num_key_value_heads",
-            "swa_head_dim",
-            "sliding_window_size",
-            "rel_extent",
-            "d_rel",
-            "conv_kernel_size",
-            "moe_intermediate_size",
-            "n_layers_per_attn_res_block",
-        ],
+        sizes: INKLING,
     },
     Family {
         fixture: "deepseek_v4",

@@ -95,24 +95,23 @@ pub const FAMILY: Family = Family::new(&["inkling_text"], boxed_load!(load))
     .with_experts(EXPERTS)
     .with_fused_experts(FUSED);
 
-/// transformers' `attribute_map` names of Inkling's fields (the other name first) and the
-/// key checkpoints spell differently.
-const KEY_ALIASES: &[(&str, &str)] = &[
+/// transformers' `attribute_map` names the Inkling family's configs share (the other name
+/// first; checkpoints spell the kernel `sconv_kernel_size`, the context `model_max_length`).
+pub(crate) const FAMILY_ALIASES: &[(&str, &str)] = &[
     ("sconv_kernel_size", "conv_kernel_size"),
     ("sliding_window", "sliding_window_size"),
     ("num_local_experts", "n_routed_experts"),
     ("model_max_length", "max_position_embeddings"),
-    ("embedding_multiplier", "logits_mup_width_multiplier"),
 ];
 
-/// `cfg`'s JSON with each field of `aliases` (`(other name, name)`) under its name when only
-/// the other name is set.
-pub(crate) fn fold_aliases(cfg: &ModelConfig, aliases: &[(&str, &str)]) -> Result<Value> {
+/// `cfg`'s JSON with each field of the [`FAMILY_ALIASES`] and of `own` (`(other name,
+/// name)`) under its name when only the other name is set.
+pub(crate) fn fold_aliases(cfg: &ModelConfig, own: &[(&str, &str)]) -> Result<Value> {
     let mut json = cfg.json().clone();
     let obj = json
         .as_object_mut()
         .ok_or_else(|| Error::config(cfg.path(), "config", "is not a JSON object"))?;
-    for (other, name) in aliases {
+    for (other, name) in FAMILY_ALIASES.iter().chain(own) {
         if obj.get(*name).is_none_or(Value::is_null) {
             if let Some(v) = obj.get(*other).filter(|v| !v.is_null()).cloned() {
                 obj.insert(name.to_string(), v);
@@ -128,8 +127,11 @@ pub(crate) fn fold_aliases(cfg: &ModelConfig, aliases: &[(&str, &str)]) -> Resul
 /// (the first `dense_mlp_idx`, default 0, dense), and checkpoints' `dense_intermediate_size`
 /// folded in (`intermediate_size` is then the experts' width).
 pub fn inkling_config(cfg: &ModelConfig) -> Result<ModelConfig> {
-    let mut json = fold_aliases(cfg, KEY_ALIASES)?;
-    let layers = cfg.usize("num_hidden_layers")?;
+    let mut json = fold_aliases(
+        cfg,
+        &[("embedding_multiplier", "logits_mup_width_multiplier")],
+    )?;
+    let layers = schedule_len(cfg)?;
     let obj = json.as_object_mut().expect("checked by fold_aliases");
     if obj.get("layer_types").is_none_or(Value::is_null) {
         let local = cfg
@@ -161,6 +163,14 @@ pub fn inkling_config(cfg: &ModelConfig) -> Result<ModelConfig> {
         obj.insert("intermediate_size".into(), dense);
     }
     Ok(ModelConfig::from_value(cfg.path().to_path_buf(), json))
+}
+
+/// How many layers a derived per-layer schedule lists: `num_hidden_layers`, or none when it
+/// is beyond any model (the loader then refuses it against the checkpoint's layers, naming
+/// the field, before reading a schedule).
+pub(crate) fn schedule_len(cfg: &ModelConfig) -> Result<usize> {
+    let layers = cfg.usize("num_hidden_layers")?;
+    Ok(if layers <= 1 << 16 { layers } else { 0 })
 }
 
 /// Each entry of the string list `field` (`num_hidden_layers` long) as one of `kinds`

@@ -70,12 +70,9 @@ pub const FAMILY: Family = Family::new(&["inkling2_text"], boxed_load!(load))
     .with_experts(EXPERTS)
     .with_fused_experts(FUSED);
 
-/// transformers' `attribute_map` names of Inkling 2's fields (the other name first).
+/// transformers' `attribute_map` names of Inkling 2's own fields (the other name first),
+/// beside the family's ([`super::inkling::FAMILY_ALIASES`]).
 const KEY_ALIASES: &[(&str, &str)] = &[
-    ("sconv_kernel_size", "conv_kernel_size"),
-    ("sliding_window", "sliding_window_size"),
-    ("num_local_experts", "n_routed_experts"),
-    ("model_max_length", "max_position_embeddings"),
     ("intermediate_size", "moe_intermediate_size"),
     ("routed_scaling_factor", "route_scale"),
 ];
@@ -85,7 +82,7 @@ const KEY_ALIASES: &[(&str, &str)] = &[
 /// layer full attention).
 pub fn inkling2_config(cfg: &ModelConfig) -> Result<ModelConfig> {
     let mut json = fold_aliases(cfg, KEY_ALIASES)?;
-    let layers = cfg.usize("num_hidden_layers")?;
+    let layers = super::inkling::schedule_len(cfg)?;
     let obj = json.as_object_mut().expect("checked by fold_aliases");
     if obj
         .get("layer_types")

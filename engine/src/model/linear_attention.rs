@@ -535,6 +535,48 @@ mod tests {
     }
 
     #[test]
+    fn residual_and_dynamic_convs_decoded_token_by_token_equal_all_at_once() {
+        let conv = ShortConv {
+            weight: (0..12).map(|i| 0.1 * i as f32 - 0.5).collect(),
+            channels: 4,
+            kernel: 3,
+        };
+        // 2 heads of 2 channels, 3 taps each; taps per token as a projection would give them.
+        let dynamic = DynamicConv {
+            static_w: (0..12).map(|i| 0.05 * i as f32 - 0.2).collect(),
+            taps: Linear::from_tensor(crate::tensor::Tensor::from_f32("t", &[6, 1], &[0.0; 6])),
+            channels: 4,
+            kernel: 3,
+            heads: 2,
+        };
+        let x: Vec<f32> = (0..20).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
+        let taps: Vec<f32> = (0..30).map(|i| ((i * 3) % 7) as f32 * 0.1 - 0.3).collect();
+        let run = |step: usize| {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let mut sa = vec![0.0; conv.state_len()];
+            let mut sb = vec![0.0; dynamic.state_len()];
+            for (t0, rows) in x.chunks(4 * step).enumerate() {
+                let n = rows.len() / 4;
+                let mut ra = rows.to_vec();
+                conv.forward_residual(&mut ra, &mut sa, 2.0);
+                a.extend(ra);
+                let mut rb = rows.to_vec();
+                let tt = &taps[t0 * step * 6..(t0 * step + n) * 6];
+                dynamic.forward(&mut rb, tt, &mut sb);
+                b.extend(rb);
+            }
+            (a, b, sa, sb)
+        };
+        assert_eq!(run(5), run(1));
+        let (a, b, _, _) = run(5);
+        // The first token sees only itself: (w[c, K−1]·x + x) / 2, and for the dynamic
+        // convolution (w_lag0·x + x) / √7 with w_lag0 = static_w[0, c] + its head's tap 0.
+        assert_eq!(a[1], (conv.weight[5] * x[1] + x[1]) / 2.0);
+        let w = dynamic.static_w[3] + taps[3];
+        assert_eq!(b[3], (x[3] * w + x[3]) / 7f64.sqrt() as f32);
+    }
+
+    #[test]
     fn softplus_matches_its_definition_and_threshold() {
         assert!((softplus(0.0) - std::f32::consts::LN_2).abs() < 1e-7);
         assert_eq!(softplus(25.0), 25.0);
