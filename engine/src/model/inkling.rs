@@ -50,7 +50,8 @@ pub const EXPERTS: Experts = Experts {
 };
 
 /// Inkling's fused expert tensors: transformers' `gate_up_proj` (gate rows, then up rows) and
-/// `down_proj`, the shared experts' `[S, ·, ·]` matrices, and the hub's interleaved `w13`.
+/// `down_proj`, the shared experts' `[S, ·, ·]` matrices, and the hub's `w13_weight` /
+/// `shared_w13_weight` (gate and up rows interleaved) and `w2_weight` / `shared_w2_weight`.
 const FUSED: &[FusedExperts] = &[
     FusedExperts {
         tensor: "experts.gate_up_proj",
@@ -70,6 +71,16 @@ const FUSED: &[FusedExperts] = &[
     FusedExperts {
         tensor: "experts.w2_weight",
         into: "experts",
+        layout: FusedLayout::Matrix("down_proj"),
+    },
+    FusedExperts {
+        tensor: "shared_w13_weight",
+        into: "shared_experts",
+        layout: FusedLayout::GateUpInterleaved,
+    },
+    FusedExperts {
+        tensor: "shared_w2_weight",
+        into: "shared_experts",
         layout: FusedLayout::Matrix("down_proj"),
     },
     FusedExperts {

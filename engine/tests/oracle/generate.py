@@ -997,7 +997,10 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True, allow_ties=Fal
     cfg = model.config
     tcfg = text_config_of(cfg)
     V = int(tcfg.vocab_size)
-    tok = build_tokenizer(V)
+    # A head padded past the real tokens (Inkling's unpadded_vocab_size): the tokenizer holds only those.
+    unpadded = getattr(tcfg, "unpadded_vocab_size", None)
+    n_tokens = unpadded if unpadded is not None and unpadded < V else V
+    tok = build_tokenizer(n_tokens)
     eos_id = tok.token_to_id(EOS_TOKEN)
     special_ids = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
     gen_cfg = GenerationConfig(bos_token_id=tok.token_to_id(BOS_TOKEN), eos_token_id=eos_id,
@@ -1069,6 +1072,7 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True, allow_ties=Fal
         "torch_version": torch.__version__.split("+")[0],
         "dtype": "float32",
         "vocab_size": V,
+        "tokenizer_size": n_tokens,
         "eos_token_id": eos_id,
         "prompt_text": text,
         "prompt_ids": ids,
@@ -1133,7 +1137,7 @@ def verify_fixture(arch, out_dir, model_cls):
     hf_tok = AutoTokenizer.from_pretrained(out_dir)
     if hf_tok(ref["prompt_text"], add_special_tokens=False)["input_ids"] != ref["prompt_ids"]:
         raise RuntimeError(f"{arch}: AutoTokenizer encodes the prompt differently")
-    if len(hf_tok) != ref["vocab_size"]:
+    if len(hf_tok) != ref.get("tokenizer_size", ref["vocab_size"]):
         raise RuntimeError(f"{arch}: AutoTokenizer vocab {len(hf_tok)} != {ref['vocab_size']}")
     chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                       add_generation_prompt=True)
