@@ -244,7 +244,7 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
-    /// Read from `cfg` (normalised) for `layers` layers; the full-attention head counts are
+    /// Read from `cfg` (normalised), for `sc.layers` layers; the full-attention head counts are
     /// `sc`'s.
     pub fn read(cfg: &ModelConfig, sc: &StandardConfig) -> Result<Geometry> {
         let heads = |h: &str, kv: &str, hd: &str, default: (usize, usize, usize)| -> Result<_> {
@@ -661,13 +661,17 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
     let experts = super::expert_count(cfg, ckpt, EXPERTS.count)?;
     let top_k = super::experts_per_token(cfg, experts)?;
     let moe_inter = cfg.dim("moe_intermediate_size")?;
-    let shared = cfg.usize_in_or(
-        "n_shared_experts",
-        1..=ckpt.numbered("shared_experts").max(1),
-        "transformers' router takes the shared experts' logits off the end of the gate's, so at \
-         least one, and at most the shared experts the checkpoint has",
-        2,
-    )?;
+    let shared = if moe.contains(&true) {
+        cfg.usize_in_or(
+            "n_shared_experts",
+            1..=ckpt.numbered("shared_experts").max(1),
+            "transformers' router takes the shared experts' logits off the end of the gate's, so \
+             at least one, and at most the shared experts the checkpoint has",
+            2,
+        )?
+    } else {
+        0
+    };
     let route_scale = cfg.f64_or("route_scale", 8.0)? as f32;
     let m = &sc.prefix;
     // Every sparse layer's store holds its routed experts, then its shared experts.
