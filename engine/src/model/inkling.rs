@@ -49,6 +49,21 @@ pub const EXPERTS: Experts = Experts {
     ..Experts::QWEN
 };
 
+/// The hubs' fused routed experts (Inkling's and Inkling 2's): `experts.w13_weight`
+/// `[E, 2I, D]`, gate and up rows interleaved…
+pub(crate) const HUB_W13: FusedExperts = FusedExperts {
+    tensor: "experts.w13_weight",
+    into: "experts",
+    layout: FusedLayout::GateUpInterleaved,
+};
+
+/// …and `experts.w2_weight` `[E, D, I]`.
+pub(crate) const HUB_W2: FusedExperts = FusedExperts {
+    tensor: "experts.w2_weight",
+    into: "experts",
+    layout: FusedLayout::Matrix("down_proj"),
+};
+
 /// Inkling's fused expert tensors: transformers' `gate_up_proj` (gate rows, then up rows) and
 /// `down_proj`, the shared experts' `[S, ·, ·]` matrices, and the hub's `w13_weight` /
 /// `shared_w13_weight` (gate and up rows interleaved) and `w2_weight` / `shared_w2_weight`.
@@ -63,16 +78,8 @@ const FUSED: &[FusedExperts] = &[
         into: "experts",
         layout: FusedLayout::Matrix("down_proj"),
     },
-    FusedExperts {
-        tensor: "experts.w13_weight",
-        into: "experts",
-        layout: FusedLayout::GateUpInterleaved,
-    },
-    FusedExperts {
-        tensor: "experts.w2_weight",
-        into: "experts",
-        layout: FusedLayout::Matrix("down_proj"),
-    },
+    HUB_W13,
+    HUB_W2,
     FusedExperts {
         tensor: "shared_w13_weight",
         into: "shared_experts",

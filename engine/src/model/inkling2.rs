@@ -35,7 +35,7 @@ use super::transformer::{
 };
 use super::LoadOptions;
 use crate::format::config::ModelConfig;
-use crate::format::fused::{FusedExperts, FusedLayout};
+use crate::format::fused::FusedExperts;
 use crate::format::safetensors::Checkpoint;
 use crate::store::{self, ExpertStore};
 use crate::Result;
@@ -47,18 +47,7 @@ const MODEL: &str = "model.llm";
 pub const EXPERTS: Experts = super::inkling::EXPERTS;
 
 /// Inkling 2's fused experts: `w13_weight` (gate and up rows interleaved) and `w2_weight`.
-const FUSED: &[FusedExperts] = &[
-    FusedExperts {
-        tensor: "experts.w13_weight",
-        into: "experts",
-        layout: FusedLayout::GateUpInterleaved,
-    },
-    FusedExperts {
-        tensor: "experts.w2_weight",
-        into: "experts",
-        layout: FusedLayout::Matrix("down_proj"),
-    },
-];
+const FUSED: &[FusedExperts] = &[super::inkling::HUB_W13, super::inkling::HUB_W2];
 
 /// Inkling 2 in the registry.
 pub const FAMILY: Family = Family::new(&["inkling2_text"], boxed_load!(load))

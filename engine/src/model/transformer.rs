@@ -4,9 +4,9 @@
 //! head. Families differ only in how they fill these parts from their checkpoint (see their
 //! files): the attention kind ([`SelfAttention`]), the feed-forward kind ([`Ffn`]), the
 //! residual kind and the residual's layout ([`Streams`]), short convolutions on the parts'
-//! outputs ([`PostConv`]), and what is done to the embedding and the logits ([`Transformer::embed_norm`],
-//! [`LogitForm`]). So batching (one `forward_batch` over every sequence's rows), prefetch and
-//! the MTP drafter reach every family.
+//! outputs ([`PostConv`]), and what is done to the embedding and the logits
+//! ([`Transformer::embed_norm`], [`LogitForm`]). So batching (one `forward_batch` over every
+//! sequence's rows), prefetch and the MTP drafter reach every family.
 
 use std::time::Instant;
 
