@@ -57,6 +57,7 @@ pub fn demo_args(out: PathBuf) -> SynthArgs {
         threads: 0,
         ds: Default::default(),
         linear: Default::default(),
+        mxfp4: false,
     }
 }
 

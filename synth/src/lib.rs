@@ -14,8 +14,8 @@ use anyhow::{bail, Context, Result};
 use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
 use colibri::model::registry::{Experts, Family};
 use colibri::model::{
-    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, kimi_linear, llama, mixtral, olmoe, qwen3_moe,
-    qwen3_next,
+    deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, gpt_oss, kimi_linear, llama, mixtral, olmoe,
+    qwen3_moe, qwen3_next,
 };
 use colibri::tensor::DType;
 use half::bf16;
@@ -56,6 +56,11 @@ pub enum SynthArch {
     /// `block_sparse_moe` (experts `w1`/`w3`/`w2`).
     #[value(name = "kimi-linear")]
     KimiLinear,
+    /// gpt-oss: biased GQA with attention sinks, sliding (`--sliding-window`) and full layers
+    /// alternating, yarn RoPE; a biased router and fused biased experts with the clamped GLU,
+    /// in transformers' `x·W` layout or (`--mxfp4`) the hub's MXFP4 blocks.
+    #[value(name = "gpt-oss")]
+    GptOss,
 }
 
 impl SynthArch {
@@ -94,6 +99,7 @@ impl SynthArch {
             SynthArch::Qwen3Next => &qwen3_next::QWEN3_NEXT,
             SynthArch::Qwen35Moe => &qwen3_next::QWEN3_5_MOE,
             SynthArch::KimiLinear => &kimi_linear::FAMILY,
+            SynthArch::GptOss => &gpt_oss::FAMILY,
         }
     }
 
@@ -175,6 +181,12 @@ pub struct SynthArgs {
     /// Options of the linear-attention hybrids.
     #[command(flatten)]
     pub linear: LinearArgs,
+    /// gpt-oss: routed experts as the hub ships them, MXFP4 (`…_blocks` + `…_scales`, gate and
+    /// up rows interleaved); without it, transformers' fused `x·W` layout in `--dtype` holding
+    /// exactly the values the MXFP4 form dequantizes to (so both forms compute the same
+    /// tokens). --hidden and --moe-intermediate must be multiples of 32.
+    #[arg(long)]
+    pub mxfp4: bool,
 }
 
 /// Shape options of the linear-attention hybrids (qwen3-next, qwen3-5-moe); the other
@@ -336,6 +348,103 @@ fn delta_net_layer(pl: &mut Plan, a: &SynthArgs, l: usize, heads: usize, kv_head
     pl.mat(format!("{sp}.up_proj.weight"), shared, d);
     pl.mat(format!("{sp}.down_proj.weight"), d, shared);
     pl.mat(format!("{p}.mlp.shared_expert_gate.weight"), 1, d);
+}
+
+/// Layer `l` of gpt-oss: biased attention with sinks, the biased router, and the fused
+/// experts with their biases, in the MXFP4 form or the `x·W` form of the same values.
+fn gpt_oss_layer(pl: &mut Plan, a: &SynthArgs, l: usize, heads: usize, kv_heads: usize) {
+    let (d, hd, e, i) = (a.hidden, head_dim(a, heads), a.experts, a.moe_intermediate);
+    let p = format!("model.layers.{l}");
+    for (proj, rows, cols) in [
+        ("q_proj", heads * hd, d),
+        ("k_proj", kv_heads * hd, d),
+        ("v_proj", kv_heads * hd, d),
+        ("o_proj", d, heads * hd),
+    ] {
+        pl.mat(format!("{p}.self_attn.{proj}.weight"), rows, cols);
+        pl.bias(format!("{p}.self_attn.{proj}.bias"), rows);
+    }
+    pl.push(
+        format!("{p}.self_attn.sinks"),
+        pl.dtype,
+        vec![heads],
+        Init::Uniform(1.0),
+    );
+    pl.norm(format!("{p}.input_layernorm.weight"), d);
+    pl.norm(format!("{p}.post_attention_layernorm.weight"), d);
+    pl.mat(format!("{p}.mlp.router.weight"), e, d);
+    pl.bias(format!("{p}.mlp.router.bias"), e);
+    let x = format!("{p}.mlp.experts");
+    // (name, rows, cols) of each fused tensor in the row layout, and its scale byte: a power
+    // of two near the init scale of its matrices over the E2M1 range (±6).
+    for (name, rows, cols, matrix) in [
+        ("gate_up_proj", 2 * i, d, "gate_up_proj.weight"),
+        ("down_proj", d, i, "down_proj.weight"),
+    ] {
+        let scale = 127 + (init_scale(matrix, cols) / 6.0).log2().floor() as i32;
+        let scale = scale.clamp(1, 254) as u8;
+        if a.mxfp4 {
+            pl.push(
+                format!("{x}.{name}_blocks"),
+                DType::U8,
+                vec![e, rows, cols / 32, 16],
+                Init::Fp4Codes,
+            );
+            pl.push(
+                format!("{x}.{name}_scales"),
+                DType::U8,
+                vec![e, rows, cols / 32],
+                Init::Fp4Scale(scale),
+            );
+        } else {
+            pl.push(
+                format!("{x}.{name}"),
+                pl.dtype,
+                vec![e, cols, rows],
+                Init::Fp4Values { rows, cols, scale },
+            );
+        }
+    }
+    pl.push(
+        format!("{x}.gate_up_proj_bias"),
+        pl.dtype,
+        vec![e, 2 * i],
+        Init::Uniform(BIAS_SCALE),
+    );
+    pl.push(
+        format!("{x}.down_proj_bias"),
+        pl.dtype,
+        vec![e, d],
+        Init::Uniform(BIAS_SCALE),
+    );
+}
+
+/// gpt-oss's config keys (as transformers writes them; the hub's yarn, window and clamp).
+fn gpt_oss_config(a: &SynthArgs, heads: usize) -> serde_json::Value {
+    let layer_types: Vec<&str> = (0..a.layers)
+        .map(|l| {
+            if l % 2 == 0 {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    let mut v = json!({
+        "architectures": ["GptOssForCausalLM"], "model_type": a.arch.model_type(),
+        "head_dim": head_dim(a, heads), "intermediate_size": a.moe_intermediate,
+        "num_local_experts": a.experts, "num_experts_per_tok": a.top_k,
+        "layer_types": layer_types, "sliding_window": a.ds.sliding_window,
+        "rms_norm_eps": 1e-5, "attention_bias": true, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+        "output_router_logits": false, "router_aux_loss_coef": 0.001, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+            "original_max_position_embeddings": 4096},
+    });
+    if a.mxfp4 {
+        v["quantization_config"] = json!({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]});
+    }
+    v
 }
 
 /// The config keys of a Gated DeltaNet hybrid (as transformers writes them).
@@ -628,6 +737,14 @@ enum Init {
     Positive(f32),
     /// Rows of distinct expert ids below the count (deepseek-v4's `tid2eid`, I64).
     ExpertIds(usize),
+    /// Packed E2M1 codes (two per byte, low nibble first) of a fused `[E, R, C]` expert
+    /// tensor in the row layout: the code of element `i` is [`fp4_code`]`(i)`.
+    Fp4Codes,
+    /// One E8M0 scale byte per 32 values, all the same.
+    Fp4Scale(u8),
+    /// The values an [`Init::Fp4Codes`] tensor `[E, R, C]` with scale byte `scale` holds, in
+    /// the `x·W` layout `[E, C, R]`.
+    Fp4Values { rows: usize, cols: usize, scale: u8 },
 }
 
 /// One tensor and how to fill it.
@@ -725,7 +842,7 @@ impl Plan {
 /// Head dim of the non-MLA attention.
 fn head_dim(a: &SynthArgs, heads: usize) -> usize {
     match a.arch {
-        SynthArch::Glm4Moe | SynthArch::Qwen3Next | SynthArch::Qwen35Moe => {
+        SynthArch::Glm4Moe | SynthArch::Qwen3Next | SynthArch::Qwen35Moe | SynthArch::GptOss => {
             a.ds.head_dim.unwrap_or(a.hidden / heads)
         }
         _ => a.hidden / heads,
@@ -757,6 +874,14 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
             a.vocab,
             d,
         );
+        return pl.finish();
+    }
+    if a.arch == SynthArch::GptOss {
+        for l in 0..a.layers {
+            gpt_oss_layer(&mut pl, a, l, heads, kv_heads);
+        }
+        pl.norm("model.norm.weight".into(), d);
+        pl.mat("lm_head.weight".into(), a.vocab, d);
         return pl.finish();
     }
     if a.arch.delta_net() {
@@ -829,7 +954,8 @@ fn plan(a: &SynthArgs, heads: usize, kv_heads: usize) -> Vec<Planned> {
             | SynthArch::DeepseekV4
             | SynthArch::Qwen3Next
             | SynthArch::Qwen35Moe
-            | SynthArch::KimiLinear => unreachable!(),
+            | SynthArch::KimiLinear
+            | SynthArch::GptOss => unreachable!(),
         }
     }
     pl.norm("model.norm.weight".into(), d);
@@ -1037,6 +1163,7 @@ fn config_json(
         SynthArch::DeepseekV4 => v4_config(a, heads),
         SynthArch::Qwen3Next | SynthArch::Qwen35Moe => delta_net_config(a, heads),
         SynthArch::KimiLinear => kimi_linear_config(a, heads),
+        SynthArch::GptOss => gpt_oss_config(a, heads),
         SynthArch::GlmMoeDsa => {
             let indexer_types: Vec<&str> = (0..a.layers)
                 .map(|l| {
@@ -1138,6 +1265,33 @@ fn chunk_seed(seed: u64, name: &str, chunk: usize) -> u64 {
 const CHUNK: usize = 1 << 20;
 
 fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
+    // The row-layout codes of the fused tensor, whichever form is written.
+    let base = p.spec.name.strip_suffix("_blocks").unwrap_or(&p.spec.name);
+    match p.init {
+        Init::Fp4Codes => {
+            return (0..n)
+                .map(|i| {
+                    let b = (chunk * CHUNK + i) as u64;
+                    fp4_code(seed, base, 2 * b) | (fp4_code(seed, base, 2 * b + 1) << 4)
+                })
+                .collect();
+        }
+        Init::Fp4Scale(byte) => return vec![byte; n],
+        Init::Fp4Values { rows, cols, scale } => {
+            let unit = colibri::tensor::microscale::e8m0_to_f32(scale);
+            let vals: Vec<f32> = (0..n)
+                .map(|i| {
+                    // Element (e, c, r) of [E, C, R] is element (e, r, c) of the row layout.
+                    let at = chunk * CHUNK + i;
+                    let (e, c, r) = (at / (cols * rows), at / rows % cols, at % rows);
+                    let idx = ((e * rows + r) * cols + c) as u64;
+                    colibri::tensor::microscale::e2m1_to_f32(fp4_code(seed, base, idx)) * unit
+                })
+                .collect();
+            return float_bytes(&vals, p.spec.dtype);
+        }
+        _ => {}
+    }
     if let Init::ExpertIds(experts) = p.init {
         // Row r holds (start_r + j) mod experts for its k slots: distinct while k ≤ experts.
         let k = p.spec.shape[1];
@@ -1159,7 +1313,9 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
         }
         Init::Uniform(s) => (s, 0.0),
         Init::Positive(s) => (s * 0.5, 1.0),
-        Init::ExpertIds(_) => unreachable!("filled above"),
+        Init::ExpertIds(_) | Init::Fp4Codes | Init::Fp4Scale(_) | Init::Fp4Values { .. } => {
+            unreachable!("filled above")
+        }
     };
     if !matches!(p.init, Init::Ones | Init::Zeros) {
         let mut s = chunk_seed(seed, &p.spec.name, chunk);
@@ -1171,13 +1327,26 @@ fn fill_chunk(p: &Planned, seed: u64, chunk: usize, n: usize) -> Vec<u8> {
             *v = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0 + shift) * scale;
         }
     }
-    match p.spec.dtype {
+    float_bytes(&vals, p.spec.dtype)
+}
+
+/// `vals` as little-endian bf16 or f32 bytes.
+fn float_bytes(vals: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
         DType::BF16 => vals
             .iter()
             .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
             .collect(),
         _ => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
+}
+
+/// The E2M1 code of element `idx` (row layout) of the fused expert tensor `base`.
+fn fp4_code(seed: u64, base: &str, idx: u64) -> u8 {
+    let mut z = chunk_seed(seed, base, 0) ^ idx.wrapping_mul(0x9E3779B97F4A7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+    ((z ^ (z >> 31)) >> 60) as u8
 }
 
 /// Write the checkpoint described by `args` to `args.out`.
@@ -1206,6 +1375,7 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     let free_head_dim = args.arch.mla()
         || ((args.arch.deepseek_style()
             || args.arch == SynthArch::DeepseekV4
+            || args.arch == SynthArch::GptOss
             || args.arch.delta_net())
             && args.ds.head_dim.is_some());
     if heads == 0
@@ -1229,6 +1399,21 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     }
     if args.arch.deepseek_style() {
         check_ds(args, heads)?;
+    }
+    if args.mxfp4
+        && (args.arch != SynthArch::GptOss
+            || !args.hidden.is_multiple_of(32)
+            || !args.moe_intermediate.is_multiple_of(32))
+    {
+        bail!(
+            "--mxfp4: only gpt-oss, with --hidden ({}) and --moe-intermediate ({}) multiples of 32",
+            args.hidden,
+            args.moe_intermediate
+        );
+    }
+    if args.arch == SynthArch::GptOss && (args.moe_intermediate == 0 || args.ds.sliding_window == 0)
+    {
+        bail!("--moe-intermediate and --sliding-window must be positive");
     }
     if args.arch == SynthArch::DeepseekV4 {
         check_v4(args, heads)?;
@@ -1539,6 +1724,7 @@ mod tests {
             threads: 0,
             ds,
             linear: LinearArgs::default(),
+            mxfp4: false,
         }
     }
 
@@ -1598,6 +1784,12 @@ mod tests {
                 a.ds.index_topk = 2;
                 a.ds.routed_scaling = 1.5;
             }
+            SynthArch::GptOss => {
+                a.layers = 2;
+                a.kv_heads = Some(2);
+                a.ds.head_dim = Some(16);
+                a.ds.sliding_window = 12;
+            }
             _ => unreachable!(),
         }
         a
@@ -1616,6 +1808,7 @@ mod tests {
             (SynthArch::Qwen3Next, "qwen3_next"),
             (SynthArch::Qwen35Moe, "qwen3_5_moe"),
             (SynthArch::KimiLinear, "kimi_linear"),
+            (SynthArch::GptOss, "gpt_oss"),
         ] {
             let out = tmp.path().join(name);
             synthesize(&fixture_args(arch, out.clone()), false).unwrap();
@@ -1649,10 +1842,39 @@ mod tests {
                     assert_eq!(&got[k], v, "{name}: config {k}");
                 }
             }
-            if !arch.delta_net() && arch != SynthArch::KimiLinear {
+            if !arch.delta_net() && ![SynthArch::KimiLinear, SynthArch::GptOss].contains(&arch) {
                 assert_eq!(got["num_nextn_predict_layers"], 0, "{name}");
             }
         }
+    }
+
+    /// gpt-oss's two expert forms of one seed — the hub's MXFP4 blocks and transformers'
+    /// `x·W` layout holding their values — load to the same model: identical logits, and the
+    /// MXFP4 experts take 17 bytes per 32 values.
+    #[test]
+    fn synth_gpt_oss_mxfp4_and_xw_forms_compute_the_same_logits() {
+        let tmp = tempfile::tempdir().unwrap();
+        let logits = |mxfp4: bool| {
+            let out = tmp.path().join(if mxfp4 { "mxfp4" } else { "xw" });
+            let mut a = fixture_args(SynthArch::GptOss, out.clone());
+            a.mxfp4 = mxfp4;
+            synthesize(&a, false).unwrap();
+            let m = colibri::model::load(&out).unwrap();
+            let ids: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 384).collect();
+            let mut cache = m.new_cache(ids.len());
+            let l = m
+                .forward(&ids, &mut cache, colibri::model::Logits::All)
+                .unwrap();
+            (l, m.info().routed_expert_bytes)
+        };
+        let (xw, xw_bytes) = logits(false);
+        let (fp4, fp4_bytes) = logits(true);
+        assert!(xw.iter().all(|v| v.is_finite()) && xw.iter().any(|&v| v != 0.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&xw) == bits(&fp4), "the two forms differ");
+        // 2 layers × 8 experts × 3 matrices of 64×32: f32 against 17/32 bytes per value.
+        assert_eq!(xw_bytes, 2 * 8 * 3 * 64 * 32 * 4);
+        assert_eq!(fp4_bytes, 2 * 8 * 3 * 64 * 32 / 32 * 17);
     }
 
     /// The tensors under `model.layers.{l}.` with the prefix stripped.
