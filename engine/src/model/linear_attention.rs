@@ -334,11 +334,6 @@ impl LinearAttention {
         self.conv.state_len() + self.heads * self.dk * self.dv
     }
 
-    /// A fresh (zero) cache of this layer.
-    pub fn new_cache(&self) -> LayerKv {
-        LayerKv::recurrent(self.state_len())
-    }
-
     /// The projections of rows `x` (any number of sequences: row-wise).
     pub fn project(&self, x: &[f32]) -> LinearRows {
         let (nk, nv, dk, dv) = (self.k_heads, self.heads, self.dk, self.dv);
