@@ -20,7 +20,7 @@ export COLI_STATE_DIR="$work/state" COLI_CACHE_DIR="$work/cache" COLI_LOG=error
 exec 3>&2 2>"$work/stderr"
 trap 'rc=$?; [ $rc = 0 ] || cat "$work/stderr" >&3; rm -rf "$work"' EXIT
 
-fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_dsa deepseek_v4 qwen3_next qwen3_5_moe kimi_linear glm5_next minimax_m2 gpt_oss)
+fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_dsa deepseek_v4 qwen3_next qwen3_5_moe kimi_linear glm5_next minimax_m2 gpt_oss inkling inkling2)
 for v in variants/*/; do fixtures+=("${v%/}"); done
 
 sum() { sha256sum | cut -d' ' -f1; }
@@ -32,7 +32,7 @@ for f in "${fixtures[@]}"; do
   fi
   case "$f" in
     # No GGUF layout here for these (llama.cpp has none for some; the hybrids' are not written yet).
-    glm_moe_dsa|deepseek_v4|qwen3_next|qwen3_5_moe|kimi_linear|glm5_next|minimax_m2|gpt_oss|variants/*) continue ;;
+    glm_moe_dsa|deepseek_v4|qwen3_next|qwen3_5_moe|kimi_linear|glm5_next|minimax_m2|gpt_oss|inkling|inkling2|variants/*) continue ;;
   esac
   gguf="$work/$(echo "$f" | tr / _).gguf"
   "$coli" convert --model "$f" --out "$gguf" --type q8_0 >/dev/null 2>&1

@@ -398,9 +398,16 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
 
 #[test]
 fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() {
-    // The hybrids' recurrent state goes back to a checkpoint (end of a turn, end of a prefill
-    // chunk: chunks of 8 here) instead of being cut; attention caches are cut exactly.
-    for (arch, chunk) in [("qwen3_moe", 256), ("qwen3_5_moe", 8), ("kimi_linear", 8)] {
+    // The hybrids' recurrent state (and the Inkling family's convolution windows) goes back
+    // to a checkpoint (end of a turn, end of a prefill chunk: chunks of 8 here) instead of
+    // being cut; attention caches are cut exactly.
+    for (arch, chunk) in [
+        ("qwen3_moe", 256),
+        ("qwen3_5_moe", 8),
+        ("kimi_linear", 8),
+        ("inkling", 8),
+        ("inkling2", 8),
+    ] {
         let loaded = Arc::new(LoadedModel::open(&fixture(arch), false).unwrap());
         let config = |slots| SchedulerConfig {
             slots,

@@ -337,6 +337,16 @@ fn qwen3_5_moe_matches_transformers() {
     check("qwen3_5_moe");
 }
 
+#[test]
+fn inkling_matches_transformers() {
+    check("inkling");
+}
+
+#[test]
+fn inkling2_matches_transformers() {
+    check("inkling2");
+}
+
 /// GLM-5's `indexer_types` schedule from `index_topk_freq` / `index_skip_topk_offset`, as
 /// transformers derives it, on every glm_moe_dsa fixture whose list transformers derived
 /// (its config.json carries both): dropping the list gives the same one.

@@ -63,6 +63,22 @@ const MLA: &[&str] = &[
     "intermediate_size",
 ];
 
+/// Sizes of the Inkling family (full and sliding layers' heads, the relative bias, the
+/// short convolutions).
+const INKLING: &[&str] = &[
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "head_dim",
+    "swa_num_attention_heads",
+    "swa_num_key_value_heads",
+    "swa_head_dim",
+    "sliding_window_size",
+    "rel_extent",
+    "d_rel",
+    "conv_kernel_size",
+    "moe_intermediate_size",
+];
 /// Sizes of the Gated DeltaNet hybrids (gated attention beside linear attention).
 const DELTA_NET: &[&str] = &[
     "hidden_size",
@@ -153,6 +169,16 @@ const FAMILIES: &[Family] = &[
             "linear_head_dim",
             "linear_conv_kernel_dim",
         ],
+    },
+    Family {
+        fixture: "inkling",
+        experts: Some("n_routed_experts"),
+        sizes: INKLING,
+    },
+    Family {
+        fixture: "inkling2",
+        experts: Some("n_routed_experts"),
+        sizes: INKLING,
     },
     Family {
         fixture: "deepseek_v4",

@@ -67,7 +67,8 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
     // split can legitimately differ, so for them the tokens and caches are compared. The
     // families cover grouped-query attention (k, v) and MLA (latent k, rope v) with and
     // without the DSA indexer's keys (aux), and hybrids whose linear-attention layers keep a
-    // recurrent state (qwen3_next, qwen3_5_moe, kimi_linear, glm5_next).
+    // recurrent state (qwen3_next, qwen3_5_moe, kimi_linear, glm5_next), and the Inkling
+    // family, whose layers keep their short convolutions' last inputs beside the KV rows.
     for (arch, compare_text) in [
         ("qwen3_moe", true),
         ("olmoe", false),
@@ -78,6 +79,8 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
         ("qwen3_5_moe", false),
         ("kimi_linear", false),
         ("glm5_next", false),
+        ("inkling", false),
+        ("inkling2", false),
     ] {
         let r = reference(arch);
         let prompt = r["prompt_text"].as_str().unwrap();
@@ -137,7 +140,15 @@ fn a_greedy_run_split_over_two_processes_continues_exactly() {
             "{arch}: only the pending token is run: {err_b2}"
         );
 
-        let hybrid = ["qwen3_next", "qwen3_5_moe", "kimi_linear", "glm5_next"].contains(&arch);
+        let hybrid = [
+            "qwen3_next",
+            "qwen3_5_moe",
+            "kimi_linear",
+            "glm5_next",
+            "inkling",
+            "inkling2",
+        ]
+        .contains(&arch);
         assert_eq!(
             a.cache.is_recurrent(),
             hybrid,

@@ -498,6 +498,7 @@ pub fn load_mla_stack(
             )?,
             ffn: moe.load_ffn(ckpt, cfg, &p, l, d, &store)?,
             residual: Residual::Plain,
+            post_conv: None,
         })
     };
     let mut blocks = Vec::with_capacity(layers);
@@ -563,5 +564,7 @@ pub fn load_mla_stack(
         store: Some(store),
         mtp,
         streams: Streams::One,
+        embed_norm: None,
+        logits: Default::default(),
     })
 }

@@ -502,6 +502,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
                 attn: hyper("attn")?,
                 ffn: hyper("ffn")?,
             },
+            post_conv: None,
         })
     };
     let mut blocks = Vec::with_capacity(layers_n);
@@ -582,5 +583,7 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         store: Some(store),
         mtp,
         streams: Streams::Hyper(hc_head),
+        embed_norm: None,
+        logits: Default::default(),
     })
 }

@@ -431,7 +431,8 @@ impl Attention {
                 head_dim: hd,
                 window: self.window,
                 scale: self.scale,
-                sinks: self.sinks.as_deref(),
+                sinks: self.sinks.as_deref().map(Sinks::PerHead),
+                bias: None,
             },
             start,
             self.kv_f16,
@@ -448,12 +449,32 @@ pub struct AttendShape<'a> {
     /// Each query sees this many most recent keys, itself included.
     pub window: Option<usize>,
     pub scale: f32,
-    /// One sink logit per head ([`Attention::sinks`]).
-    pub sinks: Option<&'a [f32]>,
+    /// Sink logits ([`Attention::sinks`]).
+    pub sinks: Option<Sinks<'a>>,
+    /// A relative position bias added to every score (Inkling).
+    pub bias: Option<RelBias<'a>>,
+}
+
+/// Attention-sink logits: each joins its softmax's denominator and adds no value.
+#[derive(Debug, Clone, Copy)]
+pub enum Sinks<'a> {
+    /// One per head, `[H]` (gpt-oss).
+    PerHead(&'a [f32]),
+    /// One per query token and head, `[T, H]` (Inkling 2's `attn_sink_proj`).
+    PerToken(&'a [f32]),
+}
+
+/// A relative position bias: the score of key `j` for query token `t` (at position `p`) of
+/// head `h` gains `profiles[t, h, p − j]` when `p − j < extent`, nothing farther back.
+#[derive(Debug, Clone, Copy)]
+pub struct RelBias<'a> {
+    /// `[T, H, extent]`.
+    pub profiles: &'a [f32],
+    pub extent: usize,
 }
 
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
-/// the cached keys and values, causal, optionally windowed and with sinks (`shape`); with
+/// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
 /// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
 /// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order.
 pub fn attend(
@@ -470,6 +491,7 @@ pub fn attend(
         window,
         scale,
         sinks,
+        bias,
     } = shape;
     let isa = Isa::detect();
     let (keys, values) = (kv.k.f32(), kv.v.f32());
@@ -485,11 +507,16 @@ pub fn attend(
         let mut scores: Vec<f32> = (first..=pos)
             .map(|j| {
                 let kj = &keys[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-                dot(isa, qv, WeightData::F32(kj)) * scale
+                let s = dot(isa, qv, WeightData::F32(kj)) * scale;
+                match bias {
+                    Some(b) if pos - j < b.extent => s + b.profiles[idx * b.extent + pos - j],
+                    _ => s,
+                }
             })
             .collect();
         match sinks {
-            Some(sinks) => softmax_with_sink(&mut scores, sinks[hh]),
+            Some(Sinks::PerHead(sinks)) => softmax_with_sink(&mut scores, sinks[hh]),
+            Some(Sinks::PerToken(sinks)) => softmax_with_sink(&mut scores, sinks[idx]),
             None => softmax_inplace(&mut scores),
         }
         if probs_f16 {
@@ -603,6 +630,9 @@ pub enum GluActivation {
     SwiGlu { limit: Option<f32> },
     /// gpt-oss: `g ← min(g, ℓ)`, `u ← clamp(u, −ℓ, ℓ)`, then `(u + 1) · g · sigmoid(α·g)`.
     ClampedGlu { alpha: f32, limit: f32 },
+    /// Inkling 2: `gate · tanh(g / gate) · sigmoid(g) · up · tanh(u / up)`, the softcaps
+    /// bounding the gate's linear factor and `u` (the sigmoid sees the raw `g`).
+    Softcapped { gate: f32, up: f32 },
 }
 
 impl GluActivation {
@@ -618,6 +648,9 @@ impl GluActivation {
                 let g = g.min(limit);
                 let u = u.clamp(-limit, limit);
                 (u + 1.0) * (g * sigmoid(g * alpha))
+            }
+            GluActivation::Softcapped { gate, up } => {
+                (g / gate).tanh() * gate * sigmoid(g) * ((u / up).tanh() * up)
             }
         }
     }
@@ -710,6 +743,17 @@ pub enum Router {
     /// DeepSeek-V4: `s = sqrt(softplus(logits))`; the selection uses `s + correction_bias`;
     /// the weights are the chosen `s`, renormalised (`Σ + 1e-20`), times `scaling`.
     SqrtSoftplus { scaling: f32 },
+    /// Inkling: the gate's last `shared` logits score the shared experts. The selection is
+    /// the top-k of `sigmoid(logits) + correction_bias` over the routed experts; the weights
+    /// are one softmax over the log-sigmoids of the chosen experts' and the shared experts'
+    /// logits (so `σ_i / Σ σ`: the shared experts act as a sink), times `route_scale`, times
+    /// `global_scale`. The choices are the `k` routed experts, then the shared experts as
+    /// experts `E..E + shared` of the block (whose store holds them after the routed ones).
+    SharedSink {
+        shared: usize,
+        route_scale: f32,
+        global_scale: f32,
+    },
     /// gpt-oss: the top-k of the logits (the gate's bias included), weighted by a softmax
     /// over those k logits alone.
     TopKSoftmax,
@@ -779,6 +823,33 @@ impl Router {
                 };
                 let ids: Vec<usize> = top_k(&choice, k).into_iter().map(|c| c.0).collect();
                 weights_of(&scores, &ids, scaling)
+            }
+            Router::SharedSink {
+                shared,
+                route_scale,
+                global_scale,
+            } => {
+                let routed = logits.len() - shared;
+                let mut choice: Vec<f32> = logits[..routed].iter().map(|&x| sigmoid(x)).collect();
+                if let Some(b) = bias {
+                    choice.iter_mut().zip(b).for_each(|(c, b)| *c += b);
+                }
+                let ids: Vec<usize> = top_k(&choice, k)
+                    .into_iter()
+                    .map(|c| c.0)
+                    .chain(routed..logits.len())
+                    .collect();
+                // As transformers: exp(logsigmoid(x) − logsumexp(logsigmoid(chosen ∪ shared))).
+                let lp: Vec<f32> = ids
+                    .iter()
+                    .map(|&e| logits[e].min(0.0) - (-logits[e].abs()).exp().ln_1p())
+                    .collect();
+                let max = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let lse = max + lp.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+                ids.iter()
+                    .zip(&lp)
+                    .map(|(&e, v)| (e, (v - lse).exp() * route_scale * global_scale))
+                    .collect()
             }
             Router::TopKSoftmax => {
                 let chosen = top_k(logits, k);
@@ -1291,5 +1362,27 @@ mod router_tests {
         let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
         assert_eq!(ids, vec![0, 7]);
         assert!((got[1].1 - 0.3).abs() < 1e-6);
+    }
+
+    #[test]
+    fn shared_sink_routing_weights_chosen_and_shared_experts_by_one_normalisation() {
+        // 4 routed experts, then 2 shared ones; sigmoid scores chosen directly.
+        let scores = [0.9, 0.2, 0.6, 0.7, 0.5, 0.25];
+        let logits: Vec<f32> = scores.iter().map(|&p| logit(p)).collect();
+        // The bias lifts expert 1 above expert 2 (and 3) for selection only.
+        let bias = [0.0, 0.6, 0.0, 0.0];
+        let router = Router::SharedSink {
+            shared: 2,
+            route_scale: 8.0,
+            global_scale: 0.5,
+        };
+        let got = router.route(&logits, 2, Some(&bias));
+        let ids: Vec<usize> = got.iter().map(|c| c.0).collect();
+        assert_eq!(ids, vec![0, 1, 4, 5]);
+        // Each weight: its unbiased score over the sum of the chosen and shared ones, × 8 × 0.5.
+        let sum = 0.9 + 0.2 + 0.5 + 0.25;
+        for (c, p) in got.iter().zip([0.9, 0.2, 0.5, 0.25]) {
+            assert!((c.1 - 4.0 * p / sum).abs() < 1e-5, "{got:?}");
+        }
     }
 }

@@ -55,6 +55,18 @@ impl ShortConv {
     /// Convolve rows `x` (`[T, C]`, in place) after the previous inputs in `state`
     /// (`[K − 1, C]`, oldest first), which then holds the last `K − 1` inputs.
     pub fn forward(&self, x: &mut [f32], state: &mut [f32]) {
+        self.convolve(x, state, |acc, _| silu(acc));
+    }
+
+    /// The convolution with a residual and no activation, `(x + conv(x)) / divisor` (Inkling's
+    /// short convolutions: divisor 1; Inkling 2's: `√(K + 1)`), with the same state as
+    /// [`ShortConv::forward`].
+    pub fn forward_residual(&self, x: &mut [f32], state: &mut [f32], divisor: f32) {
+        self.convolve(x, state, |acc, input| (acc + input) / divisor);
+    }
+
+    /// Convolve in place, each output `finish(Σ_j w·x, x_t)`.
+    fn convolve(&self, x: &mut [f32], state: &mut [f32], finish: impl Fn(f32, f32) -> f32) {
         let (c, k) = (self.channels, self.kernel);
         let t_len = x.len() / c;
         let mut window: Vec<f32> = Vec::with_capacity(state.len() + x.len());
@@ -68,7 +80,78 @@ impl ShortConv {
                 for (j, wj) in w.iter().enumerate() {
                     acc += wj * window[(t + j) * c + ch];
                 }
-                *o = silu(acc);
+                *o = finish(acc, *o);
+            }
+        }
+        state.copy_from_slice(&window[window.len() - state.len()..]);
+    }
+}
+
+/// A causal convolution whose taps change with every token (Inkling 2's key and value
+/// convolutions on full-attention layers): at token `t`, tap `lag` (0 the current token) of
+/// channel `c` is `static_w[lag, c] + taps_t[head(c), lag]`, where `taps_t` is a projection of
+/// the token's own input (one set of `K` taps per head of `channels / heads` channels), and
+/// `out_t = (Σ_lag w · x[t − lag] + x[t]) / √(2K + 1)`, in f32. What a sequence keeps is, as
+/// for [`ShortConv`], the last `K − 1` inputs.
+pub struct DynamicConv {
+    /// `[K, channels]`.
+    pub static_w: Vec<f32>,
+    /// `[heads · K, input width]`.
+    pub taps: Linear,
+    pub channels: usize,
+    pub kernel: usize,
+    pub heads: usize,
+}
+
+impl DynamicConv {
+    /// `{prefix}.static_w` `[K, channels]` and `{prefix}.weight_proj` `[heads · K, input]`.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        channels: usize,
+        heads: usize,
+        kernel: usize,
+        input: usize,
+    ) -> Result<DynamicConv> {
+        Ok(DynamicConv {
+            static_w: ckpt
+                .weight(&format!("{prefix}.static_w"), &[kernel, channels])?
+                .to_f32_vec()?,
+            taps: Linear::from_tensor(
+                ckpt.weight(&format!("{prefix}.weight_proj"), &[heads * kernel, input])?,
+            ),
+            channels,
+            kernel,
+            heads,
+        })
+    }
+
+    /// Values of the state it keeps: the last `K − 1` input rows.
+    pub fn state_len(&self) -> usize {
+        (self.kernel - 1) * self.channels
+    }
+
+    /// Convolve rows `x` (`[T, C]`, in place) with the per-token taps `taps` (`[T, heads · K]`,
+    /// [`DynamicConv::taps`] of the rows' inputs) after the previous inputs in `state`, which
+    /// then holds the last `K − 1` inputs.
+    pub fn forward(&self, x: &mut [f32], taps: &[f32], state: &mut [f32]) {
+        let (c, k) = (self.channels, self.kernel);
+        let per_head = c / self.heads;
+        let divisor = ((2 * k + 1) as f64).sqrt() as f32;
+        let t_len = x.len() / c;
+        let mut window: Vec<f32> = Vec::with_capacity(state.len() + x.len());
+        window.extend_from_slice(state);
+        window.extend_from_slice(x);
+        for t in 0..t_len {
+            let tt = &taps[t * self.heads * k..(t + 1) * self.heads * k];
+            for ch in 0..c {
+                let dynamic = &tt[(ch / per_head) * k..(ch / per_head + 1) * k];
+                let mut acc = 0.0f32;
+                for (lag, d) in dynamic.iter().enumerate() {
+                    let w = self.static_w[lag * c + ch] + d;
+                    acc += window[(t + k - 1 - lag) * c + ch] * w;
+                }
+                x[t * c + ch] = (acc + x[t * c + ch]) / divisor;
             }
         }
         state.copy_from_slice(&window[window.len() - state.len()..]);
@@ -249,11 +332,6 @@ impl LinearAttention {
     /// Values of a sequence's state: the convolution window, then `heads` `dk × dv` states.
     pub fn state_len(&self) -> usize {
         self.conv.state_len() + self.heads * self.dk * self.dv
-    }
-
-    /// A fresh (zero) cache of this layer.
-    pub fn new_cache(&self) -> LayerKv {
-        LayerKv::recurrent(self.state_len())
     }
 
     /// The projections of rows `x` (any number of sequences: row-wise).
@@ -449,6 +527,48 @@ mod tests {
         assert_eq!(state, step_state);
         // The first output sees only the current token: silu(w[c, K-1] · x[0, c]).
         assert_eq!(all[1], silu(conv.weight[7] * x[1]));
+    }
+
+    #[test]
+    fn residual_and_dynamic_convs_decoded_token_by_token_equal_all_at_once() {
+        let conv = ShortConv {
+            weight: (0..12).map(|i| 0.1 * i as f32 - 0.5).collect(),
+            channels: 4,
+            kernel: 3,
+        };
+        // 2 heads of 2 channels, 3 taps each; taps per token as a projection would give them.
+        let dynamic = DynamicConv {
+            static_w: (0..12).map(|i| 0.05 * i as f32 - 0.2).collect(),
+            taps: Linear::from_tensor(crate::tensor::Tensor::from_f32("t", &[6, 1], &[0.0; 6])),
+            channels: 4,
+            kernel: 3,
+            heads: 2,
+        };
+        let x: Vec<f32> = (0..20).map(|i| ((i * 7) % 5) as f32 - 2.0).collect();
+        let taps: Vec<f32> = (0..30).map(|i| ((i * 3) % 7) as f32 * 0.1 - 0.3).collect();
+        let run = |step: usize| {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let mut sa = vec![0.0; conv.state_len()];
+            let mut sb = vec![0.0; dynamic.state_len()];
+            for (t0, rows) in x.chunks(4 * step).enumerate() {
+                let n = rows.len() / 4;
+                let mut ra = rows.to_vec();
+                conv.forward_residual(&mut ra, &mut sa, 2.0);
+                a.extend(ra);
+                let mut rb = rows.to_vec();
+                let tt = &taps[t0 * step * 6..(t0 * step + n) * 6];
+                dynamic.forward(&mut rb, tt, &mut sb);
+                b.extend(rb);
+            }
+            (a, b, sa, sb)
+        };
+        assert_eq!(run(5), run(1));
+        let (a, b, _, _) = run(5);
+        // The first token sees only itself: (w[c, K−1]·x + x) / 2, and for the dynamic
+        // convolution (w_lag0·x + x) / √7 with w_lag0 = static_w[0, c] + its head's tap 0.
+        assert_eq!(a[1], (conv.weight[5] * x[1] + x[1]) / 2.0);
+        let w = dynamic.static_w[3] + taps[3];
+        assert_eq!(b[3], (x[3] * w + x[3]) / 7f64.sqrt() as f32);
     }
 
     #[test]

@@ -12,6 +12,8 @@ pub mod glm4_moe;
 pub mod glm5_next;
 pub mod glm_moe_dsa;
 pub mod gpt_oss;
+pub mod inkling;
+pub mod inkling2;
 pub mod kimi_linear;
 pub mod layers;
 pub mod linear_attention;

@@ -35,6 +35,8 @@ pub const FAMILIES: &[&Family] = &[
     &super::qwen3_next::QWEN3_5_MOE,
     &super::kimi_linear::FAMILY,
     &super::glm5_next::FAMILY,
+    &super::inkling::FAMILY,
+    &super::inkling2::FAMILY,
 ];
 
 /// A [`LoadFn`] from a family's `load` that returns its own model type.

@@ -3,19 +3,22 @@
 //! [`Residual`] (`h += f(Norm(h))`, or hyper-connection streams), then a final norm and the LM
 //! head. Families differ only in how they fill these parts from their checkpoint (see their
 //! files): the attention kind ([`SelfAttention`]), the feed-forward kind ([`Ffn`]), the
-//! residual kind and the residual's layout ([`Streams`]). So batching (one `forward_batch`
-//! over every sequence's rows), prefetch and the MTP drafter reach every family.
+//! residual kind and the residual's layout ([`Streams`]), short convolutions on the parts'
+//! outputs ([`PostConv`]), and what is done to the embedding and the logits
+//! ([`Transformer::embed_norm`], [`LogitForm`]). So batching (one `forward_batch` over every
+//! sequence's rows), prefetch and the MTP drafter reach every family.
 
 use std::time::Instant;
 
 use std::borrow::Cow;
 
 use super::cache::KvCache;
+use super::inkling::RelAttention;
 use super::layers::{
-    add_assign, embed, rows_of, Attention, HashRoutedMoe, HyperConnection, HyperHead, HyperMix,
-    Linear, Mlp, MoeBlock, RmsNorm,
+    add_assign, embed, rows_of, unweighted_rms, Attention, HashRoutedMoe, HyperConnection,
+    HyperHead, HyperMix, Linear, Mlp, MoeBlock, RmsNorm,
 };
-use super::linear_attention::LinearAttention;
+use super::linear_attention::{LinearAttention, ShortConv};
 use super::mla::{CompressedAttention, Mla, Selection};
 use super::telemetry::{self, Part};
 use super::{BatchItem, CausalLm, Logits, ModelInfo};
@@ -27,6 +30,9 @@ use crate::{Error, Result};
 pub enum Ffn {
     /// A dense (SwiGLU) MLP.
     Dense(Mlp),
+    /// A dense MLP whose output is multiplied by a learned scalar (Inkling's
+    /// `mlp.global_scale`).
+    ScaledDense { mlp: Mlp, scale: f32 },
     /// A routed mixture of experts, the router choosing from the hidden state.
     Moe(MoeBlock),
     /// A mixture of experts whose experts are fixed by the token id (DeepSeek-V4's hash
@@ -56,7 +62,7 @@ impl Ffn {
     /// The routed-expert block, if the part has one.
     pub fn moe(&self) -> Option<&MoeBlock> {
         match self {
-            Ffn::Dense(_) => None,
+            Ffn::Dense(_) | Ffn::ScaledDense { .. } => None,
             Ffn::Moe(m) => Some(m),
             Ffn::HashMoe(h) => Some(&h.moe),
         }
@@ -76,6 +82,9 @@ pub enum SelfAttention {
     /// Linear (recurrent) attention: a fixed-size state per sequence instead of a cache that
     /// grows (Gated DeltaNet, Kimi Delta Attention).
     Linear(LinearAttention),
+    /// RoPE-free attention with short convolutions on keys and values and a relative
+    /// position bias conditioned on the hidden state (Inkling, Inkling 2).
+    Relative(RelAttention),
 }
 
 impl SelfAttention {
@@ -86,6 +95,7 @@ impl SelfAttention {
             SelfAttention::Mla(m) => m.o.forward(rows),
             SelfAttention::Compressed(c) => c.output(rows),
             SelfAttention::Linear(l) => l.out.forward(rows),
+            SelfAttention::Relative(r) => r.o.forward(rows),
         }
     }
 
@@ -105,14 +115,20 @@ impl SelfAttention {
                 (c.cache_bytes_per_token(), 4 * 2 * c.heads * c.head_dim)
             }
             SelfAttention::Linear(_) => (0, 0),
+            SelfAttention::Relative(r) => {
+                let n = 4 * 2 * r.kv_heads * r.head_dim;
+                (n, n)
+            }
         }
     }
 
-    /// Bytes of the fixed-size state one sequence keeps in this layer (linear attention's
-    /// convolution window and recurrent matrices; 0 for attention that caches tokens).
-    pub fn state_bytes(&self) -> usize {
+    /// Values of the fixed-size state one sequence keeps in this layer (convolution windows
+    /// and linear attention's recurrent matrices; 0 for attention that only caches tokens):
+    /// the start of its [`LayerKv::state`](super::cache::LayerKv::state).
+    pub fn state_len(&self) -> usize {
         match self {
-            SelfAttention::Linear(l) => 4 * l.state_len(),
+            SelfAttention::Linear(l) => l.state_len(),
+            SelfAttention::Relative(r) => r.state_len(),
             _ => 0,
         }
     }
@@ -130,6 +146,112 @@ pub enum Residual {
         attn: HyperConnection,
         ffn: HyperConnection,
     },
+    /// Block attention residuals (Inkling 2): the residual is the current partial sum plus
+    /// the completed block states ([`Streams::Blocks`]); each part reads a softmax mix of
+    /// them ([`BlockResidual`]).
+    Blocks(BlockResidual),
+}
+
+/// One layer's block attention residuals (Inkling 2, arch doc 2.14). Per token the residual
+/// holds the partial sum `h` of the current block and the completed block states
+/// `B_0 … B_{n−1}`; a part's input is `softmax(q · Ŝᵀ / √D) · Ŝ` over the stack
+/// `S = [B_0 … B_{n−1}, h]`, each entry RMS-normalised without a weight (`Ŝ`, f32), one
+/// output per learned query `q`. A layer that opens a block (`boundary`) stores its input as
+/// block state `B_n` and restarts the partial sum from its attention output.
+pub struct BlockResidual {
+    /// The attention part's queries, `[inputs, D]` (one per input the attention reads: 3,
+    /// for queries, keys and values, on Inkling 2's full-attention layers); `None` on the
+    /// first layer, which reads `h` itself (`inputs` times).
+    pub attn_queries: Option<Vec<f32>>,
+    /// How many inputs the attention part reads, side by side in one row.
+    pub attn_inputs: usize,
+    /// The feed-forward part's query `[D]`.
+    pub ffn_query: Vec<f32>,
+    /// Completed block states before this layer.
+    pub blocks: usize,
+    /// The layer opens a block.
+    pub boundary: bool,
+    /// Block states every token's residual has room for ([`Streams::Blocks`]).
+    pub slots: usize,
+}
+
+impl BlockResidual {
+    /// The input of `part` from the residual rows `h`: `[T, attn_inputs · D]` for the
+    /// attention part, `[T, D]` for the feed-forward part (whose stack includes the block
+    /// state this layer's attention part stored, if it opens a block).
+    fn read(&self, part: Sublayer, h: &[f32], d: usize) -> Vec<f32> {
+        let width = (1 + self.slots) * d;
+        let mut out = Vec::with_capacity(h.len() / (1 + self.slots) * self.attn_inputs);
+        for row in h.chunks(width) {
+            match (part, &self.attn_queries) {
+                (Sublayer::Attention, None) => {
+                    for _ in 0..self.attn_inputs {
+                        out.extend_from_slice(&row[..d]);
+                    }
+                }
+                (Sublayer::Attention, Some(q)) => attend_blocks(row, self.blocks, q, d, &mut out),
+                (Sublayer::Ffn, _) => attend_blocks(
+                    row,
+                    self.blocks + usize::from(self.boundary),
+                    &self.ffn_query,
+                    d,
+                    &mut out,
+                ),
+            }
+        }
+        out
+    }
+
+    /// Put `part`'s output `y` (`[T, D]`) back: the partial sum grows by it, or, for the
+    /// attention part of a layer that opens a block, the partial sum becomes block state
+    /// `blocks` and `y` the new partial sum.
+    fn write(&self, part: Sublayer, h: &mut [f32], y: &[f32], d: usize) {
+        let width = (1 + self.slots) * d;
+        for (row, yt) in h.chunks_mut(width).zip(y.chunks(d)) {
+            if matches!(part, Sublayer::Attention) && self.boundary {
+                let (partial, states) = row.split_at_mut(d);
+                states[self.blocks * d..(self.blocks + 1) * d].copy_from_slice(partial);
+                partial.copy_from_slice(yt);
+            } else {
+                add_assign(&mut row[..d], yt);
+            }
+        }
+    }
+}
+
+/// The block attention residual of one token: queries `queries` (`[n, D]`) over the first
+/// `blocks` block states of `row` (the `[h | B_0 | …]` layout of [`Streams::Blocks`]) and
+/// its partial sum `h`, stacked in the order `B_0 … B_{blocks−1}, h`; `n` outputs of `d`.
+fn attend_blocks(row: &[f32], blocks: usize, queries: &[f32], d: usize, out: &mut Vec<f32>) {
+    let mut stack: Vec<f32> = Vec::with_capacity((blocks + 1) * d);
+    stack.extend_from_slice(&row[d..(blocks + 1) * d]);
+    stack.extend_from_slice(&row[..d]);
+    unweighted_rms(&mut stack, d, 1e-6);
+    let scale = (d as f64).powf(-0.5) as f32;
+    let isa = crate::tensor::kernels::Isa::detect();
+    for q in queries.chunks(d) {
+        let mut p: Vec<f32> = stack
+            .chunks(d)
+            .map(|s| crate::tensor::kernels::dot(isa, q, crate::tensor::WeightData::F32(s)) * scale)
+            .collect();
+        // As torch's CPU scaled_dot_product_attention: the values weighted by
+        // `exp(logit − max)`, then divided by their sum.
+        let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for v in p.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let start = out.len();
+        out.resize(start + d, 0.0);
+        let o = &mut out[start..];
+        for (w, s) in p.iter().zip(stack.chunks(d)) {
+            for (oo, ss) in o.iter_mut().zip(s) {
+                *oo += w * ss;
+            }
+        }
+        o.iter_mut().for_each(|v| *v /= sum);
+    }
 }
 
 /// Which of a layer's two parts the residual is serving.
@@ -158,6 +280,7 @@ impl Residual {
                 let (u, mix) = hc.weights(h, d);
                 (Cow::Owned(u), Some(mix))
             }
+            Residual::Blocks(b) => (Cow::Owned(b.read(part, h, d)), None),
         }
     }
 
@@ -171,6 +294,7 @@ impl Residual {
                 };
                 hc.mix(h, y, &mix, d);
             }
+            (Residual::Blocks(b), _) => b.write(part, h, y, d),
             _ => add_assign(h, y),
         }
     }
@@ -187,6 +311,10 @@ pub enum Streams {
     /// This many hyper-connection streams, each a copy of the embedding at the start,
     /// collapsed by their plain mean before the final norm (GLM-5-next).
     HyperMean(usize),
+    /// Block attention residuals (Inkling 2, [`BlockResidual`]): the partial sum, then room
+    /// for `slots` block states (zeros until a layer stores one), collapsed before the final
+    /// norm by the block attention residual of `query` (`[D]`) over all of them.
+    Blocks { slots: usize, query: Vec<f32> },
 }
 
 impl Streams {
@@ -196,6 +324,7 @@ impl Streams {
             Streams::One => 1,
             Streams::Hyper(head) => head.hc,
             Streams::HyperMean(hc) => *hc,
+            Streams::Blocks { slots, .. } => 1 + slots,
         }
     }
 
@@ -212,6 +341,11 @@ impl Streams {
         let hc = self.count();
         let mut x = Vec::with_capacity(e.len() * hc);
         for row in e.chunks(d) {
+            if let Streams::Blocks { slots, .. } = self {
+                x.extend_from_slice(row);
+                x.resize(x.len() + slots * d, 0.0);
+                continue;
+            }
             for _ in 0..hc {
                 x.extend_from_slice(row);
             }
@@ -236,6 +370,13 @@ impl Streams {
                 }
                 Cow::Owned(y)
             }
+            Streams::Blocks { slots, query } => {
+                let mut y = Vec::with_capacity(x.len() / (1 + slots));
+                for row in x.chunks((1 + slots) * d) {
+                    attend_blocks(row, *slots, query, d, &mut y);
+                }
+                Cow::Owned(y)
+            }
         }
     }
 }
@@ -248,6 +389,64 @@ pub struct Block {
     pub ffn: Ffn,
     /// How the two parts read and write the residual.
     pub residual: Residual,
+    /// Short convolutions over each part's output before it reaches the residual.
+    pub post_conv: Option<PostConv>,
+}
+
+impl Block {
+    /// Values of the fixed-size state one sequence keeps in this layer: the attention
+    /// part's ([`SelfAttention::state_len`]), then the [`PostConv`] windows.
+    pub fn state_len(&self) -> usize {
+        self.attn.state_len() + self.post_conv.as_ref().map_or(0, PostConv::state_len)
+    }
+}
+
+/// Causal short convolutions with a residual over the output of a layer's attention part
+/// and of its feed-forward part (Inkling's `attn_sconv` / `mlp_sconv`):
+/// `y ← (y + conv(y)) / divisor` ([`ShortConv::forward_residual`]) per sequence, each
+/// sequence's last inputs kept in its cache after the attention part's own state.
+pub struct PostConv {
+    pub attn: ShortConv,
+    pub ffn: ShortConv,
+    /// 1 for Inkling, `√(K + 1)` for Inkling 2.
+    pub divisor: f32,
+}
+
+impl PostConv {
+    /// Values of the state it keeps (both windows).
+    pub fn state_len(&self) -> usize {
+        self.attn.state_len() + self.ffn.state_len()
+    }
+
+    /// Convolve `part`'s output rows `y` (`[T, D]`, every sequence of `seqs` in turn), each
+    /// sequence's window at `offset` of its layer state.
+    fn apply(&self, part: Sublayer, y: &mut [f32], seqs: &mut [SeqPart<'_>], offset: usize) {
+        let (conv, at) = match part {
+            Sublayer::Attention => (&self.attn, offset),
+            Sublayer::Ffn => (&self.ffn, offset + self.attn.state_len()),
+        };
+        let d = conv.channels;
+        let mut row = 0;
+        for s in seqs.iter_mut() {
+            let state = &mut s.kv.state[at..at + conv.state_len()];
+            conv.forward_residual(&mut y[row * d..(row + s.rows) * d], state, self.divisor);
+            row += s.rows;
+        }
+    }
+}
+
+/// What is done between the final norm and the logits beyond `lm_head(norm(h))`, as the
+/// family's head computes it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogitForm {
+    /// The normed rows are divided by this before the head (Inkling's μP
+    /// `logits_mup_width_multiplier`).
+    pub divide: Option<f32>,
+    /// `c · tanh(logits / c)` (Inkling 2's `final_logit_softcapping`).
+    pub softcap: Option<f32>,
+    /// Only the first this many logits are tokens (`unpadded_vocab_size`: the head's rows
+    /// are padded); rows are cut to it.
+    pub vocab: Option<usize>,
 }
 
 /// One sequence's share of a block's rows: `rows` rows at positions `start..`, its cache
@@ -272,6 +471,10 @@ pub struct Transformer {
     pub mtp: Option<MtpHead>,
     /// The residual's layout (one row, or hyper-connection streams, per token).
     pub streams: Streams,
+    /// RMSNorm of the embedding rows (Inkling's normed embedding).
+    pub embed_norm: Option<RmsNorm>,
+    /// What is done to the head's input and output besides the head itself.
+    pub logits: LogitForm,
 }
 
 /// A DeepSeek-style multi-token-prediction (MTP) head: from the main model's final-normed
@@ -315,11 +518,10 @@ impl CausalLm for Transformer {
     fn new_cache(&self, max_len: usize) -> KvCache {
         let mut cache = KvCache::new(self.blocks.len(), max_len);
         for (layer, block) in cache.layers.iter_mut().zip(&self.blocks) {
-            match &block.attn {
-                SelfAttention::Mla(m) => *layer = super::cache::LayerKv::with_dtype(m.kv_dtype),
-                SelfAttention::Linear(l) => *layer = l.new_cache(),
-                _ => {}
+            if let SelfAttention::Mla(m) = &block.attn {
+                *layer = super::cache::LayerKv::with_dtype(m.kv_dtype);
             }
+            layer.state = vec![0.0; block.state_len()];
         }
         cache
     }
@@ -490,7 +692,11 @@ impl Transformer {
             .flat_map(|it| it.tokens.iter().copied())
             .collect();
         let width = self.streams.width(d);
-        let mut h = self.streams.spread(embed(&self.embed, &all)?, d);
+        let mut e = embed(&self.embed, &all)?;
+        if let Some(norm) = &self.embed_norm {
+            norm.forward_inplace(&mut e);
+        }
+        let mut h = self.streams.spread(e, d);
         // Each sequence's sparse-attention pick, handed from a layer to the next.
         let mut selections: Vec<Option<Selection>> = vec![None; items.len()];
         for (l, block) in self.blocks.iter().enumerate() {
@@ -534,17 +740,33 @@ impl Transformer {
         }
         let t0 = Instant::now();
         let x = self.norm.forward(&self.streams.collapse(&rows, d));
-        let out = self.lm_head.forward(&x);
+        let out = match self.logits.divide {
+            Some(m) => self
+                .lm_head
+                .forward(&x.iter().map(|v| v / m).collect::<Vec<f32>>()),
+            None => self.lm_head.forward(&x),
+        };
         telemetry::add(Part::LmHead, t0);
         let hidden = match self.streams {
             Streams::One => x,
-            Streams::Hyper(_) | Streams::HyperMean(_) => rows,
+            Streams::Hyper(_) | Streams::HyperMean(_) | Streams::Blocks { .. } => rows,
         };
-        let vocab = out.len() / counts.iter().sum::<usize>();
+        let padded = out.len() / counts.iter().sum::<usize>();
+        let vocab = self.logits.vocab.map_or(padded, |v| v.min(padded));
+        let softcap = |row: &[f32]| -> Vec<f32> {
+            match self.logits.softcap {
+                Some(c) => row.iter().map(|v| (v / c).tanh() * c).collect(),
+                None => row.to_vec(),
+            }
+        };
         let mut result = Vec::with_capacity(items.len());
         let mut at = 0;
         for c in counts {
-            result.push(out[at * vocab..(at + c) * vocab].to_vec());
+            let mut logits = Vec::with_capacity(c * vocab);
+            for row in out[at * padded..(at + c) * padded].chunks(padded) {
+                logits.extend(softcap(&row[..vocab]));
+            }
+            result.push(logits);
             at += c;
         }
         Ok((result, hidden))
@@ -619,8 +841,24 @@ impl Transformer {
                     row += s.rows;
                 }
             }
+            SelfAttention::Relative(ra) => {
+                let rows = ra.project(&x);
+                for s in seqs.iter_mut() {
+                    heads_out.extend(ra.attend_sequence(
+                        &rows,
+                        (row, s.rows, total),
+                        s.start,
+                        s.kv,
+                    ));
+                    row += s.rows;
+                }
+            }
         }
-        let a = block.attn.output(&heads_out);
+        let mut a = block.attn.output(&heads_out);
+        let conv_at = block.attn.state_len();
+        if let Some(pc) = &block.post_conv {
+            pc.apply(Sublayer::Attention, &mut a, seqs, conv_at);
+        }
         block.residual.write(Sublayer::Attention, h, &a, mix, d);
         let part = match block.attn {
             SelfAttention::Linear(_) => Part::Recurrent,
@@ -631,16 +869,26 @@ impl Transformer {
         let (u, mix) = block.residual.read(Sublayer::Ffn, h, d);
         let x = block.ffn_norm.forward(&u);
         drop(u);
-        let f = match &block.ffn {
+        let mut f = match &block.ffn {
             Ffn::Dense(mlp) => {
                 let t0 = Instant::now();
                 let y = mlp.forward(&x);
                 telemetry::add(Part::DenseMlp, t0);
                 y
             }
+            Ffn::ScaledDense { mlp, scale } => {
+                let t0 = Instant::now();
+                let mut y = mlp.forward(&x);
+                y.iter_mut().for_each(|v| *v *= scale);
+                telemetry::add(Part::DenseMlp, t0);
+                y
+            }
             Ffn::Moe(moe) => moe.forward(&x)?,
             Ffn::HashMoe(moe) => moe.forward(&x, tokens)?,
         };
+        if let Some(pc) = &block.post_conv {
+            pc.apply(Sublayer::Ffn, &mut f, seqs, conv_at);
+        }
         block.residual.write(Sublayer::Ffn, h, &f, mix, d);
         Ok(())
     }
@@ -828,6 +1076,7 @@ pub fn load_standard(
             ffn_norm: sc.norm(ckpt, &format!("{p}.post_attention_layernorm.weight"), d)?,
             ffn: parts.ffn,
             residual: Residual::Plain,
+            post_conv: None,
         });
     }
     let norm = sc.norm(ckpt, &format!("{m}.norm.weight"), d)?;
@@ -841,6 +1090,8 @@ pub fn load_standard(
         store,
         mtp: None,
         streams: Streams::One,
+        embed_norm: None,
+        logits: LogitForm::default(),
     })
 }
 
@@ -1012,7 +1263,7 @@ pub(crate) fn standard_info(
             .iter()
             .map(|b| b.attn.cache_bytes_per_token().1)
             .sum(),
-        state_bytes_per_sequence: blocks.iter().map(|b| b.attn.state_bytes()).sum(),
+        state_bytes_per_sequence: blocks.iter().map(|b| 4 * b.state_len()).sum(),
         active_experts: active,
         total_params,
         active_params: total_params.saturating_sub(expert_params) + active_expert_params,

@@ -142,7 +142,7 @@ pub fn argmax(v: &[f32]) -> u32 {
 }
 
 /// Every committed fixture with routed experts (each family's own, not the variants).
-pub const MOE_FIXTURES: [&str; 14] = [
+pub const MOE_FIXTURES: [&str; 16] = [
     "mixtral",
     "olmoe",
     "qwen3_moe",
@@ -157,6 +157,8 @@ pub const MOE_FIXTURES: [&str; 14] = [
     "glm5_next",
     "minimax_m2",
     "gpt_oss",
+    "inkling",
+    "inkling2",
 ];
 
 /// Write tensors `(name, dtype, shape, bytes)` to `dir/model.safetensors` (creating `dir`).

@@ -437,6 +437,18 @@ VARIANTS = [
     ("gptoss_window4_limit05_full_first", "gpt_oss", 61, 40, ["num_hidden_layers=3", "sliding_window=4", "swiglu_limit=0.5", 'layer_types=["full_attention","sliding_attention","sliding_attention"]'], False),
     ("gptoss_kv1_top3_alpha09_yarn8", "gpt_oss", 62, 36, ["num_key_value_heads=1", "num_experts_per_tok=3", "swiglu_alpha=0.9", "sliding_window=7", "rope_parameters.truncate=true", "rope_parameters.factor=8.0"], False),
     ("gptoss_heads8_window2_limit1", "gpt_oss", 63, 38, ["num_attention_heads=8", "num_key_value_heads=4", "head_dim=8", "sliding_window=2", "swiglu_limit=1.0"], False),
+    # Inkling: a window (5) and relative extents (5 / 12) below the prompt, log scaling that binds from
+    # position 2, one full-attention kv head beside 4 sliding ones, full attention first and twice, two
+    # dense layers, a padded head cut to 300 logits; and 8 sliding heads of 8 with another kv count, conv
+    # kernel 3, one shared expert, top-3, no log scaling, another muP multiplier.
+    ("inkling_window5_nfloor2_kv1_unpadded", "inkling", 61, 40, ["num_hidden_layers=5", "sliding_window_size=5", "rel_extent=12", "log_scaling_n_floor=2", "num_key_value_heads=1", "swa_num_key_value_heads=4", 'layer_types=["hybrid","hybrid_sliding","hybrid_sliding","hybrid","hybrid_sliding"]', "dense_mlp_idx=2", "unpadded_vocab_size=300"], False),
+    ("inkling_swa8x8_conv3_shared1_top3", "inkling", 62, 38, ["swa_num_attention_heads=8", "swa_head_dim=8", "swa_num_key_value_heads=2", "conv_kernel_size=3", "n_shared_experts=1", "num_experts_per_tok=3", "log_scaling_n_floor=null", "logits_mup_width_multiplier=4.0", "rel_extent=40"], False),
+    # Inkling 2: three-layer blocks over five layers with full attention first (no attention residual on
+    # layer 0) and fourth, L2 clips, SwiGLU softcaps and the logit softcap all binding, a window of 5,
+    # log scaling from position 2, a head cut to 320 logits; and one-layer blocks, one full-attention kv
+    # head, 8 sliding heads of 8, conv kernel 3, a relative extent above the prompt, top-3.
+    ("inkling2_blocks3_fullfirst_clips_bind", "inkling2", 71, 40, ["num_hidden_layers=5", "n_layers_per_attn_res_block=3", 'layer_types=["hybrid","hybrid_sliding","hybrid_sliding","hybrid","hybrid_sliding"]', "qk_l2_clip_threshold=2.0", "rel_l2_clip_threshold=0.5", "mlp_gate_softcap=0.5", "mlp_up_softcap=0.3", "final_logit_softcapping=1.5", "sliding_window_size=5", "log_scaling_n_floor=2", "unpadded_vocab_size=320"], False),
+    ("inkling2_block1_kv1_swa8x8_conv3", "inkling2", 72, 38, ["n_layers_per_attn_res_block=1", "num_key_value_heads=1", "swa_num_attention_heads=8", "swa_head_dim=8", "swa_num_key_value_heads=4", "conv_kernel_size=3", "rel_extent=48", "num_experts_per_tok=3"], False),
 ]
 VARIANT_NAMES = [v[0] for v in VARIANTS]
 
@@ -985,7 +997,10 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True, allow_ties=Fal
     cfg = model.config
     tcfg = text_config_of(cfg)
     V = int(tcfg.vocab_size)
-    tok = build_tokenizer(V)
+    # A head padded past the real tokens (Inkling's unpadded_vocab_size): the tokenizer holds only those.
+    unpadded = getattr(tcfg, "unpadded_vocab_size", None)
+    n_tokens = unpadded if unpadded is not None and unpadded < V else V
+    tok = build_tokenizer(n_tokens)
     eos_id = tok.token_to_id(EOS_TOKEN)
     special_ids = {tok.token_to_id(t) for t in SPECIAL_TOKENS}
     gen_cfg = GenerationConfig(bos_token_id=tok.token_to_id(BOS_TOKEN), eos_token_id=eos_id,
@@ -1057,6 +1072,7 @@ def generate(arch, out_root, seed, prompt_len, sets, verify=True, allow_ties=Fal
         "torch_version": torch.__version__.split("+")[0],
         "dtype": "float32",
         "vocab_size": V,
+        "tokenizer_size": n_tokens,
         "eos_token_id": eos_id,
         "prompt_text": text,
         "prompt_ids": ids,
@@ -1121,7 +1137,7 @@ def verify_fixture(arch, out_dir, model_cls):
     hf_tok = AutoTokenizer.from_pretrained(out_dir)
     if hf_tok(ref["prompt_text"], add_special_tokens=False)["input_ids"] != ref["prompt_ids"]:
         raise RuntimeError(f"{arch}: AutoTokenizer encodes the prompt differently")
-    if len(hf_tok) != ref["vocab_size"]:
+    if len(hf_tok) != ref.get("tokenizer_size", ref["vocab_size"]):
         raise RuntimeError(f"{arch}: AutoTokenizer vocab {len(hf_tok)} != {ref['vocab_size']}")
     chat = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                       add_generation_prompt=True)
