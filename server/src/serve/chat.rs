@@ -22,7 +22,7 @@ use super::formats::{AnswerId, ChatFormat, CompletionFormat};
 use super::openai::*;
 use super::pump::{answer, Delivery, Events, Reading, Timing};
 use super::{AppState, Serving};
-use crate::tool_calls::required_tool_call_grammar;
+use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools, CLOSE_THOUGHT};
 
 /// The prefix of chat completion ids (`chatcmpl-…`); tool call ids are `call_…` with the same
 /// suffix.
@@ -663,7 +663,7 @@ async fn chat_inner(
             ));
         }
         let tools: Vec<Value> = tools_json.clone().unwrap_or_default();
-        let lark = required_tool_call_grammar(&tools, only.as_deref())
+        let lark = required_tool_call_grammar(serving.syntax, &tools, only.as_deref())
             .map_err(|e| ApiError::invalid("tools", e))?;
         grammar = Some(Grammar::Lark(lark));
         grammar_param = "tools";
@@ -671,10 +671,8 @@ async fn chat_inner(
     // A constrained answer cannot think first: when the template opened a thought, close it
     // (as templates do when thinking is switched off), so the constraint applies to the answer.
     let mut text = text;
-    let mut thinking_started = text.trim_end().ends_with("<think>");
-    if grammar.is_some() && thinking_started {
-        text.push_str("</think>\n\n");
-        thinking_started = false;
+    if grammar.is_some() && serving.syntax.opens_thought(&text) {
+        text.push_str(CLOSE_THOUGHT);
     }
     let prompt = tokenizer
         .encode(&text, false)
@@ -722,11 +720,12 @@ async fn chat_inner(
     };
     let events = submit(&serving, job).await?;
     let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
-    let reading = Reading::Chat {
-        thinking_started,
-        tool_call_ids: (!matches!(mode, ToolMode::Off))
-            .then(|| format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..])),
-    };
+    let call_ids = format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..]);
+    let tools = (!matches!(mode, ToolMode::Off)).then(|| {
+        let tools = Tools::new(tools_json.as_deref().unwrap_or_default());
+        (Arc::new(tools), call_ids.as_str())
+    });
+    let reading = Reading::Chat(Box::new(ChatStream::new(serving.syntax, &text, tools)));
     let timing = Timing::new(
         state.clone(),
         "/v1/chat/completions",
