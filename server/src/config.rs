@@ -1271,6 +1271,10 @@ mod tests {
             "5",
             "--prefix-cache-dir",
             "/state/prefix",
+            "--tool-call-format",
+            "qwen3_coder",
+            "--reasoning-format",
+            "none",
         ])
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -1301,6 +1305,8 @@ mod tests {
         assert_eq!(c.tls_key, Some(PathBuf::from("k.pem")));
         assert_eq!(c.history_save_secs, 5);
         assert_eq!(c.prefix_cache_dir, Some(PathBuf::from("/state/prefix")));
+        assert_eq!(c.tool_call_format, ToolCallFormat::Qwen3Coder);
+        assert_eq!(c.reasoning_format, ReasoningFormat::None);
         assert_eq!(loaded.sources["mirrors"], Source::Flag("--mirror".into()));
         assert_eq!(loaded.sources["api_keys"], Source::Flag("--api-key".into()));
         assert_eq!(
@@ -1347,6 +1353,29 @@ mod tests {
         assert_eq!(prod.to_string(), "file /x/colibri.toml [profile prod]");
         assert_eq!(Source::Env("COLI_PORT".into()).to_string(), "env COLI_PORT");
         assert_eq!(Source::Flag("--port".into()).to_string(), "flag --port");
+    }
+
+    #[test]
+    fn the_tool_call_format_is_a_typed_key() {
+        let dir = dir_with("tool_call_format = \"glm45\"\nreasoning_format = \"none\"\n");
+        let loaded = load_from(&ServeFlags::default(), &[], dir.path()).unwrap();
+        assert_eq!(loaded.config.tool_call_format, ToolCallFormat::Glm45);
+        assert_eq!(loaded.config.reasoning_format, ReasoningFormat::None);
+        let loaded = load_from(
+            &ServeFlags::default(),
+            &env(&[("COLI_TOOL_CALL_FORMAT", "deepseek_v31")]),
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(loaded.config.tool_call_format, ToolCallFormat::DeepseekV31);
+        assert_eq!(
+            ServeConfig::default().tool_call_format,
+            ToolCallFormat::Auto
+        );
+        let dir = dir_with("tool_call_format = \"glm\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], dir.path()));
+        assert!(err.contains("tool_call_format"), "{err}");
+        assert!(err.contains("glm45"), "{err}");
     }
 
     #[test]

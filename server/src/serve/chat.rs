@@ -635,11 +635,10 @@ async fn chat_inner(
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
     let mut warnings = Vec::new();
     if let Some(tools) = &tools_json {
-        // A template that ignores `tools` renders the same prompt without them.
-        let without = template
-            .render(&messages, true, None, kwargs.as_ref())
-            .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
-        if without == text {
+        // A template that ignores `tools` renders the same prompt without them (one that
+        // cannot render without them certainly does not ignore them).
+        let without = template.render(&messages, true, None, kwargs.as_ref()).ok();
+        if without.as_ref() == Some(&text) {
             let warning = format!(
                 "this model's chat template does not render `tools`, so the model was not shown the {} tool(s) of the request{}",
                 tools.len(),
