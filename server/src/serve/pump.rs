@@ -4,7 +4,8 @@
 //! - the request's event channel ([`Events`], fed by the scheduler through an
 //!   [`EventSink`]) and the wait for admission before a stream starts;
 //! - how events become [`Piece`]s: the generated text read as it is ([`Reading::Raw`]) or
-//!   with `<think>` reasoning split off and tool calls parsed out ([`Reading::Chat`]), each
+//!   with reasoning split off and tool calls parsed out, in the model's format
+//!   ([`Reading::Chat`], a [`ChatStream`]), each
 //!   piece carrying the log-probabilities of the tokens that led to it, then a finish reason
 //!   with the usage, or an error;
 //! - the request's latency metrics and its "request finished" record ([`Timing`]);
