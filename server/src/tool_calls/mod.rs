@@ -577,6 +577,39 @@ mod tests {
     }
 
     #[test]
+    fn special_tags_are_kept_as_text_and_end_of_sequence_still_ends() {
+        let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../engine/tests/fixtures/qwen3_moe/tokenizer.json");
+        let mut inner = Tokenizer::from_file(&path).unwrap().inner().clone();
+        inner
+            .add_special_tokens([
+                tokenizers::AddedToken::from("<|channel|>", true),
+                tokenizers::AddedToken::from("<|call|>", true),
+            ])
+            .expect("tokens added");
+        let tok = Tokenizer::from_inner(inner, "harmony-like");
+        let channel = tok.token_to_id("<|channel|>").unwrap();
+        let call = tok.token_to_id("<|call|>").unwrap();
+        let ids = tok.encode("<|channel|>analysis<|call|>", false).unwrap();
+        assert_eq!(ids.first(), Some(&channel));
+        // What the server decodes generated text with (special tokens skipped).
+        assert_eq!(tok.decode(&ids, true).unwrap(), "analysis");
+        let kept = keep_tags_as_text(&tok, &["<|channel|>", "<|call|>"], &[call])
+            .unwrap()
+            .expect("a tag was special");
+        assert_eq!(kept.decode(&ids, true).unwrap(), "<|channel|>analysis");
+        assert_eq!(
+            kept.encode("<|channel|>analysis<|call|>", false).unwrap(),
+            ids
+        );
+        assert!(
+            keep_tags_as_text(&kept, &["<|channel|>", "<|call|>"], &[call])
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
     fn a_template_that_renders_no_calls_gives_no_format() {
         let t = ChatTemplate::new(
             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
