@@ -13,8 +13,8 @@
 use serde_json::Value;
 
 use super::blocks::BlockFormat;
-use super::grammar::{json_rule, lit, one_of, xml_parameters, Function};
-use super::values::{invoke_calls, InvokeTags};
+use super::grammar::{json_calls, lit, one_of, xml_parameters, Function};
+use super::values::{delimited, invoke_calls, InvokeTags};
 use super::{RawCall, Tools};
 
 const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
@@ -37,18 +37,10 @@ pub(crate) const INNER: [&str; 3] = [CALL_BEGIN, CALL_END, SEP];
 
 /// The calls of a section: `<｜tool▁call▁begin｜>…<｜tool▁call▁end｜>` items, whitespace between.
 fn parse(body: &str, _tools: &Tools) -> Option<Vec<RawCall>> {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            return Some(calls);
-        }
-        let item = rest.strip_prefix(CALL_BEGIN)?;
-        let end = item.find(CALL_END)?;
-        calls.push(call(&item[..end])?);
-        rest = &item[end + CALL_END.len()..];
-    }
+    delimited(body, CALL_BEGIN, CALL_END)?
+        .into_iter()
+        .map(call)
+        .collect()
 }
 
 /// One call: `function<｜tool▁sep｜>NAME\n```json\nARGS\n```` (V3) or `NAME<｜tool▁sep｜>ARGS`
@@ -77,9 +69,8 @@ fn call(item: &str) -> Option<RawCall> {
 pub(crate) fn grammar_v3(functions: &[Function]) -> String {
     let prefix = format!("{CALLS_BEGIN}{CALL_BEGIN}function{SEP}");
     let suffix = format!("\n```{CALL_END}{CALLS_END}");
-    one_of(&prefix, &suffix, functions, |i, f, rules| {
-        rules.push_str(&json_rule(&format!("args{i}"), f.params.clone()));
-        format!("{} args{i}", lit(&format!("{}\n```json\n", f.name)))
+    json_calls(&prefix, &suffix, functions, |name| {
+        format!("{name}\n```json\n")
     })
 }
 
@@ -87,10 +78,7 @@ pub(crate) fn grammar_v3(functions: &[Function]) -> String {
 pub(crate) fn grammar_v31(functions: &[Function]) -> String {
     let prefix = format!("{CALLS_BEGIN}{CALL_BEGIN}");
     let suffix = format!("{CALL_END}{CALLS_END}");
-    one_of(&prefix, &suffix, functions, |i, f, rules| {
-        rules.push_str(&json_rule(&format!("args{i}"), f.params.clone()));
-        format!("{} args{i}", lit(&format!("{}{SEP}", f.name)))
-    })
+    json_calls(&prefix, &suffix, functions, |name| format!("{name}{SEP}"))
 }
 
 /// A DSML block and its element names.

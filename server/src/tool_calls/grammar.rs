@@ -130,6 +130,20 @@ pub(crate) fn one_of(
     g
 }
 
+/// `start: PREFIX call SUFFIX` where a call is `head(NAME)` and the function's arguments as
+/// JSON, for the formats that write a call's arguments as one JSON object.
+pub(crate) fn json_calls(
+    prefix: &str,
+    suffix: &str,
+    functions: &[Function],
+    head: impl Fn(&str) -> String,
+) -> String {
+    one_of(prefix, suffix, functions, |i, f, rules| {
+        rules.push_str(&json_rule(&format!("args{i}"), f.params.clone()));
+        format!("{} args{i}", lit(&head(&f.name)))
+    })
+}
+
 /// `s` escaped for a Lark regular expression (`/…/`).
 fn regex_escaped(s: &str) -> String {
     let mut out = String::new();

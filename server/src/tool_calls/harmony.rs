@@ -8,7 +8,7 @@
 
 use serde_json::Value;
 
-use super::grammar::{json_rule, lit, one_of, Function};
+use super::grammar::{json_calls, Function};
 use super::messages::{Kind, MessageFormat};
 use super::{RawCall, Tools};
 
@@ -63,17 +63,11 @@ fn call(name: Option<&str>, body: &str, _tools: &Tools) -> Option<Vec<RawCall>> 
 /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}` (then its
 /// `<|call|>` ends the generation).
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    one_of(
+    json_calls(
         "<|channel|>commentary to=functions.",
         "",
         functions,
-        |i, f, rules| {
-            rules.push_str(&json_rule(&format!("args{i}"), f.params.clone()));
-            format!(
-                "{} args{i}",
-                lit(&format!("{} <|constrain|>json<|message|>", f.name))
-            )
-        },
+        |name| format!("{name} <|constrain|>json<|message|>"),
     )
 }
 

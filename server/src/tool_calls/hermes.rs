@@ -92,24 +92,15 @@ fn has_local_ref(schema: &Value) -> bool {
 /// anyway). A parameters schema with local `$ref`s moves under `$defs/fn{i}` with its refs
 /// rebased, so pydantic-style `$defs` keep working.
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    let (options, defs) = named_objects(functions, "arguments");
-    let mut schema = Map::new();
-    schema.insert("anyOf".to_string(), Value::Array(options));
-    if !defs.is_empty() {
-        schema.insert("$defs".to_string(), Value::Object(defs));
-    }
     format!(
         "start: \"<tool_call>\\n\" json_call \"\\n</tool_call>\"\njson_call: %json {}\n",
-        with_compact_json(Value::Object(schema))
+        any_call(functions, "arguments")
     )
 }
 
-/// One JSON-schema option per function, `{"name": NAME, ARGS: PARAMETERS}` (with `$ref`ing
-/// parameters moved under `$defs`), and those `$defs`: one `anyOf` reads every call.
-pub(crate) fn named_objects(
-    functions: &[Function],
-    args: &str,
-) -> (Vec<Value>, Map<String, Value>) {
+/// The compact JSON schema of a call `{"name": NAME, ARGS: PARAMETERS}` to any of the
+/// functions: one `anyOf` option each, parameters with `$ref`s moved under `$defs`.
+pub(crate) fn any_call(functions: &[Function], args: &str) -> Value {
     let mut defs = Map::new();
     let options = functions
         .iter()
@@ -130,7 +121,12 @@ pub(crate) fn named_objects(
             })
         })
         .collect();
-    (options, defs)
+    let mut schema = Map::new();
+    schema.insert("anyOf".to_string(), Value::Array(options));
+    if !defs.is_empty() {
+        schema.insert("$defs".to_string(), Value::Object(defs));
+    }
+    with_compact_json(Value::Object(schema))
 }
 
 #[cfg(test)]

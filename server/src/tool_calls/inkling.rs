@@ -8,9 +8,6 @@
 //! by configuration (or a template that writes these tags), and its tests use outputs written
 //! from vLLM's parser documentation and tests.
 
-use colibri::runtime::grammar::with_compact_json;
-use serde_json::{Map, Value};
-
 use super::grammar::Function;
 use super::messages::{Kind, MessageFormat};
 use super::{RawCall, Tools};
@@ -51,17 +48,11 @@ fn call(_name: Option<&str>, body: &str, _tools: &Tools) -> Option<Vec<RawCall>>
 
 /// One call block after the generation prompt's `<|message_model|>`.
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    let (options, defs) = super::hermes::named_objects(functions, "args");
-    let mut schema = Map::new();
-    schema.insert("anyOf".to_string(), Value::Array(options));
-    if !defs.is_empty() {
-        schema.insert("$defs".to_string(), Value::Object(defs));
-    }
     format!(
         "start: {} call {}\ncall: %json {}\n",
         super::grammar::lit(INVOKE_JSON),
         super::grammar::lit("<|end_message|>"),
-        with_compact_json(Value::Object(schema))
+        super::hermes::any_call(functions, "args")
     )
 }
 

@@ -6,7 +6,8 @@
 use serde_json::Value;
 
 use super::blocks::BlockFormat;
-use super::grammar::{json_rule, lit, one_of, Function};
+use super::grammar::{json_calls, Function};
+use super::values::delimited;
 use super::{RawCall, Tools};
 
 const CALL_BEGIN: &str = "<|tool_call_begin|>";
@@ -27,43 +28,36 @@ pub(crate) const INNER: [&str; 3] = [CALL_BEGIN, ARGS_BEGIN, CALL_END];
 
 /// The calls of a section, whitespace between them.
 fn parse(body: &str, _tools: &Tools) -> Option<Vec<RawCall>> {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    loop {
-        rest = rest.trim_start();
-        if rest.is_empty() {
-            return Some(calls);
-        }
-        let item = rest.strip_prefix(CALL_BEGIN)?;
-        let end = item.find(CALL_END)?;
-        let (id, args) = item[..end].split_once(ARGS_BEGIN)?;
-        let id = id.trim();
-        let name = id.strip_prefix("functions.").unwrap_or(id);
-        let name = match name.rsplit_once(':') {
-            Some((n, i)) if i.chars().all(|c| c.is_ascii_digit()) => n,
-            _ => name,
-        };
-        if name.is_empty() {
-            return None;
-        }
-        let Value::Object(arguments) = serde_json::from_str(args.trim()).ok()? else {
-            return None;
-        };
-        calls.push(RawCall {
-            name: name.to_string(),
-            arguments,
-        });
-        rest = &item[end + CALL_END.len()..];
-    }
+    delimited(body, CALL_BEGIN, CALL_END)?
+        .into_iter()
+        .map(|item| {
+            let (id, args) = item.split_once(ARGS_BEGIN)?;
+            let id = id.trim();
+            let name = id.strip_prefix("functions.").unwrap_or(id);
+            let name = match name.rsplit_once(':') {
+                Some((n, i)) if i.chars().all(|c| c.is_ascii_digit()) => n,
+                _ => name,
+            };
+            if name.is_empty() {
+                return None;
+            }
+            let Value::Object(arguments) = serde_json::from_str(args.trim()).ok()? else {
+                return None;
+            };
+            Some(RawCall {
+                name: name.to_string(),
+                arguments,
+            })
+        })
+        .collect()
 }
 
 /// One call, as Kimi writes it, with the id `functions.NAME:0`.
 pub(crate) fn grammar(functions: &[Function]) -> String {
     let prefix = format!("{}{CALL_BEGIN}functions.", FORMAT.open);
     let suffix = format!("{CALL_END}{}", FORMAT.close);
-    one_of(&prefix, &suffix, functions, |i, f, rules| {
-        rules.push_str(&json_rule(&format!("args{i}"), f.params.clone()));
-        format!("{} args{i}", lit(&format!("{}:0{ARGS_BEGIN}", f.name)))
+    json_calls(&prefix, &suffix, functions, |name| {
+        format!("{name}:0{ARGS_BEGIN}")
     })
 }
 

@@ -421,10 +421,8 @@ pub enum Parsed {
 impl Parsed {
     /// Add content to `events`, joined to content just before it; empty text adds nothing.
     fn push_content(events: &mut Vec<Parsed>, text: String) {
-        if text.is_empty() {
-            return;
-        }
         match events.last_mut() {
+            _ if text.is_empty() => {}
             Some(Parsed::Content(last)) => last.push_str(&text),
             _ => events.push(Parsed::Content(text)),
         }
@@ -432,10 +430,8 @@ impl Parsed {
 
     /// Add reasoning to `events`, joined to reasoning just before it.
     fn push_reasoning(events: &mut Vec<Parsed>, text: String) {
-        if text.is_empty() {
-            return;
-        }
         match events.last_mut() {
+            _ if text.is_empty() => {}
             Some(Parsed::Reasoning(last)) => last.push_str(&text),
             _ => events.push(Parsed::Reasoning(text)),
         }

@@ -100,30 +100,35 @@ pub(crate) fn strip_newlines(value: &str) -> &str {
     v.strip_suffix('\n').unwrap_or(v)
 }
 
+/// The texts between `begin` and `end` in `text`, in order, where only whitespace may lie
+/// outside them; `None` when something else does, or one does not end.
+pub(crate) fn delimited<'t>(text: &'t str, begin: &str, end: &str) -> Option<Vec<&'t str>> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    loop {
+        rest = rest.trim_start();
+        if rest.is_empty() {
+            return Some(out);
+        }
+        let item = rest.strip_prefix(begin)?;
+        let stop = item.find(end)?;
+        out.push(&item[..stop]);
+        rest = &item[stop + end.len()..];
+    }
+}
+
 /// The blocks `<OPEN…>BODY</CLOSE>` of `text`, in order, as (the text between `open` and the
-/// next `>`, the body), where `open` is e.g. `<invoke name=` and `close` e.g. `</invoke>`.
-/// Only whitespace may lie outside the blocks; `None` when something else does, or a block
-/// does not end.
+/// next `>`, the body), where `open` is e.g. `<invoke name=` and `close` e.g. `</invoke>`;
+/// only whitespace may lie outside them (see [`delimited`]).
 pub(crate) fn tagged_blocks<'t>(
     text: &'t str,
     open: &str,
     close: &str,
 ) -> Option<Vec<(&'t str, &'t str)>> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    loop {
-        let trimmed = rest.trim_start();
-        if trimmed.is_empty() {
-            return Some(out);
-        }
-        let after = trimmed.strip_prefix(open)?;
-        let head_end = after.find('>')?;
-        let head = &after[..head_end];
-        let body_and_rest = &after[head_end + 1..];
-        let end = body_and_rest.find(close)?;
-        out.push((head, &body_and_rest[..end]));
-        rest = &body_and_rest[end + close.len()..];
-    }
+    delimited(text, open, close)?
+        .into_iter()
+        .map(|item| item.split_once('>'))
+        .collect()
 }
 
 /// The value of attribute `name` in a tag's head (`"get_weather"` in `"get_weather"` or in
