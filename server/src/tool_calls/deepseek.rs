@@ -13,7 +13,7 @@
 use serde_json::Value;
 
 use super::blocks::BlockFormat;
-use super::grammar::{json_calls, lit, one_of, xml_parameters, Function};
+use super::grammar::{json_calls, xml_calls, Function};
 use super::values::{delimited, invoke_calls, InvokeTags};
 use super::{RawCall, Tools};
 
@@ -120,25 +120,14 @@ pub(crate) const DSML_V4: Dsml = Dsml {
 
 /// One call in DSML, as vLLM's DSML parsers document it (one element a line).
 pub(crate) fn grammar_dsml(dsml: &Dsml, functions: &[Function]) -> String {
-    let f = &dsml.format;
-    let t = &dsml.tags;
-    one_of(
+    let (f, t) = (&dsml.format, &dsml.tags);
+    xml_calls(
         &format!("{}\n", f.open),
         &format!("{}\n{}", t.invoke_close, f.close),
         functions,
-        |i, function, rules| {
-            let params = xml_parameters(
-                function,
-                &format!("f{i}"),
-                rules,
-                |key, text| format!("{}name=\"{key}\" string=\"{text}\">", t.parameter),
-                &format!("{}\n", t.parameter_close),
-            );
-            format!(
-                "{} {params}",
-                lit(&format!("{}name=\"{}\">\n", t.invoke, function.name))
-            )
-        },
+        |name| format!("{}name=\"{name}\">\n", t.invoke),
+        |key, text| format!("{}name=\"{key}\" string=\"{text}\">", t.parameter),
+        &format!("{}\n", t.parameter_close),
     )
 }
 

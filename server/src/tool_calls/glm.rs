@@ -7,7 +7,7 @@
 use serde_json::Map;
 
 use super::blocks::BlockFormat;
-use super::grammar::{lit, one_of, xml_parameters, Function};
+use super::grammar::{xml_calls, Function};
 use super::values::typed_value;
 use super::{RawCall, Tools};
 
@@ -60,16 +60,14 @@ fn parse(body: &str, tools: &Tools) -> Option<Vec<RawCall>> {
 /// One call as GLM-4.5's template writes it:
 /// `<tool_call>NAME\n(<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n)*</tool_call>`.
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    one_of("<tool_call>", "</tool_call>", functions, |i, f, rules| {
-        let params = xml_parameters(
-            f,
-            &format!("f{i}"),
-            rules,
-            |key, _| format!("<arg_key>{key}</arg_key>\n<arg_value>"),
-            "</arg_value>\n",
-        );
-        format!("{} {params}", lit(&format!("{}\n", f.name)))
-    })
+    xml_calls(
+        "<tool_call>",
+        "</tool_call>",
+        functions,
+        |name| format!("{name}\n"),
+        |key, _| format!("<arg_key>{key}</arg_key>\n<arg_value>"),
+        "</arg_value>\n",
+    )
 }
 
 #[cfg(test)]

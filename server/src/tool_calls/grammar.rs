@@ -144,6 +144,23 @@ pub(crate) fn json_calls(
     })
 }
 
+/// `start: PREFIX call SUFFIX` where a call is `head(NAME)` and the function's parameters,
+/// each `open(key, is_text)`, its value and `close` (see [`xml_parameters`]), for the
+/// XML-style formats.
+pub(crate) fn xml_calls(
+    prefix: &str,
+    suffix: &str,
+    functions: &[Function],
+    head: impl Fn(&str) -> String,
+    open: impl Fn(&str, bool) -> String,
+    close: &str,
+) -> String {
+    one_of(prefix, suffix, functions, |i, f, rules| {
+        let params = xml_parameters(f, &format!("f{i}"), rules, &open, close);
+        format!("{} {params}", lit(&head(&f.name)))
+    })
+}
+
 /// `s` escaped for a Lark regular expression (`/…/`).
 fn regex_escaped(s: &str) -> String {
     let mut out = String::new();
@@ -166,7 +183,7 @@ fn regex_escaped(s: &str) -> String {
 /// string parameter's value is text without `</`, one terminal with the `close` after it (so
 /// the lexer never has to guess where the text ends); any other value is JSON of the
 /// parameter's schema (with the function's `$defs`). Rules go to `rules`, named after `tag`.
-pub(crate) fn xml_parameters(
+fn xml_parameters(
     function: &Function,
     tag: &str,
     rules: &mut String,

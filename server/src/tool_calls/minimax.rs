@@ -4,7 +4,7 @@
 //! parameters and JSON otherwise, as the template writes them.
 
 use super::blocks::BlockFormat;
-use super::grammar::{lit, one_of, xml_parameters, Function};
+use super::grammar::{xml_calls, Function};
 use super::values::{invoke_calls, InvokeTags};
 
 const TAGS: InvokeTags = InvokeTags {
@@ -25,23 +25,13 @@ pub(crate) const FORMAT: BlockFormat = BlockFormat {
 
 /// One call as MiniMax-M2's template writes it.
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    one_of(
+    xml_calls(
         "<minimax:tool_call>\n",
         "</invoke>\n</minimax:tool_call>",
         functions,
-        |i, f, rules| {
-            let params = xml_parameters(
-                f,
-                &format!("f{i}"),
-                rules,
-                |key, _| format!("<parameter name=\"{key}\">"),
-                "</parameter>\n",
-            );
-            format!(
-                "{} {params}",
-                lit(&format!("<invoke name=\"{}\">\n", f.name))
-            )
-        },
+        |name| format!("<invoke name=\"{name}\">\n"),
+        |key, _| format!("<parameter name=\"{key}\">"),
+        "</parameter>\n",
     )
 }
 

@@ -7,7 +7,7 @@
 use serde_json::Map;
 
 use super::blocks::BlockFormat;
-use super::grammar::{lit, one_of, xml_parameters, Function};
+use super::grammar::{xml_calls, Function};
 use super::values::{strip_newlines, tagged_blocks, typed_value};
 use super::{RawCall, Tools};
 
@@ -48,20 +48,13 @@ fn parse(body: &str, tools: &Tools) -> Option<Vec<RawCall>> {
 
 /// One call as Qwen3-Coder's template writes it.
 pub(crate) fn grammar(functions: &[Function]) -> String {
-    one_of(
+    xml_calls(
         "<tool_call>\n<function=",
         "</function>\n</tool_call>",
         functions,
-        |i, f, rules| {
-            let params = xml_parameters(
-                f,
-                &format!("f{i}"),
-                rules,
-                |key, _| format!("<parameter={key}>\n"),
-                "\n</parameter>\n",
-            );
-            format!("{} {params}", lit(&format!("{}>\n", f.name)))
-        },
+        |name| format!("{name}>\n"),
+        |key, _| format!("<parameter={key}>\n"),
+        "\n</parameter>\n",
     )
 }
 
