@@ -177,7 +177,7 @@ pub struct ServeConfig {
     pub prefix_cache_dir: Option<PathBuf>,
     /// The format tool calls are read (and forced) in: `auto` (the model's own, from how its
     /// chat template writes a call, else its model type), `hermes`, `qwen3_coder`,
-    /// `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `deepseek_v4`, `kimi_k2`, `glm45`,
+    /// `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `deepseek_v4`, `kimi_k2`, `kimi_k3`, `glm45`,
     /// `minimax_m2`, `harmony` or `inkling`.
     pub tool_call_format: ToolCallFormat,
     /// How reasoning is read: `auto` (the tool-call format's own: `<think>`, harmony's

@@ -22,7 +22,7 @@ use super::formats::{AnswerId, ChatFormat, CompletionFormat};
 use super::openai::*;
 use super::pump::{answer, Delivery, Events, Reading, Timing};
 use super::{AppState, Serving};
-use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools, CLOSE_THOUGHT};
+use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools};
 
 /// The prefix of chat completion ids (`chatcmpl-…`); tool call ids are `call_…` with the same
 /// suffix.
@@ -670,8 +670,8 @@ async fn chat_inner(
     // A constrained answer cannot think first: when the template opened a thought, close it
     // (as templates do when thinking is switched off), so the constraint applies to the answer.
     let mut text = text;
-    if grammar.is_some() && serving.syntax.opens_thought(&text) {
-        text.push_str(CLOSE_THOUGHT);
+    if let Some(closer) = grammar.as_ref().and(serving.syntax.thought_closer(&text)) {
+        text.push_str(&closer);
     }
     let prompt = tokenizer
         .encode(&text, false)

@@ -7,7 +7,7 @@
 //! when its closing tag arrives, and returns a block that does not read as calls (or never
 //! closes) as text, with a warning. Content is trimmed as `str::trim` trims the whole.
 
-use super::text::{find_first, partial_tag_len, Trimmer};
+use super::text::{find_first, held_back, partial_tag_len, Trimmer};
 use super::{Ids, Parsed, RawCall, Tools};
 
 /// How one format writes its blocks of calls.
@@ -20,6 +20,11 @@ pub(crate) struct BlockFormat {
     pub close: &'static str,
     /// The body is JSON: a closing tag inside a JSON string does not close the block.
     pub json_body: bool,
+    /// The tags that open and close a thought at the start of the text.
+    pub think: [&'static str; 2],
+    /// Tags that frame the answer and are not part of it (Kimi K3's `<|open|>response<|sep|>`):
+    /// dropped from the content wherever they appear outside a block.
+    pub drop: &'static [&'static str],
     /// The calls a block's body (the text between the tags) holds, or `None` when it does not
     /// read as calls (it is then returned as text).
     pub parse: fn(&str, &Tools) -> Option<Vec<RawCall>>,
@@ -81,8 +86,9 @@ impl BodyScan {
 /// gives content that is safe to show and each block's calls once the block closes.
 pub(crate) struct BlockStream {
     format: &'static BlockFormat,
-    tools: std::sync::Arc<Tools>,
-    ids: Ids,
+    /// With the request's tools and ids, blocks are read as calls; without, only the format's
+    /// [`BlockFormat::drop`] tags are taken out of the content.
+    calls: Option<(std::sync::Arc<Tools>, Ids)>,
     /// Text not yet emitted: outside a block, a held-back partial tag; inside, the body.
     buf: String,
     in_block: bool,
@@ -91,16 +97,14 @@ pub(crate) struct BlockStream {
 }
 
 impl BlockStream {
-    /// A reader of `format`'s blocks, typing values by `tools`, numbering calls with `ids`.
+    /// A reader of `format`'s blocks, typing values by the tools, numbering calls with the ids.
     pub(crate) fn new(
         format: &'static BlockFormat,
-        tools: std::sync::Arc<Tools>,
-        ids: Ids,
+        calls: Option<(std::sync::Arc<Tools>, Ids)>,
     ) -> Self {
         BlockStream {
             format,
-            tools,
-            ids,
+            calls,
             buf: String::new(),
             in_block: false,
             scan: BodyScan::default(),
@@ -115,10 +119,17 @@ impl BlockStream {
 
     /// A closed block: its calls, or its text when it does not read as calls.
     fn block(&mut self, events: &mut Vec<Parsed>, body: &str) {
-        match (self.format.parse)(body, &self.tools) {
-            Some(calls) if !calls.is_empty() => {
-                events.extend(calls.into_iter().map(|c| Parsed::Call(self.ids.call(c))))
-            }
+        let parsed = match self.calls.as_mut() {
+            Some((tools, ids)) => (self.format.parse)(body, tools).map(|calls| {
+                calls
+                    .into_iter()
+                    .map(|c| Parsed::Call(ids.call(c)))
+                    .collect::<Vec<_>>()
+            }),
+            None => None, // not reached: without calls no block opens
+        };
+        match parsed {
+            Some(calls) if !calls.is_empty() => events.extend(calls),
             _ => {
                 tracing::warn!(
                     format = self.format.name,
@@ -146,14 +157,22 @@ impl BlockStream {
                 self.buf.drain(..close + f.close.len());
                 self.in_block = false;
                 self.block(&mut events, &body);
-            } else if let Some((open, _)) = find_first(&self.buf, &[f.open]) {
-                let before = self.buf[..open].to_string();
+                continue;
+            }
+            let mut tags = f.drop.to_vec();
+            if self.calls.is_some() {
+                tags.push(f.open);
+            }
+            if let Some((at, tag)) = find_first(&self.buf, &tags) {
+                let before = self.buf[..at].to_string();
                 self.content(&mut events, &before);
-                self.buf.drain(..open + f.open.len());
-                self.in_block = true;
-                self.scan = BodyScan::default();
+                self.buf.drain(..at + tag.len());
+                if tag == f.open {
+                    self.in_block = true;
+                    self.scan = BodyScan::default();
+                }
             } else {
-                let keep = partial_tag_len(&self.buf, f.open);
+                let keep = held_back(&self.buf, &tags);
                 let shown = self.buf[..self.buf.len() - keep].to_string();
                 self.content(&mut events, &shown);
                 self.buf.drain(..self.buf.len() - keep);

@@ -13,7 +13,8 @@
 use serde_json::Value;
 
 use super::blocks::BlockFormat;
-use super::grammar::{json_calls, xml_calls, Function};
+use super::grammar::{is_text, json_calls, xml_calls, Function};
+use super::reasoning::THINK;
 use super::values::{delimited, invoke_calls, InvokeTags};
 use super::{RawCall, Tools};
 
@@ -29,6 +30,8 @@ pub(crate) const FORMAT: BlockFormat = BlockFormat {
     open: CALLS_BEGIN,
     close: CALLS_END,
     json_body: false,
+    think: THINK,
+    drop: &[],
     parse,
 };
 
@@ -101,6 +104,8 @@ pub(crate) const DSML_V32: Dsml = Dsml {
         open: "<｜DSML｜function_calls>",
         close: "</｜DSML｜function_calls>",
         json_body: false,
+        think: THINK,
+        drop: &[],
         parse: |body, tools| invoke_calls(body, &DSML_TAGS, tools),
     },
     tags: DSML_TAGS,
@@ -113,6 +118,8 @@ pub(crate) const DSML_V4: Dsml = Dsml {
         open: "<｜DSML｜tool_calls>",
         close: "</｜DSML｜tool_calls>",
         json_body: false,
+        think: THINK,
+        drop: &[],
         parse: |body, tools| invoke_calls(body, &DSML_TAGS, tools),
     },
     tags: DSML_TAGS,
@@ -126,7 +133,13 @@ pub(crate) fn grammar_dsml(dsml: &Dsml, functions: &[Function]) -> String {
         &format!("{}\n{}", t.invoke_close, f.close),
         functions,
         |name| format!("{}name=\"{name}\">\n", t.invoke),
-        |key, text| format!("{}name=\"{key}\" string=\"{text}\">", t.parameter),
+        |key, schema| {
+            format!(
+                "{}name=\"{key}\" string=\"{}\">",
+                t.parameter,
+                is_text(schema)
+            )
+        },
         &format!("{}\n", t.parameter_close),
     )
 }

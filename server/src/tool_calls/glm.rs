@@ -8,6 +8,7 @@ use serde_json::Map;
 
 use super::blocks::BlockFormat;
 use super::grammar::{xml_calls, Function};
+use super::reasoning::THINK;
 use super::values::typed_value;
 use super::{RawCall, Tools};
 
@@ -17,6 +18,8 @@ pub(crate) const FORMAT: BlockFormat = BlockFormat {
     open: "<tool_call>",
     close: "</tool_call>",
     json_body: false,
+    think: THINK,
+    drop: &[],
     parse,
 };
 

@@ -92,6 +92,7 @@ pub fn required_tool_call_grammar(
             super::deepseek::grammar_dsml(&super::deepseek::DSML_V4, &functions)
         }
         ToolCallFormat::KimiK2 => super::kimi::grammar(&functions),
+        ToolCallFormat::KimiK3 => super::kimi::grammar_k3(&functions),
         ToolCallFormat::Glm45 => super::glm::grammar(&functions),
         ToolCallFormat::MinimaxM2 => super::minimax::grammar(&functions),
         ToolCallFormat::Harmony => super::harmony::grammar(&functions),
@@ -145,14 +146,14 @@ pub(crate) fn json_calls(
 }
 
 /// `start: PREFIX call SUFFIX` where a call is `head(NAME)` and the function's parameters,
-/// each `open(key, is_text)`, its value and `close` (see [`xml_parameters`]), for the
+/// each `open(key, schema)`, its value and `close` (see [`xml_parameters`]), for the
 /// XML-style formats.
 pub(crate) fn xml_calls(
     prefix: &str,
     suffix: &str,
     functions: &[Function],
     head: impl Fn(&str) -> String,
-    open: impl Fn(&str, bool) -> String,
+    open: impl Fn(&str, &Value) -> String,
     close: &str,
 ) -> String {
     one_of(prefix, suffix, functions, |i, f, rules| {
@@ -179,15 +180,16 @@ fn regex_escaped(s: &str) -> String {
 }
 
 /// A function's parameters as a sequence of Lark items, required ones in schema order and
-/// each optional one, in order, maybe: `open(key, is_text)`, the value, then `close`. A
+/// each optional one, in order, maybe: `open(key, schema)`, the value, then `close`. A
 /// string parameter's value is text without `</`, one terminal with the `close` after it (so
 /// the lexer never has to guess where the text ends); any other value is JSON of the
-/// parameter's schema (with the function's `$defs`). Rules go to `rules`, named after `tag`.
+/// parameter's schema (with the function's `$defs`). (In a format whose `close` begins `<|`,
+/// text may not hold `<|`.) Rules go to `rules`, named after `tag`.
 fn xml_parameters(
     function: &Function,
     tag: &str,
     rules: &mut String,
-    open: impl Fn(&str, bool) -> String,
+    open: impl Fn(&str, &Value) -> String,
     close: &str,
 ) -> String {
     let props = function
@@ -202,26 +204,34 @@ fn xml_parameters(
         .and_then(Value::as_array)
         .map(|r| r.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
+    // The text may not hold `<` followed by what follows `<` in `close` (`</`, `<|`).
+    let after = close
+        .split_once('<')
+        .and_then(|(_, rest)| rest.chars().next())
+        .map(|c| regex_escaped(&c.to_string()))
+        .unwrap_or_else(|| "\\/".to_string());
     let mut seq = Vec::new();
     for (j, (key, schema)) in props.iter().enumerate() {
         let text = is_text(schema);
         let item = if text {
             let terminal = format!("{}_P{j}", tag.to_uppercase());
             rules.push_str(&format!(
-                "{terminal}: /([^<]|<[^\\/])*{}/\n",
+                "{terminal}: /([^<]|<[^{after}])*{}/\n",
                 regex_escaped(close)
             ));
-            format!("{} {terminal}", lit(&open(key, true)))
+            format!("{} {terminal}", lit(&open(key, schema)))
         } else {
             let rule = format!("{tag}_p{j}");
-            let mut schema = schema.clone();
+            let mut json_schema = schema.clone();
             for defs in ["$defs", "definitions"] {
-                if let (Some(d), Some(obj)) = (function.params.get(defs), schema.as_object_mut()) {
+                if let (Some(d), Some(obj)) =
+                    (function.params.get(defs), json_schema.as_object_mut())
+                {
                     obj.insert(defs.to_string(), d.clone());
                 }
             }
-            rules.push_str(&json_rule(&rule, schema));
-            format!("{} {rule} {}", lit(&open(key, false)), lit(close))
+            rules.push_str(&json_rule(&rule, json_schema));
+            format!("{} {rule} {}", lit(&open(key, schema)), lit(close))
         };
         if required.contains(&key.as_str()) {
             seq.push(item);
@@ -233,7 +243,7 @@ fn xml_parameters(
 }
 
 /// Whether a parameter is written as plain text: its schema allows a string.
-fn is_text(schema: &Value) -> bool {
+pub(crate) fn is_text(schema: &Value) -> bool {
     match schema.get("type") {
         Some(Value::String(t)) => t == "string",
         Some(Value::Array(ts)) => ts.iter().any(|t| t == "string"),

@@ -7,6 +7,7 @@ use serde_json::{Map, Value};
 
 use super::blocks::BlockFormat;
 use super::grammar::Function;
+use super::reasoning::THINK;
 use super::{RawCall, Tools};
 
 /// The Hermes block: a JSON object between `<tool_call>` and `</tool_call>`.
@@ -15,6 +16,8 @@ pub(crate) const FORMAT: BlockFormat = BlockFormat {
     open: "<tool_call>",
     close: "</tool_call>",
     json_body: true,
+    think: THINK,
+    drop: &[],
     parse,
 };
 

@@ -5,6 +5,7 @@
 
 use super::blocks::BlockFormat;
 use super::grammar::{xml_calls, Function};
+use super::reasoning::THINK;
 use super::values::{invoke_calls, InvokeTags};
 
 const TAGS: InvokeTags = InvokeTags {
@@ -20,6 +21,8 @@ pub(crate) const FORMAT: BlockFormat = BlockFormat {
     open: "<minimax:tool_call>",
     close: "</minimax:tool_call>",
     json_body: false,
+    think: THINK,
+    drop: &[],
     parse: |body, tools| invoke_calls(body, &TAGS, tools),
 };
 

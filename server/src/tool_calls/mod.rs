@@ -3,7 +3,7 @@
 //!
 //! - the formats ([`ToolCallFormat`]): Hermes/Qwen (`<tool_call>{json}</tool_call>`),
 //!   Qwen3-Coder's XML, DeepSeek-V3/R1 and V3.1 (`<｜tool▁calls▁begin｜>…`), DeepSeek-V3.2/V4
-//!   DSML, Kimi K2 (`<|tool_calls_section_begin|>…`), GLM-4.5+ (`<arg_key>`/`<arg_value>`),
+//!   DSML, Kimi K2 (`<|tool_calls_section_begin|>…`) and K3 (`<|open|>call …`), GLM-4.5+ (`<arg_key>`/`<arg_value>`),
 //!   MiniMax-M2 (`<minimax:tool_call>`), gpt-oss harmony (channels) and Inkling (typed
 //!   content blocks), one file each: its tags, how a call's text reads, the grammar that forces
 //!   one call;
@@ -48,7 +48,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 pub use grammar::required_tool_call_grammar;
-pub(crate) use reasoning::{prompt_opens_thought, CLOSE_THOUGHT};
+use reasoning::prompt_opens_thought;
 
 use blocks::{BlockFormat, BlockStream};
 use messages::{MessageFormat, MessageStream};
@@ -153,6 +153,8 @@ pub enum ToolCallFormat {
     DeepseekV4,
     /// Kimi K2: `<|tool_call_begin|>functions.NAME:i<|tool_call_argument_begin|>{json}`.
     KimiK2,
+    /// Kimi K3: `<|open|>call tool="NAME"<|sep|><|open|>argument key="K" type="T"<|sep|>V…`.
+    KimiK3,
     /// GLM-4.5 and later: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`.
     Glm45,
     /// MiniMax-M2: `<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>`.
@@ -224,9 +226,16 @@ impl Syntax {
         }
     }
 
-    /// Whether `prompt` leaves the model inside a `<think>` thought of this syntax.
-    pub fn opens_thought(&self, prompt: &str) -> bool {
-        matches!(self.shape(), Shape::Blocks(_)) && prompt_opens_thought(prompt)
+    /// When `prompt` leaves the model inside a thought of this syntax: the text that closes
+    /// it (for a constrained answer, which cannot think first: as templates close the thought
+    /// when thinking is switched off).
+    pub fn thought_closer(&self, prompt: &str) -> Option<String> {
+        match self.shape() {
+            Shape::Blocks(f) if prompt_opens_thought(prompt, f.think[0]) => {
+                Some(format!("{}\n\n", f.think[1]))
+            }
+            _ => None,
+        }
     }
 
     fn shape(&self) -> Shape {
@@ -239,6 +248,7 @@ impl Syntax {
             ToolCallFormat::DeepseekV32 => Shape::Blocks(&deepseek::DSML_V32.format),
             ToolCallFormat::DeepseekV4 => Shape::Blocks(&deepseek::DSML_V4.format),
             ToolCallFormat::KimiK2 => Shape::Blocks(&kimi::FORMAT),
+            ToolCallFormat::KimiK3 => Shape::Blocks(&kimi::K3),
             ToolCallFormat::Glm45 => Shape::Blocks(&glm::FORMAT),
             ToolCallFormat::MinimaxM2 => Shape::Blocks(&minimax::FORMAT),
             ToolCallFormat::Harmony => Shape::Messages(&harmony::FORMAT),
@@ -253,9 +263,10 @@ impl Syntax {
         match self.shape() {
             Shape::Blocks(f) => {
                 let mut tags = vec![f.open, f.close];
+                tags.extend(f.drop);
                 tags.extend(self.format_tokens());
                 if self.reasoning {
-                    tags.extend(["<think>", "</think>"]);
+                    tags.extend(f.think);
                 }
                 tags
             }
@@ -275,6 +286,7 @@ impl Syntax {
         match self.format {
             ToolCallFormat::DeepseekV3 | ToolCallFormat::DeepseekV31 => deepseek::INNER.to_vec(),
             ToolCallFormat::KimiK2 => kimi::INNER.to_vec(),
+            ToolCallFormat::KimiK3 => kimi::K3_INNER.to_vec(),
             ToolCallFormat::Glm45 => glm::INNER.to_vec(),
             ToolCallFormat::Harmony => harmony::INNER.to_vec(),
             _ => Vec::new(),
@@ -348,6 +360,8 @@ pub fn detect_from_template(template: &ChatTemplate) -> Option<ToolCallFormat> {
         ToolCallFormat::DeepseekV3
     } else if call("<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>") {
         ToolCallFormat::DeepseekV31
+    } else if call("<|open|>call tool=\"NAME\"") {
+        ToolCallFormat::KimiK3
     } else if has("<|tool_call_begin|>") {
         ToolCallFormat::KimiK2
     } else if has("<minimax:tool_call>") {
@@ -448,7 +462,7 @@ enum Reader {
     Blocks {
         /// The `<think>` split, when reasoning is read.
         reasoning: Option<ReasoningStream>,
-        /// The calls, when the request has tools.
+        /// The calls, when the request has tools (or the format frames its answer in tags).
         calls: Option<BlockStream>,
     },
     Messages(MessageStream),
@@ -461,10 +475,12 @@ impl ChatStream {
         let calls = tools.map(|(t, prefix)| (t, Ids::new(prefix)));
         let inner = match syntax.shape() {
             Shape::Blocks(format) => Reader::Blocks {
-                reasoning: syntax
-                    .reasoning
-                    .then(|| ReasoningStream::new(prompt_opens_thought(prompt))),
-                calls: calls.map(|(t, ids)| BlockStream::new(format, t, ids)),
+                reasoning: syntax.reasoning.then(|| {
+                    let inside = prompt_opens_thought(prompt, format.think[0]);
+                    ReasoningStream::new(inside, format.think)
+                }),
+                calls: (calls.is_some() || !format.drop.is_empty())
+                    .then(|| BlockStream::new(format, calls)),
             },
             Shape::Messages(format) => {
                 Reader::Messages(MessageStream::new(format, prompt, syntax.reasoning, calls))

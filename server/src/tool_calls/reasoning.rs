@@ -7,14 +7,13 @@ use super::text::{partial_tag_len, Trimmer};
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 
-/// Whether a rendered prompt leaves the model inside a thought (it ends with `<think>`).
-pub(crate) fn prompt_opens_thought(prompt: &str) -> bool {
-    prompt.trim_end().ends_with(THINK_OPEN)
-}
+/// The tags of a thought: `<think>` and `</think>`, which every block format but Kimi K3 uses.
+pub(crate) const THINK: [&str; 2] = [THINK_OPEN, THINK_CLOSE];
 
-/// The text that closes a thought the prompt opened, for a constrained answer that cannot
-/// think first (as templates close it when thinking is switched off).
-pub(crate) const CLOSE_THOUGHT: &str = "</think>\n\n";
+/// Whether a rendered prompt leaves the model inside a thought (it ends with `open`).
+pub(crate) fn prompt_opens_thought(prompt: &str, open: &str) -> bool {
+    prompt.trim_end().ends_with(open)
+}
 
 /// Reasoning split for finished text: (reasoning, content), both trimmed; reasoning is `None`
 /// when there is none or it is blank. `started_inside` = the prompt already opened `<think>`,
@@ -73,11 +72,13 @@ pub(crate) struct ReasoningStream {
     content: Trimmer,
     /// The text opened without `<think>`: the answer passes through untrimmed.
     raw_content: bool,
+    /// The opening and closing tags.
+    tags: [&'static str; 2],
 }
 
 impl ReasoningStream {
     /// `started_inside` = the prompt already opened `<think>`.
-    pub(crate) fn new(started_inside: bool) -> Self {
+    pub(crate) fn new(started_inside: bool, tags: [&'static str; 2]) -> Self {
         ReasoningStream {
             phase: if started_inside {
                 Phase::Thinking
@@ -88,6 +89,7 @@ impl ReasoningStream {
             reasoning: Trimmer::default(),
             content: Trimmer::default(),
             raw_content: false,
+            tags,
         }
     }
 
@@ -118,10 +120,10 @@ impl ReasoningStream {
             match self.phase {
                 Phase::Undecided => {
                     let start = self.buf.trim_start();
-                    if let Some(rest) = start.strip_prefix(THINK_OPEN) {
+                    if let Some(rest) = start.strip_prefix(self.tags[0]) {
                         self.buf = rest.to_string();
                         self.phase = Phase::Thinking;
-                    } else if THINK_OPEN.starts_with(start) {
+                    } else if self.tags[0].starts_with(start) {
                         break; // blank, or a prefix of the tag: wait
                     } else {
                         self.phase = Phase::Answer;
@@ -129,13 +131,13 @@ impl ReasoningStream {
                     }
                 }
                 Phase::Thinking => {
-                    if let Some(i) = self.buf.find(THINK_CLOSE) {
+                    if let Some(i) = self.buf.find(self.tags[1]) {
                         let thought = self.buf[..i].to_string();
                         self.emit(&mut events, true, &thought);
-                        self.buf.drain(..i + THINK_CLOSE.len());
+                        self.buf.drain(..i + self.tags[1].len());
                         self.phase = Phase::Answer;
                     } else {
-                        let keep = partial_tag_len(&self.buf, THINK_CLOSE);
+                        let keep = partial_tag_len(&self.buf, self.tags[1]);
                         let thought = self.buf[..self.buf.len() - keep].to_string();
                         self.emit(&mut events, true, &thought);
                         self.buf.drain(..self.buf.len() - keep);
@@ -172,7 +174,7 @@ mod tests {
     use crate::tool_calls::testing::splits;
 
     fn stream_reasoning(pieces: &[&str], started_inside: bool) -> (Option<String>, String) {
-        let mut s = ReasoningStream::new(started_inside);
+        let mut s = ReasoningStream::new(started_inside, THINK);
         let mut events = Vec::new();
         for p in pieces {
             events.extend(s.push(p));

@@ -59,6 +59,11 @@ CASES = {
         "<think>Turn it on.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.switch:0<|tool_call_argument_begin|>{\"on\": true}<|tool_call_end|><|tool_calls_section_end|>",
         "Turn it on.", None,
     ),
+    "kimi-k3": (
+        "KimiK3",
+        "<|open|>think<|sep|>Turn it on.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"switch\" index=\"1\"<|sep|><|open|>argument key=\"on\" type=\"boolean\"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
+        "Turn it on.", None,
+    ),
     "gpt-oss-120b": (
         "Harmony",
         "<|channel|>analysis<|message|>Turn it on.<|end|><|start|>assistant<|channel|>commentary to=functions.switch <|constrain|>json<|message|>{\"on\": true}",
