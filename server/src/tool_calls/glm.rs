@@ -76,9 +76,10 @@ pub(crate) fn grammar(functions: &[Function]) -> String {
 #[cfg(test)]
 mod tests {
     use crate::tool_calls::testing::{
-        call, check, grammar_accepts, grammar_refuses, syntax, template, weather, weather_prompt,
+        call, check, detected_prompt, grammar_accepts, grammar_refuses, syntax, template, weather,
+        weather_prompt,
     };
-    use crate::tool_calls::{detect_from_template, required_tool_call_grammar, ToolCallFormat};
+    use crate::tool_calls::{required_tool_call_grammar, ToolCallFormat};
     use serde_json::json;
 
     fn glm() -> crate::tool_calls::Syntax {
@@ -87,9 +88,7 @@ mod tests {
 
     #[test]
     fn the_real_template_is_detected_and_prompts_with_the_tools() {
-        let t = template("glm-4.6");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::Glm45));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("glm-4.6", ToolCallFormat::Glm45);
         assert!(
             prompt.starts_with("[gMASK]<sop><|system|>\n# Tools"),
             "{prompt}"

@@ -74,9 +74,10 @@ pub(crate) fn grammar(functions: &[Function]) -> String {
 #[cfg(test)]
 mod tests {
     use crate::tool_calls::testing::{
-        call, check, grammar_accepts, grammar_refuses, syntax, template, weather, weather_prompt,
+        call, check, detected_prompt, grammar_accepts, grammar_refuses, syntax, template, weather,
+        weather_prompt,
     };
-    use crate::tool_calls::{detect_from_template, required_tool_call_grammar, ToolCallFormat};
+    use crate::tool_calls::{required_tool_call_grammar, ToolCallFormat};
     use serde_json::json;
 
     fn harmony() -> crate::tool_calls::Syntax {
@@ -85,9 +86,7 @@ mod tests {
 
     #[test]
     fn the_real_template_is_detected_and_lists_the_functions() {
-        let t = template("gpt-oss-120b");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::Harmony));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("gpt-oss-120b", ToolCallFormat::Harmony);
         assert!(
             prompt.starts_with("<|start|>system<|message|>You are ChatGPT"),
             "{prompt}"

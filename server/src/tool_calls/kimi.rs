@@ -167,9 +167,10 @@ pub(crate) fn grammar_k3(functions: &[Function]) -> String {
 #[cfg(test)]
 mod tests {
     use crate::tool_calls::testing::{
-        call, check, grammar_accepts, grammar_refuses, syntax, template, weather, weather_prompt,
+        call, check, detected_prompt, grammar_accepts, grammar_refuses, syntax, template, weather,
+        weather_prompt,
     };
-    use crate::tool_calls::{detect_from_template, required_tool_call_grammar, ToolCallFormat};
+    use crate::tool_calls::{required_tool_call_grammar, ToolCallFormat};
     use serde_json::json;
 
     fn kimi() -> crate::tool_calls::Syntax {
@@ -178,9 +179,7 @@ mod tests {
 
     #[test]
     fn the_real_template_is_detected_and_declares_the_tools() {
-        let t = template("kimi-k2-thinking");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::KimiK2));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("kimi-k2-thinking", ToolCallFormat::KimiK2);
         assert!(
             prompt.starts_with("<|im_system|>tool_declare<|im_middle|>[{"),
             "{prompt}"
@@ -253,9 +252,7 @@ mod tests {
 
     #[test]
     fn the_k3_template_is_detected_and_opens_a_thought() {
-        let t = template("kimi-k3");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::KimiK3));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("kimi-k3", ToolCallFormat::KimiK3);
         assert!(
             prompt
                 .starts_with("<|open|>message role=\"system\" type=\"tool-declare\"<|sep|># Tools"),

@@ -41,9 +41,10 @@ pub(crate) fn grammar(functions: &[Function]) -> String {
 #[cfg(test)]
 mod tests {
     use crate::tool_calls::testing::{
-        call, check, grammar_accepts, grammar_refuses, syntax, template, weather, weather_prompt,
+        call, check, detected_prompt, grammar_accepts, grammar_refuses, syntax, template, weather,
+        weather_prompt,
     };
-    use crate::tool_calls::{detect_from_template, required_tool_call_grammar, ToolCallFormat};
+    use crate::tool_calls::{required_tool_call_grammar, ToolCallFormat};
     use serde_json::json;
 
     fn minimax() -> crate::tool_calls::Syntax {
@@ -52,9 +53,7 @@ mod tests {
 
     #[test]
     fn the_real_template_is_detected_and_opens_a_thought() {
-        let t = template("minimax-m2");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::MinimaxM2));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("minimax-m2", ToolCallFormat::MinimaxM2);
         assert!(
             prompt.contains("<tools>\n<tool>{\"name\": \"get_weather\""),
             "{prompt}"

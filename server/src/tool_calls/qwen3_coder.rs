@@ -64,9 +64,10 @@ pub(crate) fn grammar(functions: &[Function]) -> String {
 #[cfg(test)]
 mod tests {
     use crate::tool_calls::testing::{
-        call, check, grammar_accepts, grammar_refuses, syntax, template, weather, weather_prompt,
+        call, check, detected_prompt, grammar_accepts, grammar_refuses, syntax, template, weather,
+        weather_prompt,
     };
-    use crate::tool_calls::{detect_from_template, required_tool_call_grammar, ToolCallFormat};
+    use crate::tool_calls::{required_tool_call_grammar, ToolCallFormat};
     use serde_json::json;
 
     fn coder() -> crate::tool_calls::Syntax {
@@ -75,9 +76,7 @@ mod tests {
 
     #[test]
     fn the_real_template_is_detected_and_lists_the_functions() {
-        let t = template("qwen3-coder");
-        assert_eq!(detect_from_template(&t), Some(ToolCallFormat::Qwen3Coder));
-        let prompt = weather_prompt(&t);
+        let prompt = detected_prompt("qwen3-coder", ToolCallFormat::Qwen3Coder);
         assert!(
             prompt.contains("<function>\n<name>get_weather</name>"),
             "{prompt}"

@@ -144,6 +144,14 @@ pub(crate) fn weather_prompt(template: &ChatTemplate) -> String {
     prompt
 }
 
+/// The weather prompt of the committed real template `name` (see [`weather_prompt`]), after
+/// checking that the server would read that template's model in `format`.
+pub(crate) fn detected_prompt(name: &str, format: ToolCallFormat) -> String {
+    let t = template(name);
+    assert_eq!(super::detect_from_template(&t), Some(format), "{name}");
+    weather_prompt(&t)
+}
+
 /// The fixture tokenizer (byte-level BPE of 384 tokens; `<|im_end|>` is its EOS).
 fn fixture_tokenizer() -> (Tokenizer, u32) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
