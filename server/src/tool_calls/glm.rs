@@ -129,6 +129,27 @@ mod tests {
     }
 
     #[test]
+    fn with_reasoning_off_the_thought_stays_in_the_content() {
+        let (tools, _) = weather();
+        let off = crate::tool_calls::Syntax {
+            format: ToolCallFormat::Glm45,
+            reasoning: false,
+        };
+        let output = "<think>Hm.</think>\n<tool_call>get_time\n</tool_call>";
+        check(
+            off,
+            "",
+            Some(&tools),
+            output,
+            (
+                None,
+                "<think>Hm.</think>",
+                &[call("call_x_0", "get_time", "{}")],
+            ),
+        );
+    }
+
+    #[test]
     fn glm47_without_newlines_text_before_and_two_calls() {
         let (tools, _) = weather();
         let output = "<think></think>Checking both.<tool_call>get_weather<arg_key>city</arg_key><arg_value>San Francisco, CA</arg_value></tool_call><tool_call>get_time</tool_call>";

@@ -138,6 +138,22 @@ mod tests {
     }
 
     #[test]
+    fn with_reasoning_off_the_analysis_is_content() {
+        let off = crate::tool_calls::Syntax {
+            format: ToolCallFormat::Harmony,
+            reasoning: false,
+        };
+        let output = "<|channel|>analysis<|message|>Thinking.<|end|><|start|>assistant<|channel|>final<|message|>Answer.";
+        check(
+            off,
+            "<|start|>assistant",
+            None,
+            output,
+            (None, "Thinking.\n\nAnswer.", &[]),
+        );
+    }
+
+    #[test]
     fn a_preamble_then_a_call_addressed_before_the_channel() {
         let prompt = weather_prompt(&template("gpt-oss-120b"));
         let (tools, _) = weather();
