@@ -32,6 +32,7 @@ use figment::{Figment, Metadata, Profile, Provider};
 use serde::{Deserialize, Serialize};
 
 use crate::engine_options::{EngineFlags, EngineOptions, ENGINE_KEYS};
+use crate::tool_calls::{ReasoningFormat, ToolCallFormat};
 
 /// The file read from the working directory when no `--config`/`COLI_CONFIG` names one.
 pub const DEFAULT_FILE: &str = "colibri.toml";
@@ -105,6 +106,8 @@ const KEYS: &[(&str, Shape)] = &[
     ("tls_key", Shape::Text),
     ("history_save_secs", Shape::Number),
     ("prefix_cache_dir", Shape::Text),
+    ("tool_call_format", Shape::Text),
+    ("reasoning_format", Shape::Text),
 ];
 
 /// The effective configuration of `coli serve`.
@@ -172,6 +175,14 @@ pub struct ServeConfig {
     /// Directory keeping the slots' conversations (tokens and KV cache) across restarts;
     /// `None`: slots start empty.
     pub prefix_cache_dir: Option<PathBuf>,
+    /// The format tool calls are read (and forced) in: `auto` (the model's own, from how its
+    /// chat template writes a call, else its model type), `hermes`, `qwen3_coder`,
+    /// `deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `deepseek_v4`, `kimi_k2`, `kimi_k3`, `glm45`,
+    /// `minimax_m2`, `harmony` or `inkling`.
+    pub tool_call_format: ToolCallFormat,
+    /// How reasoning is read: `auto` (the tool-call format's own: `<think>`, harmony's
+    /// analysis channel, Inkling's thinking blocks) or `none` (thoughts stay in the content).
+    pub reasoning_format: ReasoningFormat,
     /// The engine options (top-level keys of the file, like the others).
     pub engine: EngineOptions,
 }
@@ -204,6 +215,8 @@ impl Default for ServeConfig {
             tls_key: None,
             history_save_secs: 60,
             prefix_cache_dir: None,
+            tool_call_format: ToolCallFormat::Auto,
+            reasoning_format: ReasoningFormat::Auto,
             engine: EngineOptions::default(),
         }
     }
@@ -238,6 +251,8 @@ impl fmt::Debug for ServeConfig {
             .field("tls_key", &self.tls_key)
             .field("history_save_secs", &self.history_save_secs)
             .field("prefix_cache_dir", &self.prefix_cache_dir)
+            .field("tool_call_format", &self.tool_call_format)
+            .field("reasoning_format", &self.reasoning_format)
             .field("engine", &self.engine)
             .finish()
     }
@@ -512,6 +527,12 @@ pub struct ServeFlags {
     /// Keep the slots' conversations (tokens and KV cache) in this directory across restarts.
     #[arg(long, value_name = "DIR")]
     pub prefix_cache_dir: Option<PathBuf>,
+    /// The format tool calls are read and forced in [default: auto, the model's own].
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub tool_call_format: Option<ToolCallFormat>,
+    /// How reasoning is read: auto (the format's own) or none (left in the content).
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub reasoning_format: Option<ReasoningFormat>,
 }
 
 /// The arguments of `coli config`.
@@ -926,6 +947,8 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(tls_key, "--tls-key");
     opt!(history_save_secs, "--history-save-secs");
     opt!(prefix_cache_dir, "--prefix-cache-dir");
+    opt!(tool_call_format, "--tool-call-format");
+    opt!(reasoning_format, "--reasoning-format");
     out.extend(flags.engine.values()?);
     Ok(out)
 }
@@ -1248,6 +1271,10 @@ mod tests {
             "5",
             "--prefix-cache-dir",
             "/state/prefix",
+            "--tool-call-format",
+            "qwen3_coder",
+            "--reasoning-format",
+            "none",
         ])
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -1278,6 +1305,8 @@ mod tests {
         assert_eq!(c.tls_key, Some(PathBuf::from("k.pem")));
         assert_eq!(c.history_save_secs, 5);
         assert_eq!(c.prefix_cache_dir, Some(PathBuf::from("/state/prefix")));
+        assert_eq!(c.tool_call_format, ToolCallFormat::Qwen3Coder);
+        assert_eq!(c.reasoning_format, ReasoningFormat::None);
         assert_eq!(loaded.sources["mirrors"], Source::Flag("--mirror".into()));
         assert_eq!(loaded.sources["api_keys"], Source::Flag("--api-key".into()));
         assert_eq!(
@@ -1324,6 +1353,29 @@ mod tests {
         assert_eq!(prod.to_string(), "file /x/colibri.toml [profile prod]");
         assert_eq!(Source::Env("COLI_PORT".into()).to_string(), "env COLI_PORT");
         assert_eq!(Source::Flag("--port".into()).to_string(), "flag --port");
+    }
+
+    #[test]
+    fn the_tool_call_format_is_a_typed_key() {
+        let dir = dir_with("tool_call_format = \"glm45\"\nreasoning_format = \"none\"\n");
+        let loaded = load_from(&ServeFlags::default(), &[], dir.path()).unwrap();
+        assert_eq!(loaded.config.tool_call_format, ToolCallFormat::Glm45);
+        assert_eq!(loaded.config.reasoning_format, ReasoningFormat::None);
+        let loaded = load_from(
+            &ServeFlags::default(),
+            &env(&[("COLI_TOOL_CALL_FORMAT", "deepseek_v31")]),
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(loaded.config.tool_call_format, ToolCallFormat::DeepseekV31);
+        assert_eq!(
+            ServeConfig::default().tool_call_format,
+            ToolCallFormat::Auto
+        );
+        let dir = dir_with("tool_call_format = \"glm\"\n");
+        let err = error_of(load_from(&ServeFlags::default(), &[], dir.path()));
+        assert!(err.contains("tool_call_format"), "{err}");
+        assert!(err.contains("glm45"), "{err}");
     }
 
     #[test]

@@ -277,6 +277,11 @@ fn environment() -> Environment<'static> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    // Jinja2's `iterable` is false for `none` (minijinja iterates `none` as empty): templates
+    // test `tools is iterable and tools | length > 0` when no tools were given.
+    env.add_test("iterable", |v: Value| {
+        !v.is_none() && !v.is_undefined() && v.try_iter().is_ok()
+    });
     env
 }
 
@@ -833,6 +838,20 @@ mod tests {
             text,
             "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
         );
+    }
+
+    #[test]
+    fn none_is_not_iterable_as_in_jinja2() {
+        // Qwen3-Coder's template, without tools.
+        let t = ChatTemplate::new(
+            "{% if tools is iterable and tools | length > 0 %}T{% endif %}{% if messages is iterable %}M{% endif %}",
+            "iterable.jinja",
+        )
+        .unwrap();
+        let messages = [json!({"role": "user", "content": "hi"})];
+        assert_eq!(t.render(&messages, true, None, None).unwrap(), "M");
+        let tools = [json!({"type": "function"})];
+        assert_eq!(t.render(&messages, true, Some(&tools), None).unwrap(), "TM");
     }
 
     #[test]

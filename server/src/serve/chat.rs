@@ -22,7 +22,7 @@ use super::formats::{AnswerId, ChatFormat, CompletionFormat};
 use super::openai::*;
 use super::pump::{answer, Delivery, Events, Reading, Timing};
 use super::{AppState, Serving};
-use crate::tool_calls::required_tool_call_grammar;
+use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools};
 
 /// The prefix of chat completion ids (`chatcmpl-…`); tool call ids are `call_…` with the same
 /// suffix.
@@ -635,11 +635,10 @@ async fn chat_inner(
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
     let mut warnings = Vec::new();
     if let Some(tools) = &tools_json {
-        // A template that ignores `tools` renders the same prompt without them.
-        let without = template
-            .render(&messages, true, None, kwargs.as_ref())
-            .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
-        if without == text {
+        // A template that ignores `tools` renders the same prompt without them (one that
+        // cannot render without them certainly does not ignore them).
+        let without = template.render(&messages, true, None, kwargs.as_ref()).ok();
+        if without.as_ref() == Some(&text) {
             let warning = format!(
                 "this model's chat template does not render `tools`, so the model was not shown the {} tool(s) of the request{}",
                 tools.len(),
@@ -663,7 +662,7 @@ async fn chat_inner(
             ));
         }
         let tools: Vec<Value> = tools_json.clone().unwrap_or_default();
-        let lark = required_tool_call_grammar(&tools, only.as_deref())
+        let lark = required_tool_call_grammar(serving.syntax, &tools, only.as_deref())
             .map_err(|e| ApiError::invalid("tools", e))?;
         grammar = Some(Grammar::Lark(lark));
         grammar_param = "tools";
@@ -671,10 +670,8 @@ async fn chat_inner(
     // A constrained answer cannot think first: when the template opened a thought, close it
     // (as templates do when thinking is switched off), so the constraint applies to the answer.
     let mut text = text;
-    let mut thinking_started = text.trim_end().ends_with("<think>");
-    if grammar.is_some() && thinking_started {
-        text.push_str("</think>\n\n");
-        thinking_started = false;
+    if let Some(closer) = grammar.as_ref().and(serving.syntax.thought_closer(&text)) {
+        text.push_str(&closer);
     }
     let prompt = tokenizer
         .encode(&text, false)
@@ -722,11 +719,12 @@ async fn chat_inner(
     };
     let events = submit(&serving, job).await?;
     let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
-    let reading = Reading::Chat {
-        thinking_started,
-        tool_call_ids: (!matches!(mode, ToolMode::Off))
-            .then(|| format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..])),
-    };
+    let call_ids = format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..]);
+    let tools = (!matches!(mode, ToolMode::Off)).then(|| {
+        let tools = Tools::new(tools_json.as_deref().unwrap_or_default());
+        (Arc::new(tools), call_ids.as_str())
+    });
+    let reading = Reading::Chat(Box::new(ChatStream::new(serving.syntax, &text, tools)));
     let timing = Timing::new(
         state.clone(),
         "/v1/chat/completions",

@@ -67,6 +67,8 @@ pub struct Serving {
     pub grammar: Option<GrammarVocab>,
     /// Tokens per request (prompt plus generated).
     pub context: usize,
+    /// How this model writes tool calls and reasoning.
+    pub syntax: crate::tool_calls::Syntax,
 }
 
 /// What every handler shares.
@@ -342,7 +344,27 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
     // an option the model cannot honour (`draft = "mtp"` without an MTP head, `mla_form` on a
     // model without latent attention) fails the load with the engine's reason.
     let model = cfg.model.as_deref().unwrap_or("demo");
-    let loaded = Arc::new(model_arg::load(model, &cfg.engine, true)?);
+    let mut loaded = model_arg::load(model, &cfg.engine, true)?;
+    let syntax = crate::tool_calls::Syntax::resolve(
+        cfg.tool_call_format,
+        cfg.reasoning_format,
+        loaded.chat_template.as_ref(),
+        &loaded.model.info().model_type,
+    );
+    if let Some(tok) = &loaded.tokenizer {
+        // The tags the reader needs must reach the text: decoding drops special tokens.
+        if let Some(t) =
+            crate::tool_calls::keep_tags_as_text(tok, &syntax.tags(), &loaded.eos_token_ids)?
+        {
+            loaded.tokenizer = Some(t);
+        }
+    }
+    tracing::info!(
+        tool_call_format = ?syntax.format,
+        reasoning = syntax.reasoning,
+        "tool calls and reasoning are read in the model's format"
+    );
+    let loaded = Arc::new(loaded);
     let max_ctx = loaded.model.info().max_position_embeddings.max(2);
     let context = if cfg.context == 0 {
         max_ctx
@@ -389,6 +411,7 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
         scheduler,
         grammar,
         context,
+        syntax,
     })
 }
 

@@ -4,7 +4,8 @@
 //! - the request's event channel ([`Events`], fed by the scheduler through an
 //!   [`EventSink`]) and the wait for admission before a stream starts;
 //! - how events become [`Piece`]s: the generated text read as it is ([`Reading::Raw`]) or
-//!   with `<think>` reasoning split off and tool calls parsed out ([`Reading::Chat`]), each
+//!   with reasoning split off and tool calls parsed out, in the model's format
+//!   ([`Reading::Chat`], a [`ChatStream`]), each
 //!   piece carrying the log-probabilities of the tokens that led to it, then a finish reason
 //!   with the usage, or an error;
 //! - the request's latency metrics and its "request finished" record ([`Timing`]);
@@ -34,9 +35,7 @@ use tokio::sync::mpsc;
 use super::errors::ApiError;
 use super::openai::{PromptTokensDetails, SamplingFields, Usage};
 use super::AppState;
-use crate::tool_calls::{
-    ReasoningEvent, ReasoningStream, ToolCall, ToolCallStream, ToolStreamEvent,
-};
+use crate::tool_calls::{ChatStream, Parsed, ToolCall};
 
 /// How long a stream may stay silent before a keep-alive comment is sent (e.g. a long prefill).
 const KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -306,12 +305,9 @@ pub enum Reading {
     /// As generated: every token that brings text or a log-probability is one content part
     /// (text completions).
     Raw,
-    /// Chat: reasoning split off (`thinking_started`: the prompt opened `<think>`), and, with
-    /// `tool_call_ids` (the ids' prefix), tool calls parsed out of the content.
-    Chat {
-        thinking_started: bool,
-        tool_call_ids: Option<String>,
-    },
+    /// Chat: reasoning split off and, when the request has tools, tool calls parsed out of the
+    /// content, in the model's format, by this reader.
+    Chat(Box<ChatStream>),
 }
 
 /// The state of a [`Reading`] while the text arrives.
@@ -322,8 +318,7 @@ enum Reader {
 
 /// The state of [`Reading::Chat`].
 struct ChatReader {
-    reasoning: ReasoningStream,
-    tools: Option<ToolCallStream>,
+    stream: Box<ChatStream>,
     /// Tool calls parsed so far.
     calls: u32,
     /// Log-probabilities of the tokens since the last part.
@@ -334,12 +329,8 @@ impl Reader {
     fn new(reading: Reading) -> Reader {
         match reading {
             Reading::Raw => Reader::Raw,
-            Reading::Chat {
-                thinking_started,
-                tool_call_ids,
-            } => Reader::Chat(Box::new(ChatReader {
-                reasoning: ReasoningStream::new(thinking_started),
-                tools: tool_call_ids.as_deref().map(ToolCallStream::new),
+            Reading::Chat(stream) => Reader::Chat(Box::new(ChatReader {
+                stream,
                 calls: 0,
                 pending: Vec::new(),
             })),
@@ -356,7 +347,7 @@ impl Reader {
             }],
             Reader::Chat(chat) => {
                 chat.pending.extend(logprob);
-                let events = chat.reasoning.push(&text);
+                let events = chat.stream.push(&text);
                 chat.pieces(events)
             }
         }
@@ -367,9 +358,8 @@ impl Reader {
         let (mut pieces, calls, leftover) = match self {
             Reader::Raw => (Vec::new(), 0, Vec::new()),
             Reader::Chat(chat) => {
-                let events = chat.reasoning.finish();
-                let mut pieces = chat.pieces(events);
-                pieces.extend(chat.finish_tools());
+                let events = chat.stream.finish();
+                let pieces = chat.pieces(events);
                 (pieces, chat.calls, std::mem::take(&mut chat.pending))
             }
         };
@@ -387,48 +377,23 @@ impl Reader {
 }
 
 impl ChatReader {
-    /// The pieces of reasoning events: reasoning, then content through the tool-call parser.
-    fn pieces(&mut self, events: Vec<ReasoningEvent>) -> Vec<Piece> {
-        let mut parts = Vec::new();
-        for e in events {
-            match e {
-                ReasoningEvent::Reasoning(r) => parts.push(Part::Reasoning(r)),
-                ReasoningEvent::Content(c) => match self.tools.as_mut() {
-                    Some(tools) => {
-                        let events = tools.push(&c);
-                        self.add_tool_parts(events, &mut parts);
-                    }
-                    None => parts.push(Part::Content(c)),
-                },
-            }
-        }
-        self.with_logprobs(parts)
-    }
-
-    /// The pieces the tool-call parser held back until the end of the text.
-    fn finish_tools(&mut self) -> Vec<Piece> {
-        let mut parts = Vec::new();
-        if let Some(tools) = self.tools.as_mut() {
-            let events = tools.finish();
-            self.add_tool_parts(events, &mut parts);
-        }
-        self.with_logprobs(parts)
-    }
-
-    /// Add the parts of tool-call parser events to `parts`, numbering the calls.
-    fn add_tool_parts(&mut self, events: Vec<ToolStreamEvent>, parts: &mut Vec<Part>) {
-        for e in events {
-            parts.push(match e {
-                ToolStreamEvent::Content(c) => Part::Content(c),
-                ToolStreamEvent::Call(call) => {
+    /// The pieces of the reader's events, numbering the calls.
+    fn pieces(&mut self, events: Vec<Parsed>) -> Vec<Piece> {
+        let parts = events
+            .into_iter()
+            .map(|e| match e {
+                Parsed::Reasoning(r) => Part::Reasoning(r),
+                Parsed::Content(c) => Part::Content(c),
+                Parsed::Call(call) => {
                     self.calls += 1;
                     Part::ToolCall {
                         index: self.calls - 1,
                         call,
                     }
                 }
-            });
-        }
+            })
+            .collect();
+        self.with_logprobs(parts)
     }
 
     /// Pieces of `parts`, empty text left out; the pending log-probabilities ride on the
@@ -772,10 +737,12 @@ mod tests {
     }
 
     fn chat_reading(tools: bool) -> Reading {
-        Reading::Chat {
-            thinking_started: false,
-            tool_call_ids: tools.then(|| "call_test".to_string()),
-        }
+        let tools = tools.then(|| (Arc::new(crate::tool_calls::Tools::default()), "call_test"));
+        Reading::Chat(Box::new(ChatStream::new(
+            crate::tool_calls::Syntax::default(),
+            "",
+            tools,
+        )))
     }
 
     fn token(text: &str) -> Event {
