@@ -1,12 +1,13 @@
-"""Families whose sequence state is more than plain key/value rows, through `coli serve`: the
-hybrid linear-attention Qwen3.5/3.6 MoE (Gated DeltaNet layers: a fixed-size recurrence beside
-gated attention), gpt-oss (sliding-window layers beside full ones, attention sinks; its window
-is below the prompt length) and Inkling / Inkling 2 (short convolutions on keys, values and the
-attention and MLP outputs, whose windows are part of the state; sliding and full layers). For each committed fixture: greedy decoding gives
-transformers' reference continuation; a request that extends the previous one's prompt and
-output reuses the slot's state (a recurrent model from its end-of-turn checkpoint) and gives
-exactly what a fresh server gives, and so does a request that branches off mid-prompt;
-concurrent requests get exactly their solo tokens, in fewer engine steps."""
+"""The families added with issues 15 and 16 through `coli serve`: the hybrid linear-attention
+Qwen3.5/3.6 MoE (Gated DeltaNet layers: a fixed-size recurrence beside gated attention), gpt-oss
+(sliding-window layers beside full ones, attention sinks; its window is below the prompt
+length), MiniMax-M2 (plain key/value rows) and Inkling / Inkling 2 (short convolutions on keys,
+values and the attention and MLP outputs, whose windows are part of the state; sliding and full
+layers). For each committed fixture: greedy decoding gives transformers' reference
+continuation; a request that extends the previous one's prompt and output reuses the slot's
+state (a recurrent model from its end-of-turn checkpoint) and gives exactly what a fresh server
+gives, and so does a request that branches off mid-prompt; concurrent requests get exactly
+their solo tokens, in fewer engine steps."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from helpers import REPO, batched_equals_solo
 
 FIXTURES = REPO / "engine" / "tests" / "fixtures"
 # fixture -> whether its state is recurrent (reused only from a checkpoint, not from any prefix)
-FAMILIES = {"qwen3_5_moe": True, "gpt_oss": False, "inkling": True, "inkling2": True}
+FAMILIES = {"qwen3_5_moe": True, "gpt_oss": False, "minimax_m2": False, "inkling": True, "inkling2": True}
 
 
 class Family:
