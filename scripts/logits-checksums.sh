@@ -24,11 +24,15 @@ fixtures=(llama mixtral olmoe qwen3_moe deepseek_v3 kimi_k25 glm4_moe glm_moe_ds
 for v in variants/*/; do fixtures+=("${v%/}"); done
 
 sum() { sha256sum | cut -d' ' -f1; }
+# The hash of what a command prints; a failing command ends the script (an assignment's status
+# is its command's, so `set -e` sees it, where `echo "$(…)"` would hash the empty output).
+hash_of() { local h; h=$("$@" | sum); printf '%s' "$h"; }
 for f in "${fixtures[@]}"; do
   tokens=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(",".join(map(str, r["prompt_ids"] + r["greedy_ids"])))' "$f/reference.json")
-  echo "$("$coli" logits --model "$f" --mmap --tokens "$tokens" | sum)  logits $f"
+  h=$(hash_of "$coli" logits --model "$f" --mmap --tokens "$tokens"); echo "$h  logits $f"
   if [ "$f" != llama ]; then
-    echo "$("$coli" logits --model "$f" --ram 64M --no-learn --tokens "$tokens" | sum)  logits --ram 64M $f"
+    h=$(hash_of "$coli" logits --model "$f" --ram 64M --no-learn --tokens "$tokens")
+    echo "$h  logits --ram 64M $f"
   fi
   case "$f" in
     # No GGUF layout here for these (llama.cpp has none for some; the hybrids' are not written yet).
@@ -37,5 +41,5 @@ for f in "${fixtures[@]}"; do
   gguf="$work/$(echo "$f" | tr / _).gguf"
   "$coli" convert --model "$f" --out "$gguf" --type q8_0 >/dev/null 2>&1
   echo "$(sum < "$gguf")  convert q8_0 $f"
-  echo "$("$coli" logits --model "$gguf" --mmap --tokens "$tokens" | sum)  logits gguf q8_0 $f"
+  h=$(hash_of "$coli" logits --model "$gguf" --mmap --tokens "$tokens"); echo "$h  logits gguf q8_0 $f"
 done
