@@ -74,7 +74,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
     }
     if i.state_bytes_per_sequence > 0 {
         println!(
-            "state:        {} per sequence in linear-attention layers (constant in context)",
+            "state:        {} per sequence (linear-attention and convolution windows; constant in context)",
             bytes(i.state_bytes_per_sequence)
         );
     }
