@@ -313,8 +313,16 @@ pub(crate) fn slices_of(
         return Err(err(format!("has an empty dimension: {:?}", t.shape)));
     }
     let matrices = layout.matrices(a, b).map_err(err)?;
-    // A block per expert: the descriptions' count is bounded by the tensor's own bytes
-    // (every block is at least one byte), so a header cannot make more of them than it has.
+    // Bounded like a GGUF file's tensor count, so a header claiming millions of tiny experts
+    // cannot make millions of descriptions.
+    let limit = crate::format::gguf::MAX_TENSORS as usize;
+    if experts.saturating_mul(matrices.len()) > limit {
+        return Err(err(format!(
+            "splits into {} expert matrices ({experts} experts); the limit is {limit}",
+            experts.saturating_mul(matrices.len())
+        )));
+    }
+    // A block per expert, each at least one byte of the tensor.
     let block_of = |d: &TensorDesc, e: usize| {
         let per = d.len / experts;
         TensorDesc {
@@ -348,4 +356,57 @@ pub(crate) fn slices_of(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(shape: Vec<usize>, dtype: DType) -> TensorDesc {
+        let len = shape.iter().product::<usize>() * dtype.size();
+        TensorDesc {
+            name: "m.layers.0.mlp.experts.gate_up_proj".into(),
+            shape,
+            dtype,
+            file: 0,
+            offset: 0,
+            len,
+        }
+    }
+
+    #[test]
+    fn absurd_or_misshapen_fused_tensors_are_refused_naming_them() {
+        let path = std::path::Path::new("model.safetensors");
+        let e = |t: &TensorDesc, layout| {
+            slices_of(t, None, layout, "m.layers.0.mlp.experts", path)
+                .expect_err("refused")
+                .to_string()
+        };
+        // Two million one-row experts: more descriptions than any checkpoint may have.
+        let many = desc(vec![2_000_000, 2, 1], DType::F32);
+        let msg = e(&many, FusedLayout::GateUpHalves);
+        assert!(
+            msg.contains("gate_up_proj") && msg.contains("limit"),
+            "{msg}"
+        );
+        // An odd gate/up width, a 2-D tensor, a float FP4 block, transposed ggml blocks.
+        let odd = desc(vec![4, 3, 8], DType::F32);
+        assert!(e(&odd, FusedLayout::GateUpInterleaved).contains("even"));
+        let flat = desc(vec![4, 8], DType::F32);
+        assert!(e(&flat, FusedLayout::Matrix("down_proj")).contains("[experts, rows, cols]"));
+        let q = desc(
+            vec![4, 8, 34],
+            DType::Quant(crate::tensor::quant::QuantType::Q8_0),
+        );
+        assert!(e(&q, FusedLayout::MatrixColumns("down_proj")).contains("transposed exactly"));
+        // A fitting one gives every expert's matrices, named under the parent.
+        let ok = desc(vec![3, 4, 8], DType::F32);
+        let s = slices_of(&ok, None, FusedLayout::GateUpInterleaved, "p.experts", path).unwrap();
+        assert_eq!(s.len(), 6);
+        assert_eq!(s[5].name, "p.experts.2.up_proj.weight");
+        assert_eq!(
+            (s[5].rows, s[5].cols, s[5].block.offset),
+            (2, 8, 2 * 4 * 8 * 4)
+        );
+    }
 }
