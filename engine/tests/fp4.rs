@@ -154,6 +154,13 @@ fn is_dense_projection(name: &str) -> bool {
 
 type Tensors = Vec<(String, DType, Vec<usize>, Vec<u8>)>;
 
+/// An f32 tensor both forms hold unchanged.
+fn keep_f32(quant: &mut Tensors, deq: &mut Tensors, name: &str, shape: &[usize], values: &[f32]) {
+    let bytes = bytemuck::cast_slice::<f32, u8>(values).to_vec();
+    quant.push((name.to_string(), DType::F32, shape.to_vec(), bytes.clone()));
+    deq.push((name.to_string(), DType::F32, shape.to_vec(), bytes));
+}
+
 /// Row-major values (rows a whole number of 32-value blocks) as split FP4: the packed codes
 /// (low nibble first), one E8M0 scale byte per 32 values (the largest magnitude at most
 /// 6·scale), and the values they dequantize to.
@@ -195,18 +202,7 @@ fn gpt_oss_tensors() -> (Tensors, Tensors) {
         let fused =
             name.ends_with(".mlp.experts.gate_up_proj") || name.ends_with(".mlp.experts.down_proj");
         if !fused {
-            quant.push((
-                name.clone(),
-                DType::F32,
-                d.shape.clone(),
-                f32_bytes(&values),
-            ));
-            deq.push((
-                name.clone(),
-                DType::F32,
-                d.shape.clone(),
-                f32_bytes(&values),
-            ));
+            keep_f32(&mut quant, &mut deq, name, &d.shape, &values);
             continue;
         }
         // [E, C, R] in x·W: each expert's matrix is the transpose, [R, C].
@@ -383,18 +379,7 @@ fn v4_tensors() -> (Tensors, Tensors) {
             quant.push((scale_name, dtype, vec![br, bc], bytes));
             deq.push((name.clone(), DType::F32, d.shape.clone(), f32_bytes(&dq)));
         } else {
-            quant.push((
-                name.clone(),
-                DType::F32,
-                d.shape.clone(),
-                f32_bytes(&values),
-            ));
-            deq.push((
-                name.clone(),
-                DType::F32,
-                d.shape.clone(),
-                f32_bytes(&values),
-            ));
+            keep_f32(&mut quant, &mut deq, name, &d.shape, &values);
         }
     }
     (quant, deq)
