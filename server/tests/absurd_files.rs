@@ -171,6 +171,30 @@ const FAMILIES: &[Family] = &[
         ],
     },
     Family {
+        fixture: "minimax_m2",
+        experts: Some("num_local_experts"),
+        sizes: &[
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "head_dim",
+            "intermediate_size",
+        ],
+    },
+    Family {
+        // Its experts are fused tensors, split per expert when the checkpoint opens.
+        fixture: "gpt_oss",
+        experts: Some("num_local_experts"),
+        sizes: &[
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "head_dim",
+            "intermediate_size",
+            "sliding_window",
+        ],
+    },
+    Family {
         fixture: "inkling",
         experts: Some("n_routed_experts"),
         sizes: INKLING,

@@ -81,11 +81,8 @@ pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, opts: &LoadOptions) -> Result<
         None => (0..layers).map(|l| l % 2 == 0).collect::<Vec<_>>(),
     };
     let window = if sliding.contains(&true) {
-        Some(cfg.usize_in(
-            "sliding_window",
-            1..=usize::MAX,
-            "sliding layers see this many most recent tokens",
-        )?)
+        // Tokens a sliding layer sees, bounded like every dimension (2^24).
+        Some(cfg.dim("sliding_window")?)
     } else {
         None
     };
