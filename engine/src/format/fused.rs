@@ -181,6 +181,7 @@ impl ExpertSlice {
                 dtype: self.block.dtype,
                 storage: block.clone(),
                 block_scales: None,
+                device: None,
             }
             .aligned());
         }
@@ -246,6 +247,7 @@ impl ExpertSlice {
                 dtype: self.block.dtype,
                 storage: Storage::owned(&picked),
                 block_scales: None,
+                device: None,
             }
             .aligned()),
         }

@@ -452,6 +452,7 @@ impl Checkpoint {
             dtype: d.dtype,
             storage,
             block_scales: None,
+            device: None,
         };
         Ok(t.aligned())
     }

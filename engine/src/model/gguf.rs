@@ -826,6 +826,7 @@ fn kv_b_from_split(
             dtype,
             storage: Storage::owned(data),
             block_scales: None,
+            device: None,
         };
         tensor.to_f32_vec()
     };

@@ -297,6 +297,7 @@ pub fn transpose_w_uk(
         dtype,
         storage: Storage::owned(&bytes),
         block_scales: None,
+        device: None,
     })
 }
 

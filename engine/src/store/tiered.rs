@@ -85,6 +85,7 @@ impl MatrixLocation {
                 dtype: self.dtype,
                 storage: next()?,
                 block_scales: self.scales.clone(),
+                device: None,
             }),
         }
     }

@@ -143,6 +143,7 @@ pub fn split_fp4_tensor(
         dtype: DType::Quant(QuantType::MXFP4),
         storage: split_fp4_to_mxfp4(codes, scales, rows, cols)?,
         block_scales: None,
+        device: None,
     })
 }
 

@@ -5,13 +5,14 @@
 //! checkpoint file or an owned, aligned buffer; kernels never know which. Kernels take typed
 //! views ([`WeightView`]) and never know about files.
 
+pub mod device;
 pub mod kernels;
 pub mod matmul;
 pub mod microscale;
 pub mod qmatmul;
 pub mod quant;
-#[cfg(test)]
-mod test_values;
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod test_values;
 pub mod threads;
 
 use std::sync::Arc;
@@ -172,6 +173,9 @@ pub struct Tensor {
     pub storage: Storage,
     /// Per-block dequantization scales (FP8 checkpoints' `weight_scale_inv` or `scale`).
     pub block_scales: Option<Arc<BlockScales>>,
+    /// A copy on a compute device (GPU), when the placement put it there: products with this
+    /// tensor then run on that device, with the bits the CPU gives ([`device`]).
+    pub device: Option<Arc<device::DeviceMatrix>>,
 }
 
 /// Scales of a block-quantized matrix: element `(i, j)` is multiplied by
@@ -216,6 +220,7 @@ impl Tensor {
             dtype: DType::F32,
             storage: Storage::owned(bytemuck::cast_slice(values)),
             block_scales: None,
+            device: None,
         }
     }
 
