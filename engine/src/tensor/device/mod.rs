@@ -505,8 +505,20 @@ fn probe_matrices() -> Vec<Probe> {
     let values = |n: usize, seed: u32| super::test_values::xorshift(n, seed);
     let mut out = vec![
         Probe::F32(values(7 * 77, 1), 77),
-        Probe::BF16(values(7 * 77, 2).into_iter().map(half::bf16::from_f32).collect(), 77),
-        Probe::F16(values(7 * 77, 3).into_iter().map(half::f16::from_f32).collect(), 77),
+        Probe::BF16(
+            values(7 * 77, 2)
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect(),
+            77,
+        ),
+        Probe::F16(
+            values(7 * 77, 3)
+                .into_iter()
+                .map(half::f16::from_f32)
+                .collect(),
+            77,
+        ),
     ];
     for (seed, (ty, rows, cols)) in [
         (QuantType::MXFP4, 6, 320),
