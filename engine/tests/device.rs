@@ -40,9 +40,14 @@ fn vulkan() -> Option<Arc<dyn Backend>> {
     }
 }
 
+/// The CUDA device; with `COLI_REQUIRE_CUDA=1` (scripts/gpu-check.sh on a GPU machine) a
+/// device that does not open is a failure rather than a skip.
 fn cuda() -> Option<Arc<dyn Backend>> {
     match device::cuda::CudaBackend::open() {
         Ok(b) => Some(b),
+        Err(e) if std::env::var_os("COLI_REQUIRE_CUDA").is_some_and(|v| v == "1") => {
+            panic!("COLI_REQUIRE_CUDA=1 but the CUDA device does not open: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: no CUDA device ({e})");
             None

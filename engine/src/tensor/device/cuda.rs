@@ -50,6 +50,10 @@ struct Io {
     out: Option<CudaSlice<f32>>,
 }
 
+/// The matrices on the device, each with its size in bytes (a product holds its matrix's
+/// `Arc` while it runs, so a matrix freed meanwhile goes when the product ends).
+type Matrices = HashMap<BufferId, (Arc<CudaSlice<u8>>, u64)>;
+
 /// A CUDA device.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -58,8 +62,7 @@ pub struct CudaBackend {
     total_bytes: u64,
     kernels: Vec<CudaFunction>,
     io: Mutex<Io>,
-    /// Each matrix and its size in bytes.
-    buffers: Mutex<HashMap<BufferId, (Arc<CudaSlice<u8>>, u64)>>,
+    buffers: Mutex<Matrices>,
     next_id: AtomicU64,
     stats: StatCounters,
 }
