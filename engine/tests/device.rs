@@ -185,7 +185,7 @@ fn committed_spirv_is_what_the_shader_source_compiles_to() {
 /// the host by `tests/cuda_emu/emu.cpp` (a thread per lane, the intrinsics as the IEEE operations
 /// they name), fed the bytes `device_form` places and activations in the layout `cuda.rs`
 /// uploads (vulkan.rs `pack_acts`), must give the bits `tensor::matmul` gives. Skipped without a
-/// C++20 compiler (`c++`).
+/// C++17 compiler (`c++`, or `$CXX`).
 #[test]
 fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
     use colibri::tensor::qmatmul::{act_format, QuantizedActs};
@@ -202,7 +202,7 @@ fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
     let dir = tempfile::tempdir().unwrap();
     let emu = dir.path().join("emu");
     let built = std::process::Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-o"])
+        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-pthread", "-o"])
         .arg(&emu)
         .arg(root.join("tests/cuda_emu/emu.cpp"))
         .output()

@@ -8,11 +8,12 @@
 // stdin: eleven u32 (kernel index in DeviceFormat::ALL order, m, n, k, row_bytes, d_off, s_off,
 // bs_off, pr_off, weight bytes, activation bytes), the weight bytes, the activation bytes.
 // stdout: the m × n f32 outputs.
-#include <barrier>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -39,13 +40,29 @@ static inline float __uint_as_float(unsigned u) {
     return f;
 }
 
-static std::barrier<>* warp_barrier;
+// The 32 lanes of the block running now meet here (a reusable barrier, C++11).
+static struct {
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned waiting = 0, generation = 0;
+    void wait() {
+        std::unique_lock<std::mutex> lock(mu);
+        unsigned gen = generation;
+        if (++waiting == 32u) {
+            waiting = 0;
+            generation++;
+            cv.notify_all();
+        } else {
+            cv.wait(lock, [&] { return generation != gen; });
+        }
+    }
+} warp_barrier;
 static float warp_slots[32];
 static float exchange(float v, unsigned from) {
     warp_slots[threadIdx.x] = v;
-    warp_barrier->arrive_and_wait();
+    warp_barrier.wait();
     float r = warp_slots[from];
-    warp_barrier->arrive_and_wait();
+    warp_barrier.wait();
     return r;
 }
 static inline float __shfl_sync(unsigned, float v, unsigned src) { return exchange(v, src % 32u); }
@@ -71,8 +88,6 @@ int main() {
     std::vector<float> y((size_t)m * n, -1.0f);
     bool floats = h[0] <= 3;
     u32 groups = floats ? n : (n + 3) / 4;
-    std::barrier<> bar(32);
-    warp_barrier = &bar;
     for (u32 g = 0; g < groups; g++) {
         std::vector<std::thread> lanes;
         for (u32 l = 0; l < 32; l++) {
