@@ -25,7 +25,7 @@ if [ "${1:-}" = --prepare ]; then
   mkdir -p "$kit"
   echo "== building the device test binary (release)"
   bin=$(cargo test --release --locked -p colibri-engine --test device --no-run \
-          --message-format json 2>/dev/null \
+          --message-format json \
         | python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)

@@ -7,7 +7,7 @@
 //!
 //! Products are serialised (a mutex around the activation and output buffers, which grow to
 //! the largest product seen): each uploads its activations in the layout the Vulkan kernels
-//! read ([`super::vulkan::pack_acts`]), runs one launch per row chunk, and copies the output
+//! read (`vulkan::pack_acts`), runs one launch per row chunk, and copies the output
 //! back. [`CudaBackend::open`] refuses a device whose products do not have the CPU's bits
 //! ([`super::verify`]).
 
