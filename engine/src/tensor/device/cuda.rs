@@ -288,6 +288,11 @@ impl Backend for CudaBackend {
         out: &mut [f32],
     ) -> Result<()> {
         let since = Instant::now();
+        if m == 0 || n == 0 {
+            // Nothing to compute (and CUDA refuses an empty grid).
+            self.stats.computed(since, 0);
+            return Ok(());
+        }
         let weights = {
             let table = self.buffers.lock().unwrap_or_else(|p| p.into_inner());
             table
