@@ -290,7 +290,11 @@ fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
     .into_iter()
     .enumerate()
     {
-        let (rows, cols) = (5, 512);
+        // Ten 32-blocks (lanes with two blocks and with one), two super-blocks.
+        let (rows, cols) = match ty {
+            QuantType::Q4_K | QuantType::Q6_K => (5, 512),
+            _ => (6, 320),
+        };
         let mut bytes = Vec::new();
         for r in values(rows * cols, 50 + seed as u64).chunks(cols) {
             quantize_row(ty, r, &mut bytes).unwrap();
@@ -325,7 +329,7 @@ fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
                 data,
             };
             let (format, placed) = device::device_form(&w);
-            for m in [1usize, 3, 5] {
+            for m in [1usize, 3, 5, 8] {
                 let x = values(m * cols, 7 + m as u64);
                 let mut want = vec![0f32; m * rows];
                 matmul(&x, &w, &mut want);
