@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from helpers import REPO, batched_equals_solo, run_together
+from helpers import complete_tokens as complete
 
 FIXTURES = REPO / "engine" / "tests" / "fixtures"
 # MoE families of different kinds: plain experts, latent attention with shared experts,
@@ -46,23 +47,6 @@ def pair(request, start_server):
     return name, gpu, cpu
 
 
-def complete(server, prompt, max_tokens, **kw):
-    with server.http() as c:
-        r = c.post(
-            "/v1/completions",
-            json={
-                "model": server.model_id,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": kw.pop("temperature", 0),
-                "ignore_eos": True,
-                **kw,
-            },
-        )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
 def test_the_server_computes_on_the_vulkan_device(pair):
     name, gpu, cpu = pair
     log = "\n".join(gpu.lines)
@@ -77,7 +61,7 @@ def test_the_server_computes_on_the_vulkan_device(pair):
 def test_greedy_on_vulkan_is_the_reference_continuation(pair):
     name, gpu, _ = pair
     reference = json.loads((FIXTURES / name / "reference.json").read_text())
-    text = complete(gpu, reference["prompt_ids"], len(reference["greedy_ids"]))
+    text, _ = complete(gpu, reference["prompt_ids"], len(reference["greedy_ids"]))
     assert text == reference["greedy_text"]
 
 
@@ -87,7 +71,7 @@ def test_four_concurrent_requests_on_vulkan_get_their_solo_and_cpu_tokens(pair):
     prompts = [prompt[i * 3 :] + prompt[: i * 3] for i in range(4)]
 
     def on(server):
-        return lambda i: complete(server, prompts[i], 40, temperature=0.8, seed=900 + i)
+        return lambda i: complete(server, prompts[i], 40, temperature=0.8, seed=900 + i)[0]
 
     alone, _, _ = batched_equals_solo(gpu, on(gpu), 4)
     assert len(set(alone)) == 4
