@@ -1701,7 +1701,7 @@ mod tests {
         assert!(shown.contains("# ram = (unset)  # default\n"), "{shown}");
         assert_eq!(shown.lines().count(), KEYS.len() + ENGINE_KEYS.len());
         assert!(shown.starts_with("model = "), "{shown}");
-        assert!(shown.ends_with("draft = \"none\"  # default\n"), "{shown}");
+        assert!(shown.ends_with("# vram = (unset)  # default\n"), "{shown}");
         // The output is valid TOML.
         toml::from_str::<toml::Table>(&shown).unwrap();
         assert!(!format!("{:?}", loaded.config).contains("s3cret"));

@@ -185,3 +185,43 @@ fn every_fixture_on_vulkan_prints_the_cpus_logits_whatever_vram_holds() {
     }
     assert!(some_checked >= 15, "only {some_checked} MoE fixtures split");
 }
+
+#[test]
+fn an_explicit_device_that_is_missing_is_a_clear_error_and_auto_falls_back_to_the_cpu() {
+    let state = tempfile::tempdir().unwrap();
+    let run = |device: &str| {
+        Command::new(env!("CARGO_BIN_EXE_coli"))
+            .current_dir(root().join("engine/tests/fixtures"))
+            .args(["logits", "--model", "olmoe", "--mmap", "--tokens", "1,2,3"])
+            .args(["--device", device])
+            .env("COLI_STATE_DIR", state.path())
+            .env("COLI_CACHE_DIR", state.path())
+            .env("COLI_LOG", "info")
+            .output()
+            .expect("coli runs")
+    };
+    if colibri::tensor::device::cuda::CudaBackend::open().is_err() {
+        let out = run("cuda");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "--device cuda without CUDA must fail"
+        );
+        assert!(err.contains("no CUDA driver found"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    } else {
+        eprintln!("skipped the missing-CUDA case: this machine has CUDA");
+    }
+    let auto = run("auto");
+    assert!(auto.status.success());
+    let cpu = run("cpu");
+    assert_eq!(
+        auto.stdout, cpu.stdout,
+        "auto and cpu print the same logits"
+    );
+    let log = String::from_utf8_lossy(&auto.stderr);
+    assert!(
+        log.contains("device: "),
+        "auto says which device it uses:\n{log}"
+    );
+}

@@ -168,7 +168,8 @@ impl VulkanBackend {
             )
         }
         .map_err(vk_err("creating an instance"))?;
-        match Self::open_device(entry, instance.clone(), gpu_only) {
+        // The loader must outlive the instance: the failure path below still calls into it.
+        match Self::open_device(entry.clone(), instance.clone(), gpu_only) {
             Ok(mut b) => {
                 if let Err(native) = super::verify(&b) {
                     if !b.float64 {
