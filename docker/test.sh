@@ -106,8 +106,8 @@ build() {
 
 # Waits until GET $1/ready answers 200 (or the container $2 stops).
 wait_ready() {
-  local url=$1 c=$2 i
-  for i in $(seq 1 300); do
+  local url=$1 c=$2 _
+  for _ in $(seq 1 300); do
     curl -fsS -o /dev/null "$url/ready" 2>/dev/null && return 0
     [ "$(docker inspect -f '{{.State.Running}}' "$c")" = true ] || fail "$c exited before it was ready"
     sleep 0.2
@@ -178,7 +178,7 @@ took
 # ---------------------------------------------------------------------------------------------
 step "2. CPU image ($IMG_CPU from $BIN)"
 [ -x "$BIN" ] || fail "$BIN not found: build it first (cargo test --workspace --no-run, or cargo build --release -p colibri-server and COLI_DOCKER_BINARY=target/release/coli)"
-[ -x "$PY" ] && "$PY" -c 'import openai' 2>/dev/null ||
+{ [ -x "$PY" ] && "$PY" -c 'import openai' 2>/dev/null; } ||
   fail "$PY with the openai package not found (python3 -m venv target/api-venv && target/api-venv/bin/pip install -r server/tests/api/requirements.txt)"
 mkdir -p docker/prebuilt
 # Without debug info (the test profile's binary is ~300 MB with it, ~20 MB without); replaced
@@ -292,7 +292,7 @@ out=$("$PY" "$TMP/client.py" texts "$URL" "$TMP/texts-cpu.json") || fail "the op
 ok "$out"
 log_has "$C1" "device: cpu" || fail "$C1: no 'device: cpu' in its log"
 ok "coli computes on the CPU: $(device_line "$C1")"
-for i in $(seq 1 30); do
+for _ in $(seq 1 30); do
   [ "$(docker inspect -f '{{.State.Health.Status}}' "$C1")" = healthy ] && break
   sleep 1
 done
@@ -307,7 +307,7 @@ took
 step "4. docker stop -t 40 while a stream is in flight"
 "$PY" "$TMP/client.py" stream "$URL" "$TMP/stream.ready" "$TMP/stream.json" 2>"$TMP/stream.err" &
 client_pid=$!
-for i in $(seq 1 300); do
+for _ in $(seq 1 300); do
   [ -e "$TMP/stream.ready" ] && break
   kill -0 "$client_pid" 2>/dev/null || break
   sleep 0.05
@@ -360,7 +360,7 @@ awk -v p="${pinned2:-0}" 'BEGIN { exit !(p > 0) }' ||
 ok "second container read it: ${pinned2} bytes of experts pinned at start (first start: ${pinned1:-?})"
 out=$("$PY" "$TMP/client.py" chat "$URL2") || fail "the openai client against the second container"
 stop_cleanly "$C2"
-read -r _ hsize2 htokens2 <<<"$(history_in_volume)"
+read -r _ _ htokens2 <<<"$(history_in_volume)"
 [ "${htokens2:-0}" -gt "$htokens" ] ||
   fail "the history was not carried on: $htokens tokens before, ${htokens2:-?} after the second run"
 ok "exit code 0 after ${STOP_SECONDS} s; the history went on from $htokens to $htokens2 tokens"

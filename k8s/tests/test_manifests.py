@@ -803,6 +803,7 @@ def test_kustomize_wiring(overlay):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        assert {"name": "COLI_DEVICE", "value": "cuda"} in c["env"]
         assert facts["effective"]("mirrors")
     else:
         assert c["image"] == "colibri:cpu"
