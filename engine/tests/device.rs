@@ -11,10 +11,14 @@ use colibri::tensor::quant::{quantize_row, QuantType};
 use colibri::tensor::{WeightData, WeightView};
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|i| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let u = ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
             // Magnitudes over several octaves, and exact zeros now and then.
             if i % 97 == 13 {
@@ -56,7 +60,11 @@ fn products_match_the_cpu(backend: &Arc<dyn Backend>) {
         let v = values(rows * cols, seed as u64);
         let bf: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
         let hf: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
-        for data in [WeightData::F32(&v), WeightData::BF16(&bf), WeightData::F16(&hf)] {
+        for data in [
+            WeightData::F32(&v),
+            WeightData::BF16(&bf),
+            WeightData::F16(&hf),
+        ] {
             let w = WeightView { rows, cols, data };
             checked += compare(backend, &w, &ms, seed as u64);
         }
@@ -137,7 +145,11 @@ fn cuda_products_have_the_cpu_bits() {
 #[test]
 fn committed_spirv_is_what_the_shader_source_compiles_to() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    if std::process::Command::new("glslangValidator").arg("--version").output().is_err() {
+    if std::process::Command::new("glslangValidator")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         eprintln!("skipped: glslangValidator is not installed (Debian: glslang-tools)");
         return;
     }

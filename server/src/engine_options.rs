@@ -21,6 +21,7 @@ use colibri::model::{Draft, LoadOptions};
 use colibri::store::budget::{default_budget, parse_size};
 use colibri::store::reader::ReaderKind;
 use colibri::store::{CachePolicy, StoreOptions};
+use colibri::tensor::device::DeviceChoice;
 use figment::value::Value;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -43,6 +44,8 @@ pub(crate) const ENGINE_KEYS: &[(&str, Shape)] = &[
     ("mla_form", Shape::Text),
     ("kv_dtype", Shape::Text),
     ("draft", Shape::Text),
+    ("device", Shape::Text),
+    ("vram", Shape::Text),
 ];
 
 /// A byte size as written (`512M`, `6G`, `6GiB`, `1.5G`, or a plain byte count; powers of
@@ -176,6 +179,12 @@ pub struct EngineOptions {
     /// Speculative decoding's drafter: none, or the checkpoint's MTP head (an error on a
     /// checkpoint without one).
     pub draft: Draft,
+    /// The device that computes with the matrices placed on it: `auto` (a CUDA GPU, else a
+    /// Vulkan GPU, else the CPU), `cuda`, `vulkan` or `cpu`. Tokens are the same on each.
+    pub device: DeviceChoice,
+    /// Device memory to fill (dense matrices first, then the hottest experts); `None`: the
+    /// device's free memory less a tenth (at least 512 MiB).
+    pub vram: Option<Size>,
 }
 
 impl Default for EngineOptions {
@@ -196,6 +205,8 @@ impl Default for EngineOptions {
             mla_form: None,
             kv_dtype: None,
             draft: Draft::default(),
+            device: DeviceChoice::Auto,
+            vram: None,
         }
     }
 }
@@ -249,6 +260,8 @@ impl EngineOptions {
             mla_form: self.mla_form,
             kv_dtype: self.kv_dtype,
             draft: self.draft,
+            device: self.device,
+            vram: self.vram.as_ref().map(|s| s.bytes),
         }
     }
 
@@ -292,6 +305,7 @@ impl EngineOptions {
             reader: self.io,
             direct_io: self.direct_io,
             policy: self.cache_policy,
+            device: None,
         }
     }
 }
@@ -364,6 +378,15 @@ pub struct EngineFlags {
     /// An error on a checkpoint without the head [default: none].
     #[arg(long, value_enum, ignore_case = true, value_name = "DRAFTER")]
     pub draft: Option<Draft>,
+    /// The device computing with the matrices placed on it: auto (a CUDA GPU, else a Vulkan
+    /// GPU, else the CPU), cuda, vulkan (also Mesa's lavapipe) or cpu. Products on a device
+    /// give the CPU's bits: tokens are the same on each [default: auto].
+    #[arg(long, value_enum, ignore_case = true, value_name = "DEVICE")]
+    pub device: Option<DeviceChoice>,
+    /// Device memory to fill, e.g. 8G: dense matrices first, then the hottest experts; the
+    /// rest is computed on the CPU (default: the device's free memory less a tenth).
+    #[arg(long, value_name = "SIZE")]
+    pub vram: Option<Size>,
 }
 
 impl EngineFlags {
@@ -414,6 +437,8 @@ impl EngineFlags {
         opt!(mla_form, "--mla-form");
         opt!(kv_dtype, "--kv-dtype");
         opt!(draft, "--draft");
+        opt!(device, "--device");
+        opt!(vram, "--vram");
         Ok(out)
     }
 }

@@ -13,8 +13,9 @@ use super::cache::LayerKv;
 use crate::format::config::{RopeKind, RopeParams};
 use crate::format::safetensors::Checkpoint;
 use crate::store::ExpertStore;
+use crate::tensor::device::place_dense;
 use crate::tensor::kernels::{dot, Isa};
-use crate::tensor::matmul::{matmul, matmul_new};
+use crate::tensor::matmul::{tensor_matmul, tensor_matmul_pair};
 use crate::tensor::{Tensor, WeightData};
 use crate::Result;
 
@@ -33,7 +34,8 @@ impl Linear {
         inp: usize,
         bias: bool,
     ) -> Result<Linear> {
-        let weight = ckpt.weight(&format!("{prefix}.weight"), &[out, inp])?;
+        // On the loading model's device when its budget has room (tensor::device).
+        let weight = place_dense(ckpt.weight(&format!("{prefix}.weight"), &[out, inp])?);
         let bias = if bias {
             Some(ckpt.vector_f32(&format!("{prefix}.bias"), out)?)
         } else {
@@ -44,7 +46,10 @@ impl Linear {
 
     /// Wrap an existing weight tensor.
     pub fn from_tensor(weight: Tensor) -> Linear {
-        Linear { weight, bias: None }
+        Linear {
+            weight: place_dense(weight),
+            bias: None,
+        }
     }
 
     /// Output features.
@@ -54,8 +59,7 @@ impl Linear {
 
     /// Apply to `m` rows.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let view = self.weight.view().expect("weights were checked at load");
-        let mut y = matmul_new(x, &view);
+        let mut y = tensor_matmul(x, &self.weight);
         if let Some(b) = &self.bias {
             for row in y.chunks_mut(b.len()) {
                 for (v, bb) in row.iter_mut().zip(b) {
@@ -697,19 +701,13 @@ pub fn expert_ffn(
     act: GluActivation,
     bias: Option<ExpertBias<'_>>,
 ) -> Vec<f32> {
-    let (mut g, mut u) = crate::tensor::matmul::matmul_pair(
-        x,
-        &expert.gate.view().expect("checked at load"),
-        &expert.up.view().expect("checked at load"),
-    );
+    let (mut g, mut u) = tensor_matmul_pair(x, &expert.gate, &expert.up);
     if let Some(b) = bias {
         add_row_bias(&mut g, b.gate);
         add_row_bias(&mut u, b.up);
     }
     let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g, u)).collect();
-    let down = expert.down.view().expect("checked at load");
-    let mut y = vec![0.0; (h.len() / down.cols) * down.rows];
-    matmul(&h, &down, &mut y);
+    let mut y = tensor_matmul(&h, &expert.down);
     if let Some(b) = bias {
         add_row_bias(&mut y, b.down);
     }
@@ -978,31 +976,75 @@ impl MoeBlock {
         // slots[(t * k + s) * d ..] holds expert (t, s)'s output.
         let k = routes.first().map_or(self.top_k, |r| r.len());
         let mut slots = vec![0.0f32; t_len * k * d];
-        while let Some(item) = lease.next_expert() {
-            let (e, expert) = item?;
-            let mut rows: Vec<(usize, usize)> = Vec::new();
-            for (t, r) in routes.iter().enumerate() {
-                for (s, &(id, _)) in r.iter().enumerate() {
-                    if id == e {
-                        rows.push((t, s));
-                    }
-                }
-            }
-            let mut xs = Vec::with_capacity(rows.len() * d);
-            for &(t, _) in &rows {
-                xs.extend_from_slice(&x[t * d..(t + 1) * d]);
-            }
-            let t0 = std::time::Instant::now();
-            let bias = self
-                .expert_biases
-                .as_ref()
-                .map(|b| b.of(e, self.intermediate, d));
-            let ys = expert_ffn(&expert, &xs, self.activation, bias);
-            super::telemetry::add(super::telemetry::Part::Experts, t0);
+        let place = |slots: &mut [f32], rows: &[(usize, usize)], ys: &[f32]| {
             for (i, &(t, s)) in rows.iter().enumerate() {
                 slots[(t * k + s) * d..(t * k + s + 1) * d]
                     .copy_from_slice(&ys[i * d..(i + 1) * d]);
             }
+        };
+        // Experts held on a device run there on a helper thread while this one computes the
+        // rest on the CPU; each output goes to its own (row, slot), so the sum below is the
+        // same whichever finishes first.
+        let (to_device, device_work) = std::sync::mpsc::channel::<DeviceExpertWork>();
+        let mut device_rx = Some(device_work);
+        let mut device_done = Vec::new();
+        std::thread::scope(|scope| -> Result<()> {
+            let mut device_thread = None;
+            while let Some(item) = lease.next_expert() {
+                let (e, expert) = item?;
+                let mut rows: Vec<(usize, usize)> = Vec::new();
+                for (t, r) in routes.iter().enumerate() {
+                    for (s, &(id, _)) in r.iter().enumerate() {
+                        if id == e {
+                            rows.push((t, s));
+                        }
+                    }
+                }
+                let mut xs = Vec::with_capacity(rows.len() * d);
+                for &(t, _) in &rows {
+                    xs.extend_from_slice(&x[t * d..(t + 1) * d]);
+                }
+                if expert.gate.device.is_some() {
+                    if let Some(rx) = device_rx.take() {
+                        let (act, biases, inter) = (
+                            self.activation,
+                            self.expert_biases.as_ref(),
+                            self.intermediate,
+                        );
+                        device_thread = Some(scope.spawn(move || {
+                            rx.iter()
+                                .map(|(e, expert, rows, xs): DeviceExpertWork| {
+                                    let bias = biases.map(|b| b.of(e, inter, d));
+                                    (rows, expert_ffn(&expert, &xs, act, bias))
+                                })
+                                .collect::<Vec<_>>()
+                        }));
+                    }
+                    // The receiver lives until every expert is sent (the thread ends after).
+                    let _ = to_device.send((e, expert, rows, xs));
+                    continue;
+                }
+                let t0 = std::time::Instant::now();
+                let bias = self
+                    .expert_biases
+                    .as_ref()
+                    .map(|b| b.of(e, self.intermediate, d));
+                let ys = expert_ffn(&expert, &xs, self.activation, bias);
+                super::telemetry::add(super::telemetry::Part::Experts, t0);
+                place(&mut slots, &rows, &ys);
+            }
+            drop(to_device);
+            if let Some(h) = device_thread {
+                let t0 = std::time::Instant::now();
+                device_done = h.join().map_err(|_| {
+                    crate::Error::Invalid("the device expert thread panicked".into())
+                })?;
+                super::telemetry::add(super::telemetry::Part::Experts, t0);
+            }
+            Ok(())
+        })?;
+        for (rows, ys) in &device_done {
+            place(&mut slots, rows, ys);
         }
         let mut out = vec![0.0f32; t_len * d];
         for (t, r) in routes.iter().enumerate() {
@@ -1029,6 +1071,15 @@ impl MoeBlock {
         Ok(out)
     }
 }
+
+/// An expert for the device thread of [`MoeBlock::forward_routes`]: its id, matrices, the
+/// (row, slot) pairs it serves and their input rows.
+type DeviceExpertWork = (
+    usize,
+    Arc<crate::store::Expert>,
+    Vec<(usize, usize)>,
+    Vec<f32>,
+);
 
 /// A MoE block routed by token id (DeepSeek-V4's `hash_moe` layers): `tid2eid` fixes the
 /// `top_k` experts of every vocabulary entry; the router's `sqrt(softplus(·))` scores of

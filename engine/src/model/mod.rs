@@ -34,6 +34,7 @@ use std::path::Path;
 use crate::format::config::ModelConfig;
 use crate::format::safetensors::{Access, Checkpoint};
 use crate::store::StoreOptions;
+use crate::tensor::device::{DeviceChoice, DevicePlacement};
 use crate::{Error, Result};
 use cache::{KvCache, KvDType};
 use mla::MlaForm;
@@ -55,6 +56,12 @@ pub struct LoadOptions {
     pub kv_dtype: Option<KvDType>,
     /// The drafter to load for speculative decoding.
     pub draft: Draft,
+    /// The device that computes with the matrices placed on it (dense first, then the
+    /// hottest experts); the CPU computes the rest, with the same bits.
+    pub device: DeviceChoice,
+    /// Bytes of device memory to fill; `None`: most of what is free
+    /// ([`crate::tensor::device::default_vram_budget`]).
+    pub vram: Option<u64>,
 }
 
 impl LoadOptions {
@@ -208,6 +215,31 @@ pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
 
 /// Load the model in `dir`, placing routed experts as `opts` says.
 pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
+    let Some(backend) = crate::tensor::device::open(opts.device)? else {
+        tracing::info!("device: cpu");
+        return load_on_cpu(dir, opts);
+    };
+    let budget = opts
+        .vram
+        .unwrap_or_else(|| crate::tensor::device::default_vram_budget(&*backend));
+    let placement = DevicePlacement::new(backend.clone(), budget);
+    let mut on_device = opts.clone();
+    on_device.placement.device = Some(placement.clone());
+    let model = crate::tensor::device::loading_with(Some(placement.clone()), || {
+        load_on_cpu(dir, &on_device)
+    })?;
+    let dense = budget - placement.left();
+    tracing::info!(
+        "device: {} `{}`: VRAM budget {budget} bytes, dense matrices {dense} bytes",
+        backend.api(),
+        backend.name(),
+    );
+    placement.finish_load()?;
+    Ok(model)
+}
+
+/// [`load_with`] once the device placement (if any) is set up.
+fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     // Streaming mode never maps the files: dense weights are read once, experts on demand.
     let access = if opts.placement.ram_budget.is_some() {
         Access::Read

@@ -14,6 +14,7 @@ pub mod history;
 pub mod mirror;
 pub mod reader;
 pub mod tiered;
+pub mod vram;
 
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -132,6 +133,14 @@ impl Lease {
         }
     }
 
+    /// This lease with `first` handed out before its own experts (the VRAM tier's).
+    pub(crate) fn prepend(mut self, first: Vec<(usize, Arc<Expert>)>) -> Lease {
+        let mut ready = first;
+        ready.extend(self.ready);
+        self.ready = ready.into_iter();
+        self
+    }
+
     /// The next ready expert (blocking until one arrives), or `None` when all were handed out.
     /// A failed read is returned as an error.
     pub fn next_expert(&mut self) -> Option<Result<(usize, Arc<Expert>)>> {
@@ -185,6 +194,13 @@ pub trait ExpertStore: Send + Sync {
     fn stats(&self) -> Option<StoreSnapshot> {
         None
     }
+    /// Every expert the usage history has seen, hottest first (empty without one).
+    fn hottest(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
+    /// These experts of `layer` were used without being acquired here (a tier above served
+    /// them): count them in the usage history.
+    fn note_uses(&self, _layer: usize, _experts: &[usize]) {}
     /// Bytes of all routed experts.
     fn total_bytes(&self) -> usize;
 }
@@ -217,6 +233,22 @@ pub struct StoreSnapshot {
     pub reader: String,
     /// Bytes served per drive when mirrors spread the reads (model directory first).
     pub drives: Vec<(String, u64)>,
+    /// Experts served from VRAM, and their bytes.
+    pub vram_hits: u64,
+    pub vram_hit_bytes: u64,
+    /// Experts held in VRAM, and their bytes.
+    pub vram_experts: u64,
+    pub vram_bytes: u64,
+    /// The device computing them (empty on the CPU).
+    pub device: String,
+    /// Bytes uploaded to the device and the seconds it took (dense matrices and experts).
+    pub device_upload_bytes: u64,
+    pub device_upload_seconds: f64,
+    /// Products the device computed, their seconds seen from the host, and the kernels'
+    /// own seconds by the device's timestamps.
+    pub device_products: u64,
+    pub device_product_seconds: f64,
+    pub device_kernel_seconds: f64,
 }
 
 impl StoreSnapshot {
@@ -263,6 +295,13 @@ impl StoreSnapshot {
             prefetch_useful_bytes: self.prefetch_useful_bytes - earlier.prefetch_useful_bytes,
             prefetch_guessed: self.prefetch_guessed - earlier.prefetch_guessed,
             prefetch_needed: self.prefetch_needed - earlier.prefetch_needed,
+            vram_hits: self.vram_hits - earlier.vram_hits,
+            vram_hit_bytes: self.vram_hit_bytes - earlier.vram_hit_bytes,
+            device_upload_bytes: self.device_upload_bytes - earlier.device_upload_bytes,
+            device_upload_seconds: self.device_upload_seconds - earlier.device_upload_seconds,
+            device_products: self.device_products - earlier.device_products,
+            device_product_seconds: self.device_product_seconds - earlier.device_product_seconds,
+            device_kernel_seconds: self.device_kernel_seconds - earlier.device_kernel_seconds,
             ..self.clone()
         }
     }
@@ -349,6 +388,9 @@ pub struct StoreOptions {
     pub direct_io: bool,
     /// Which expert is evicted when the cache is full.
     pub policy: CachePolicy,
+    /// The device whose memory holds the hottest experts above the RAM cache (the VRAM
+    /// tier, [`vram`]), with what is left of its budget after the dense matrices.
+    pub device: Option<crate::tensor::device::DevicePlacement>,
 }
 
 /// Expert cache eviction policy.
@@ -376,14 +418,9 @@ pub fn open(
     unused_bytes: usize,
     opts: &StoreOptions,
 ) -> Result<Arc<dyn ExpertStore>> {
-    match opts.ram_budget {
-        None => Ok(Arc::new(ResidentStore::open(
-            ckpt,
-            names,
-            hidden,
-            intermediate,
-        )?)),
-        Some(budget) => Ok(Arc::new(tiered::TieredStore::open(
+    let below: Arc<dyn ExpertStore> = match opts.ram_budget {
+        None => Arc::new(ResidentStore::open(ckpt, names, hidden, intermediate)?),
+        Some(budget) => Arc::new(tiered::TieredStore::open(
             ckpt,
             names,
             hidden,
@@ -391,6 +428,21 @@ pub fn open(
             budget,
             unused_bytes,
             opts,
-        )?)),
-    }
+        )?),
+    };
+    let Some(placement) = &opts.device else {
+        return Ok(below);
+    };
+    let counts: Vec<usize> = names.iter().map(|l| l.len()).collect();
+    let total: usize = counts.iter().sum();
+    let tier = Arc::new(vram::VramTier::new(below, placement.clone(), counts));
+    // Filled once the whole model has loaded, so dense matrices are placed first.
+    let filling = tier.clone();
+    placement.after_load(Box::new(move || {
+        let n = filling.fill()?;
+        let bytes = filling.stats().map_or(0, |s| s.vram_bytes);
+        tracing::info!("VRAM tier: {n} of {total} experts in VRAM ({bytes} bytes)");
+        Ok(())
+    }));
+    Ok(tier)
 }

@@ -624,6 +624,26 @@ impl Inner {
 }
 
 impl ExpertStore for TieredStore {
+    fn hottest(&self) -> Vec<(usize, usize)> {
+        match &self.learning {
+            Some(l) => l
+                .shared
+                .history
+                .lock()
+                .map(|h| h.hottest(|_, _| 0, 0))
+                .unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+
+    fn note_uses(&self, layer: usize, experts: &[usize]) {
+        if let Some(l) = &self.learning {
+            if let Ok(mut h) = l.shared.history.lock() {
+                h.record(layer, experts);
+            }
+        }
+    }
+
     fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease> {
         let table = self
             .locations
@@ -798,6 +818,7 @@ impl ExpertStore for TieredStore {
                 .into_iter()
                 .map(|(d, b)| (d.display().to_string(), b))
                 .collect(),
+            ..StoreSnapshot::default()
         })
     }
 

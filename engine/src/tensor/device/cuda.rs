@@ -20,6 +20,8 @@ impl CudaBackend {
                     .into(),
             ));
         }
-        Err(Error::Unsupported("the CUDA kernels are not built yet".into()))
+        Err(Error::Unsupported(
+            "the CUDA kernels are not built yet".into(),
+        ))
     }
 }

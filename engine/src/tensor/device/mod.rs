@@ -30,15 +30,17 @@ use super::{WeightData, WeightView};
 use crate::{Error, Result};
 
 /// Which device a command computes on (`--device`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum DeviceChoice {
-    /// The CPU only.
+    /// The CPU only (the engine's default; `coli`'s is `auto`).
+    #[default]
     Cpu,
     /// A CUDA GPU if the driver finds one, else a Vulkan GPU (not a software rasterizer such
     /// as lavapipe), else the CPU.
-    #[default]
     Auto,
     /// The best Vulkan device (discrete, then integrated, then virtual, then CPU devices such
     /// as Mesa's lavapipe); an error if there is none.
@@ -411,6 +413,29 @@ impl DeviceMatrix {
 /// found, saying why in the log); an error naming the problem when an explicit choice
 /// cannot be opened or fails [`verify`] (every backend's `open` verifies its kernels).
 pub fn open(choice: DeviceChoice) -> Result<Option<Arc<dyn Backend>>> {
+    // One backend per choice per process: later loads share it (and its verified kernels).
+    static OPENED: std::sync::Mutex<Vec<(DeviceChoice, Option<Arc<dyn Backend>>)>> =
+        std::sync::Mutex::new(Vec::new());
+    if choice == DeviceChoice::Cpu {
+        return Ok(None);
+    }
+    let mut opened = OPENED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, b)) = opened.iter().find(|(c, _)| *c == choice) {
+        return Ok(b.clone());
+    }
+    let b = open_uncached(choice)?;
+    opened.push((choice, b.clone()));
+    Ok(b)
+}
+
+/// The default VRAM budget: the device's free memory less a tenth of it (at least 512 MiB)
+/// for the driver, activations and other processes.
+pub fn default_vram_budget(backend: &dyn Backend) -> u64 {
+    let free = backend.memory().free;
+    free.saturating_sub((free / 10).max(512 << 20))
+}
+
+fn open_uncached(choice: DeviceChoice) -> Result<Option<Arc<dyn Backend>>> {
     // Each backend's `open` runs [`verify`] before it returns.
     match choice {
         DeviceChoice::Cpu => Ok(None),
@@ -505,8 +530,20 @@ fn probe_matrices() -> Vec<Probe> {
     let values = |n: usize, seed: u32| super::test_values::xorshift(n, seed);
     let mut out = vec![
         Probe::F32(values(7 * 77, 1), 77),
-        Probe::BF16(values(7 * 77, 2).into_iter().map(half::bf16::from_f32).collect(), 77),
-        Probe::F16(values(7 * 77, 3).into_iter().map(half::f16::from_f32).collect(), 77),
+        Probe::BF16(
+            values(7 * 77, 2)
+                .into_iter()
+                .map(half::bf16::from_f32)
+                .collect(),
+            77,
+        ),
+        Probe::F16(
+            values(7 * 77, 3)
+                .into_iter()
+                .map(half::f16::from_f32)
+                .collect(),
+            77,
+        ),
     ];
     for (seed, (ty, rows, cols)) in [
         (QuantType::MXFP4, 6, 320),
@@ -526,4 +563,154 @@ fn probe_matrices() -> Vec<Probe> {
         out.push(Probe::Quant(ty, bytes, rows, cols));
     }
     out
+}
+
+/// Where a model's matrices may go on a device while it loads: the backend and the bytes of
+/// device memory left to fill (dense matrices first, then routed experts).
+#[derive(Clone)]
+pub struct DevicePlacement {
+    backend: Arc<dyn Backend>,
+    left: Arc<AtomicU64>,
+    budget: u64,
+    after_load: Arc<std::sync::Mutex<Vec<AfterLoad>>>,
+}
+
+/// Work to run once a model has loaded (filling a VRAM tier).
+pub type AfterLoad = Box<dyn FnOnce() -> Result<()> + Send>;
+
+impl std::fmt::Debug for DevicePlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DevicePlacement({} `{}`, {} of {} bytes left)",
+            self.backend.api(),
+            self.backend.name(),
+            self.left(),
+            self.budget
+        )
+    }
+}
+
+impl DevicePlacement {
+    /// Up to `budget` bytes of `backend`'s memory.
+    pub fn new(backend: Arc<dyn Backend>, budget: u64) -> DevicePlacement {
+        DevicePlacement {
+            backend,
+            left: Arc::new(AtomicU64::new(budget)),
+            budget,
+            after_load: Arc::default(),
+        }
+    }
+
+    /// Run `f` when the model has loaded ([`DevicePlacement::finish_load`]), after every
+    /// dense matrix was placed.
+    pub fn after_load(&self, f: AfterLoad) {
+        self.after_load
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(f);
+    }
+
+    /// The model has loaded: run what waited for it, in order.
+    pub fn finish_load(&self) -> Result<()> {
+        let work = std::mem::take(&mut *self.after_load.lock().unwrap_or_else(|p| p.into_inner()));
+        for f in work {
+            f()?;
+        }
+        Ok(())
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The budget it started with.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Bytes of the budget not yet taken.
+    pub fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
+    }
+
+    /// Take `bytes` of the budget if that many are left.
+    fn take(&self, bytes: u64) -> bool {
+        self.left
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| {
+                l.checked_sub(bytes)
+            })
+            .is_ok()
+    }
+
+    /// Give back `bytes` taken by [`DevicePlacement::take`] (an upload that failed).
+    fn give_back(&self, bytes: u64) {
+        self.left.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Put a matrix tensor on the device if the budget has room for it and the device can
+    /// hold it; `keep_host` keeps its bytes in host memory too (dense weights, which some
+    /// layers also read directly), else the returned tensor has only the device copy.
+    /// `None` (the tensor stays on the CPU) when it does not fit, is not a matrix, or the
+    /// upload fails (logged).
+    pub fn place(&self, t: &super::Tensor, keep_host: bool) -> Option<super::Tensor> {
+        if t.device.is_some() || t.shape.len() != 2 || !t.dtype.is_matrix() {
+            return None;
+        }
+        let view = t.view().ok()?;
+        let bytes = device_bytes(&view);
+        if bytes > self.backend.max_matrix_bytes() || !self.take(bytes) {
+            return None;
+        }
+        match DeviceMatrix::upload(&self.backend, &view) {
+            Ok(m) => {
+                let mut placed = t.clone();
+                placed.device = Some(Arc::new(m));
+                if !keep_host {
+                    placed.storage = super::Storage::owned(&[]);
+                    placed.block_scales = None;
+                }
+                Some(placed)
+            }
+            Err(e) => {
+                self.give_back(bytes);
+                tracing::warn!("{}: `{}` stays on the CPU: {e}", self.backend.api(), t.name);
+                None
+            }
+        }
+    }
+}
+
+thread_local! {
+    static LOADING: std::cell::RefCell<Option<DevicePlacement>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` (a model's load) with `placement` as where its dense matrices may go
+/// ([`place_dense`]); `None` keeps them on the CPU.
+pub fn loading_with<T>(placement: Option<DevicePlacement>, f: impl FnOnce() -> T) -> T {
+    struct Reset(Option<DevicePlacement>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            let prev = self.0.take();
+            LOADING.with(|l| *l.borrow_mut() = prev);
+        }
+    }
+    let prev = LOADING.with(|l| l.replace(placement));
+    let _reset = Reset(prev);
+    f()
+}
+
+/// The placement of the model loading on this thread, if it has one.
+pub fn current_placement() -> Option<DevicePlacement> {
+    LOADING.with(|l| l.borrow().clone())
+}
+
+/// A dense matrix as the model loading on this thread places it: on its device when the
+/// budget has room (keeping the host bytes), else unchanged.
+pub fn place_dense(t: super::Tensor) -> super::Tensor {
+    match current_placement() {
+        Some(p) => p.place(&t, true).unwrap_or(t),
+        None => t,
+    }
 }

@@ -119,8 +119,11 @@ fn make_pipeline(
         let info = vk::ComputePipelineCreateInfo::default()
             .stage(stage)
             .layout(layout);
-        let made =
-            device.create_compute_pipelines(vk::PipelineCache::null(), std::slice::from_ref(&info), None);
+        let made = device.create_compute_pipelines(
+            vk::PipelineCache::null(),
+            std::slice::from_ref(&info),
+            None,
+        );
         device.destroy_shader_module(module, None);
         let made = made.map_err(|(_, e)| vk_err("compute pipeline")(e))?;
         Ok(made[0])
@@ -159,7 +162,10 @@ impl VulkanBackend {
             .api_version(vk::API_VERSION_1_1);
         // SAFETY: a valid create info with no layers or extensions.
         let instance = unsafe {
-            entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None)
+            entry.create_instance(
+                &vk::InstanceCreateInfo::default().application_info(&app),
+                None,
+            )
         }
         .map_err(vk_err("creating an instance"))?;
         match Self::open_device(entry, instance.clone(), gpu_only) {
@@ -189,10 +195,9 @@ impl VulkanBackend {
 
     fn open_device(entry: ash::Entry, instance: ash::Instance, gpu_only: bool) -> Result<Self> {
         // SAFETY: the instance is valid.
-        let devices = unsafe { instance.enumerate_physical_devices() }
-            .map_err(vk_err("listing devices"))?;
-        let mut best: Option<(u32, vk::PhysicalDevice, vk::PhysicalDeviceProperties, u32)> =
-            None;
+        let devices =
+            unsafe { instance.enumerate_physical_devices() }.map_err(vk_err("listing devices"))?;
+        let mut best: Option<(u32, vk::PhysicalDevice, vk::PhysicalDeviceProperties, u32)> = None;
         for pd in devices {
             // SAFETY: `pd` came from this instance.
             let props = unsafe { instance.get_physical_device_properties(pd) };
@@ -464,7 +469,9 @@ impl VulkanBackend {
             }
             let host = self.memory_props.memory_types[ty as usize]
                 .property_flags
-                .contains(vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT);
+                .contains(
+                    vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT,
+                );
             let mapped = if host {
                 match self
                     .device
@@ -504,7 +511,11 @@ impl VulkanBackend {
     }
 
     /// A host-visible buffer of at least `size` bytes in `slot`, grown as needed.
-    fn host_buffer<'a>(&self, slot: &'a mut Option<Allocation>, size: u64) -> Result<&'a Allocation> {
+    fn host_buffer<'a>(
+        &self,
+        slot: &'a mut Option<Allocation>,
+        size: u64,
+    ) -> Result<&'a Allocation> {
         if slot.as_ref().is_none_or(|a| a.size < size) {
             if let Some(old) = slot.take() {
                 self.release(old);
@@ -559,7 +570,9 @@ impl VulkanBackend {
 /// `dst` must point to at least `bytes.len()` writable bytes not in use by the device.
 unsafe fn write_mapped(dst: *mut c_void, offset: usize, bytes: &[u8]) {
     // SAFETY: the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), (dst as *mut u8).add(offset), bytes.len()) };
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), (dst as *mut u8).add(offset), bytes.len())
+    };
 }
 
 /// The activation words the shader reads, and the word offsets of the scales and sums.
@@ -590,13 +603,25 @@ fn pack_quant(q: &QuantizedActs, rows: std::ops::Range<usize>, k: usize) -> (Vec
     };
     push(&mut bytes, 0, bytemuck::cast_slice(&q.d[r0 * nb..r1 * nb]));
     if !q.sums.is_empty() {
-        push(&mut bytes, 1, bytemuck::cast_slice(&q.sums[r0 * nb..r1 * nb]));
+        push(
+            &mut bytes,
+            1,
+            bytemuck::cast_slice(&q.sums[r0 * nb..r1 * nb]),
+        );
     }
     if !q.bsums.is_empty() {
-        push(&mut bytes, 2, bytemuck::cast_slice(&q.bsums[r0 * nb * 16..r1 * nb * 16]));
+        push(
+            &mut bytes,
+            2,
+            bytemuck::cast_slice(&q.bsums[r0 * nb * 16..r1 * nb * 16]),
+        );
     }
     if !q.pairs.is_empty() {
-        push(&mut bytes, 3, bytemuck::cast_slice(&q.pairs[r0 * nb * 8..r1 * nb * 8]));
+        push(
+            &mut bytes,
+            3,
+            bytemuck::cast_slice(&q.pairs[r0 * nb * 8..r1 * nb * 8]),
+        );
     }
     (bytes, offs)
 }
@@ -667,7 +692,8 @@ impl Backend for VulkanBackend {
             }
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.stats.uploaded(bytes.len() as u64, since);
+        // Counted as allocated (whole words), as `free` uncounts it.
+        self.stats.uploaded(alloc.size, since);
         self.buffers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -887,8 +913,10 @@ impl Drop for VulkanBackend {
             for &p in &self.pipelines {
                 self.device.destroy_pipeline(p, None);
             }
-            self.device.destroy_pipeline_layout(self.pipeline_layout, None);
-            self.device.destroy_descriptor_set_layout(self.set_layout, None);
+            self.device
+                .destroy_pipeline_layout(self.pipeline_layout, None);
+            self.device
+                .destroy_descriptor_set_layout(self.set_layout, None);
             self.device.destroy_device(None);
             self.instance.destroy_instance(None);
         }

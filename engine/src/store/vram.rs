@@ -1,0 +1,219 @@
+//! The VRAM tier: routed experts held on a compute device, above the RAM cache and the disk.
+//!
+//! [`VramTier`] wraps the store below it (resident or tiered). When the model has loaded (its
+//! dense matrices placed first), [`VramTier::fill`] takes the device budget that is left and
+//! uploads experts into it: the learned hottest first (the usage history's ranking), then the
+//! rest a layer at a time in expert order, while they fit. A lease hands those out at once,
+//! marked by their device copies, so the MoE block computes them on the device; every other
+//! expert comes from the store below as before and is computed on the CPU. The device gives
+//! the CPU's bits (`tensor::device`), so which experts sit in VRAM changes time, never tokens.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::{Expert, ExpertStore, Lease, StoreSnapshot};
+use crate::tensor::device::DevicePlacement;
+use crate::{Error, Result};
+
+/// Routed experts on a device over the store below.
+pub struct VramTier {
+    below: Arc<dyn ExpertStore>,
+    placement: DevicePlacement,
+    /// `slots[layer][expert]`: the device-resident copy, if the expert is in VRAM.
+    slots: RwLock<Vec<Vec<Option<Arc<Expert>>>>>,
+    /// Experts per layer (0 for dense layers).
+    experts: Vec<usize>,
+    hits: AtomicU64,
+    hit_bytes: AtomicU64,
+    held_bytes: AtomicU64,
+}
+
+impl VramTier {
+    /// The tier over `below`, empty until [`VramTier::fill`]; `experts[layer]` is the layer's
+    /// routed expert count.
+    pub fn new(
+        below: Arc<dyn ExpertStore>,
+        placement: DevicePlacement,
+        experts: Vec<usize>,
+    ) -> Self {
+        let slots = experts.iter().map(|&n| vec![None; n]).collect();
+        VramTier {
+            below,
+            placement,
+            slots: RwLock::new(slots),
+            experts,
+            hits: AtomicU64::new(0),
+            hit_bytes: AtomicU64::new(0),
+            held_bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Upload experts while the placement's budget lasts: learned hottest first, then layer
+    /// by layer. Returns how many went up.
+    pub fn fill(&self) -> Result<usize> {
+        let mut order = self.below.hottest();
+        let mut seen: std::collections::HashSet<(usize, usize)> = order.iter().copied().collect();
+        for e in 0..self.experts.iter().copied().max().unwrap_or(0) {
+            for (layer, &n) in self.experts.iter().enumerate() {
+                if e < n && seen.insert((layer, e)) {
+                    order.push((layer, e));
+                }
+            }
+        }
+        let mut placed = 0;
+        for (layer, e) in order {
+            if self.experts.get(layer).is_none_or(|&n| e >= n) {
+                continue;
+            }
+            if self.placement.left() == 0 {
+                break;
+            }
+            let mut lease = self.below.acquire(layer, &[e])?;
+            let Some(got) = lease.next_expert() else {
+                continue;
+            };
+            let (_, expert) = got?;
+            let Some(on_device) = self.upload(&expert) else {
+                continue;
+            };
+            let bytes = on_device.device_bytes();
+            self.held_bytes.fetch_add(bytes, Ordering::Relaxed);
+            self.slots
+                .write()
+                .map_err(|_| Error::Invalid("VRAM tier poisoned".into()))?[layer][e] =
+                Some(Arc::new(on_device));
+            placed += 1;
+        }
+        Ok(placed)
+    }
+
+    /// The expert with all three matrices on the device (host bytes dropped), or `None`
+    /// if they do not all fit.
+    fn upload(&self, x: &Expert) -> Option<Expert> {
+        let gate = self.placement.place(&x.gate, false)?;
+        let up = self.placement.place(&x.up, false)?;
+        let down = self.placement.place(&x.down, false)?;
+        Some(Expert { gate, up, down })
+    }
+
+    /// Experts in VRAM now.
+    pub fn held(&self) -> usize {
+        self.slots
+            .read()
+            .map(|s| s.iter().flatten().filter(|x| x.is_some()).count())
+            .unwrap_or(0)
+    }
+}
+
+impl Expert {
+    /// Bytes of the three matrices' device copies.
+    pub fn device_bytes(&self) -> u64 {
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .filter_map(|t| t.device.as_ref())
+            .map(|d| d.bytes)
+            .sum()
+    }
+}
+
+impl ExpertStore for VramTier {
+    fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease> {
+        let mut on_device = Vec::new();
+        let mut rest = Vec::new();
+        {
+            let slots = self
+                .slots
+                .read()
+                .map_err(|_| Error::Invalid("VRAM tier poisoned".into()))?;
+            for &e in experts {
+                match slots
+                    .get(layer)
+                    .and_then(|l| l.get(e))
+                    .and_then(|x| x.clone())
+                {
+                    Some(x) => {
+                        self.hit_bytes
+                            .fetch_add(x.device_bytes(), Ordering::Relaxed);
+                        on_device.push((e, x));
+                    }
+                    None => rest.push(e),
+                }
+            }
+        }
+        self.hits
+            .fetch_add(on_device.len() as u64, Ordering::Relaxed);
+        if !on_device.is_empty() {
+            let ids: Vec<usize> = on_device.iter().map(|(e, _)| *e).collect();
+            self.below.note_uses(layer, &ids);
+        }
+        if rest.is_empty() {
+            return Ok(Lease::ready_now(on_device));
+        }
+        let below = self.below.acquire(layer, &rest)?;
+        Ok(below.prepend(on_device))
+    }
+
+    fn hint(&self, layer: usize, experts: &[usize]) {
+        let rest: Vec<usize> = match self.slots.read() {
+            Ok(s) => experts
+                .iter()
+                .copied()
+                .filter(|&e| {
+                    s.get(layer)
+                        .and_then(|l| l.get(e))
+                        .is_none_or(|x| x.is_none())
+                })
+                .collect(),
+            Err(_) => return,
+        };
+        self.below.hint(layer, &rest);
+    }
+
+    fn wants_hints(&self) -> bool {
+        self.below.wants_hints()
+    }
+
+    fn step_done(&self, tokens: usize) {
+        self.below.step_done(tokens);
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.below.flush()
+    }
+
+    fn flush_soon(&self) {
+        self.below.flush_soon();
+    }
+
+    fn stats(&self) -> Option<StoreSnapshot> {
+        let mut s = self.below.stats().unwrap_or_default();
+        s.vram_hits = self.hits.load(Ordering::Relaxed);
+        s.vram_hit_bytes = self.hit_bytes.load(Ordering::Relaxed);
+        s.vram_bytes = self.held_bytes.load(Ordering::Relaxed);
+        s.vram_experts = self.held() as u64;
+        s.device = format!(
+            "{} `{}`",
+            self.placement.backend().api(),
+            self.placement.backend().name()
+        );
+        let d = self.placement.backend().stats();
+        s.device_upload_bytes = d.upload_bytes;
+        s.device_upload_seconds = d.upload_seconds;
+        s.device_products = d.products;
+        s.device_product_seconds = d.product_seconds;
+        s.device_kernel_seconds = d.kernel_seconds;
+        Some(s)
+    }
+
+    fn hottest(&self) -> Vec<(usize, usize)> {
+        self.below.hottest()
+    }
+
+    fn note_uses(&self, layer: usize, experts: &[usize]) {
+        self.below.note_uses(layer, experts);
+    }
+
+    fn total_bytes(&self) -> usize {
+        self.below.total_bytes()
+    }
+}

@@ -1,0 +1,200 @@
+//! Placement on a GPU changes speed, never output: `coli logits --device vulkan` on every
+//! committed fixture must print exactly what the CPU printed (the hashes recorded in
+//! `tests/fixtures/logits.sha256` by `scripts/logits-checksums.sh`), with a VRAM budget that
+//! holds nothing, one that holds the dense matrices and some of the experts, and the default
+//! that holds everything — memory-mapped and streamed under a RAM budget. Runs on whatever
+//! Vulkan device the machine has (Mesa's lavapipe in CI); says "skipped" without one.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every fixture the checksum script covers, with its prompt + greedy tokens.
+fn fixtures() -> Vec<(String, String)> {
+    let dir = root().join("engine/tests/fixtures");
+    let mut names: Vec<String> = [
+        "llama",
+        "mixtral",
+        "olmoe",
+        "qwen3_moe",
+        "deepseek_v3",
+        "kimi_k25",
+        "glm4_moe",
+        "glm_moe_dsa",
+        "deepseek_v4",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "kimi_linear",
+        "glm5_next",
+        "minimax_m2",
+        "gpt_oss",
+        "inkling",
+        "inkling2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut variants: Vec<String> = std::fs::read_dir(dir.join("variants"))
+        .unwrap()
+        .map(|e| format!("variants/{}", e.unwrap().file_name().to_string_lossy()))
+        .collect();
+    variants.sort();
+    names.extend(variants);
+    names
+        .into_iter()
+        .map(|f| {
+            let r: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join(&f).join("reference.json")).unwrap(),
+            )
+            .unwrap();
+            let ids: Vec<String> = ["prompt_ids", "greedy_ids"]
+                .iter()
+                .flat_map(|k| r[k].as_array().unwrap().clone())
+                .map(|v| v.to_string())
+                .collect();
+            (f, ids.join(","))
+        })
+        .collect()
+}
+
+/// The recorded hash of `what` (a line's description in logits.sha256).
+fn recorded(what: &str) -> String {
+    let text = std::fs::read_to_string(root().join("server/tests/fixtures/logits.sha256")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_suffix(what).map(|h| h.trim().to_string()))
+        .unwrap_or_else(|| panic!("no recorded hash for `{what}`"))
+}
+
+struct Run {
+    hash: String,
+    log: String,
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    let mut child = Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("sha256sum runs");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+fn logits(fixture: &str, tokens: &str, args: &[&str], state: &Path) -> Run {
+    let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+        .current_dir(root().join("engine/tests/fixtures"))
+        .args(["logits", "--model", fixture, "--tokens", tokens])
+        .args(args)
+        .env("COLI_STATE_DIR", state)
+        .env("COLI_CACHE_DIR", state)
+        .env("COLI_LOG", "info")
+        .output()
+        .expect("coli runs");
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "coli logits {fixture} {args:?} failed:\n{log}"
+    );
+    Run {
+        hash: sha256(&out.stdout),
+        log,
+    }
+}
+
+/// `(held, total)` from the VRAM tier's log line, if the model has routed experts.
+fn experts_in_vram(log: &str) -> Option<(usize, usize)> {
+    let line = log.lines().find(|l| l.contains("VRAM tier: "))?;
+    let rest = line.split("VRAM tier: ").nth(1)?;
+    let mut words = rest.split_whitespace();
+    let held = words.next()?.parse().ok()?;
+    words.next(); // "of"
+    let total = words.next()?.parse().ok()?;
+    Some((held, total))
+}
+
+fn number_after(log: &str, key: &str) -> u64 {
+    let at = log
+        .find(key)
+        .unwrap_or_else(|| panic!("no `{key}` in the log:\n{log}"));
+    log[at + key.len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("no number after `{key}`:\n{log}"))
+}
+
+#[test]
+fn every_fixture_on_vulkan_prints_the_cpus_logits_whatever_vram_holds() {
+    if let Err(e) = colibri::tensor::device::vulkan::VulkanBackend::open(false) {
+        eprintln!("skipped: no Vulkan device ({e})");
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let mut some_checked = 0;
+    for (f, tokens) in fixtures() {
+        let want = recorded(&format!("logits {f}"));
+        // Everything that fits (the default budget): dense matrices and every expert.
+        let all = logits(&f, &tokens, &["--mmap", "--device", "vulkan"], state.path());
+        assert!(
+            all.log.contains("device: vulkan"),
+            "{f}: the log does not name the Vulkan device:\n{}",
+            all.log
+        );
+        assert_eq!(all.hash, want, "{f} on vulkan (everything in VRAM)");
+        let dense = number_after(&all.log, "dense matrices ");
+        assert!(dense > 0, "{f}: no dense matrix was placed on the device");
+        let (held, total) = experts_in_vram(&all.log).unwrap_or((0, 0));
+        assert_eq!(held, total, "{f}: the default budget holds every expert");
+        // Nothing in VRAM: every product on the CPU.
+        let none = logits(
+            &f,
+            &tokens,
+            &["--mmap", "--device", "vulkan", "--vram", "0"],
+            state.path(),
+        );
+        assert_eq!(number_after(&none.log, "dense matrices "), 0, "{f}");
+        assert_eq!(none.hash, want, "{f} on vulkan with nothing in VRAM");
+        if total == 0 {
+            continue;
+        }
+        // The dense part and about half of the experts, streamed under a RAM budget.
+        let expert_bytes = number_after(&all.log, "experts in VRAM (");
+        let half = (dense + expert_bytes / 2).to_string();
+        let some = logits(
+            &f,
+            &tokens,
+            &[
+                "--ram",
+                "64M",
+                "--no-learn",
+                "--device",
+                "vulkan",
+                "--vram",
+                &half,
+            ],
+            state.path(),
+        );
+        let (held, _) = experts_in_vram(&some.log).expect("a VRAM tier line");
+        assert!(
+            0 < held && held < total,
+            "{f}: --vram {half} should hold some of the {total} experts, holds {held}"
+        );
+        assert_eq!(
+            some.hash,
+            recorded(&format!("logits --ram 64M {f}")),
+            "{f} on vulkan, streamed, {held} of {total} experts in VRAM"
+        );
+        some_checked += 1;
+    }
+    assert!(some_checked >= 15, "only {some_checked} MoE fixtures split");
+}
