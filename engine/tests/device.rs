@@ -40,9 +40,14 @@ fn vulkan() -> Option<Arc<dyn Backend>> {
     }
 }
 
+/// The CUDA device; with `COLI_REQUIRE_CUDA=1` (scripts/gpu-check.sh on a GPU machine) a
+/// device that does not open is a failure rather than a skip.
 fn cuda() -> Option<Arc<dyn Backend>> {
     match device::cuda::CudaBackend::open() {
         Ok(b) => Some(b),
+        Err(e) if std::env::var_os("COLI_REQUIRE_CUDA").is_some_and(|v| v == "1") => {
+            panic!("COLI_REQUIRE_CUDA=1 but the CUDA device does not open: {e}")
+        }
         Err(e) => {
             eprintln!("skipped: no CUDA device ({e})");
             None
@@ -174,4 +179,192 @@ fn committed_spirv_is_what_the_shader_source_compiles_to() {
         n += 1;
     }
     assert_eq!(n, 13, "nine formats and four exact-fma float kernels");
+}
+
+/// The CUDA kernels' arithmetic against the CPU without a GPU: `cuda/matmul.cu` compiled for
+/// the host by `tests/cuda_emu/emu.cpp` (a thread per lane, the intrinsics as the IEEE operations
+/// they name), fed the bytes `device_form` places and activations in the layout `cuda.rs`
+/// uploads (vulkan.rs `pack_acts`), must give the bits `tensor::matmul` gives. Skipped without a
+/// C++17 compiler (`c++`, or `$CXX`).
+#[test]
+fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
+    use colibri::tensor::qmatmul::{act_format, QuantizedActs};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    if std::process::Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: no C++ compiler (`{cxx}`) to run the CUDA kernels on the host");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let emu = dir.path().join("emu");
+    let built = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-ffp-contract=off", "-pthread", "-o"])
+        .arg(&emu)
+        .arg(root.join("tests/cuda_emu/emu.cpp"))
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "compiling tests/cuda_emu/emu.cpp failed:\n{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let run = |format: usize,
+               m: usize,
+               n: usize,
+               k: usize,
+               row_bytes: usize,
+               offs: [u32; 4],
+               w: &[u8],
+               xs: &[u8]| {
+        let mut input = Vec::new();
+        let header = [
+            format as u32,
+            m as u32,
+            n as u32,
+            k as u32,
+            row_bytes as u32,
+        ];
+        for v in header
+            .iter()
+            .chain(&offs)
+            .chain(&[w.len() as u32, xs.len() as u32])
+        {
+            input.extend_from_slice(&v.to_le_bytes());
+        }
+        input.extend_from_slice(w);
+        input.extend_from_slice(xs);
+        let mut child = std::process::Command::new(&emu)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(&input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "the emulated kernel failed");
+        assert_eq!(out.stdout.len(), 4 * m * n);
+        out.stdout
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect::<Vec<f32>>()
+    };
+    // The upload layout of `cuda.rs` (vulkan.rs `pack_quant`): codes padded to whole words,
+    // then the scales, Q8_1 sums, Q8_K 16-sums and 32-sums, at word offsets.
+    let pack = |q: &QuantizedActs| {
+        let mut bytes: Vec<u8> = q.qs.iter().map(|&c| c as u8).collect();
+        bytes.resize(bytes.len().next_multiple_of(4), 0);
+        let mut offs = [0u32; 4];
+        let words = [
+            q.d.iter().map(|v| v.to_bits()).collect::<Vec<u32>>(),
+            q.sums.iter().map(|v| v.to_bits()).collect(),
+            q.bsums.iter().map(|&v| v as u32).collect(),
+            q.pairs.iter().map(|&v| v as u32).collect(),
+        ];
+        for (slot, w) in words.iter().enumerate() {
+            if slot == 0 || !w.is_empty() {
+                offs[slot] = (bytes.len() / 4) as u32;
+                for v in w {
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        (bytes, offs)
+    };
+    let mut views: Vec<(Vec<u8>, Option<QuantType>, usize, usize)> = Vec::new();
+    for (seed, &(rows, cols)) in [(5usize, 31usize), (9, 64), (6, 100)].iter().enumerate() {
+        let v = values(rows * cols, seed as u64);
+        views.push((bytemuck_f32(&v), None, rows, cols));
+    }
+    for (seed, ty) in [
+        QuantType::MXFP4,
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Ten 32-blocks (lanes with two blocks and with one), two super-blocks.
+        let (rows, cols) = match ty {
+            QuantType::Q4_K | QuantType::Q6_K => (5, 512),
+            _ => (6, 320),
+        };
+        let mut bytes = Vec::new();
+        for r in values(rows * cols, 50 + seed as u64).chunks(cols) {
+            quantize_row(ty, r, &mut bytes).unwrap();
+        }
+        views.push((bytes, Some(ty), rows, cols));
+    }
+    let mut checked = 0;
+    for (bytes, ty, rows, cols) in &views {
+        let v: Vec<f32>;
+        let bf: Vec<half::bf16>;
+        let hf: Vec<half::f16>;
+        let datas: Vec<WeightData<'_>> = match ty {
+            Some(t) => vec![WeightData::Quant(*t, bytes)],
+            None => {
+                v = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                bf = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                hf = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+                vec![
+                    WeightData::F32(&v),
+                    WeightData::BF16(&bf),
+                    WeightData::F16(&hf),
+                ]
+            }
+        };
+        for data in datas {
+            let w = WeightView {
+                rows: *rows,
+                cols: *cols,
+                data,
+            };
+            let (format, placed) = device::device_form(&w);
+            for m in [1usize, 3, 5, 8] {
+                let x = values(m * cols, 7 + m as u64);
+                let mut want = vec![0f32; m * rows];
+                matmul(&x, &w, &mut want);
+                let quant = format
+                    .quant_type()
+                    .and_then(act_format)
+                    .map(|a| QuantizedActs::quantize(a, &x, *cols));
+                let (xs, offs) = match &quant {
+                    Some(q) => pack(q),
+                    None => (bytemuck_f32(&x), [0; 4]),
+                };
+                let got = run(
+                    format.index(),
+                    m,
+                    *rows,
+                    *cols,
+                    placed.len() / rows,
+                    offs,
+                    &placed,
+                    &xs,
+                );
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{format:?} {rows}×{cols}, {m} rows: output {i} is {a:e} emulated, {b:e} on the CPU"
+                    );
+                }
+                checked += want.len();
+            }
+        }
+    }
+    assert!(checked > 300, "only {checked} outputs compared");
+}
+
+fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }

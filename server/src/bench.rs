@@ -66,6 +66,10 @@ pub struct BenchReport {
     pub disk_roofline_fraction: Option<f64>,
     pub memory_bandwidth_fraction: f64,
     pub decode_time: Times,
+    /// Seconds of matrix products on the device while decoding (host view) and of its
+    /// kernels (device timestamps); 0 on the CPU.
+    pub device_product_seconds: f64,
+    pub device_kernel_seconds: f64,
     pub prefill_store: Option<StoreSnapshot>,
     pub decode_store: Option<StoreSnapshot>,
     pub loadavg: String,
@@ -184,6 +188,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         ttft_seconds: ttft,
         prefill_tok_per_s: args.prompt_tokens as f64 / prefill,
         decode_tok_per_s,
+        device_product_seconds: decode_store
+            .as_ref()
+            .map_or(0.0, |s| s.device_product_seconds),
+        device_kernel_seconds: decode_store
+            .as_ref()
+            .map_or(0.0, |s| s.device_kernel_seconds),
         decode_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.hit_rate()),
         decode_byte_hit_rate: decode_store.as_ref().map_or(1.0, |s| s.byte_hit_rate()),
         decode_gb_read_per_token: gb_read,
@@ -265,6 +275,22 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             format_size(s.pinned_bytes),
             s.reader
         );
+        if !s.device.is_empty() {
+            println!(
+                "device:   {}: {} in VRAM ({} dense, {} experts: {} of them), decode VRAM hits {} of {} experts; uploads {} at {:.2} GB/s; decode products {:.2} s ({:.2} s in kernels)",
+                s.device,
+                format_size(s.device_bytes),
+                format_size(s.device_bytes.saturating_sub(s.vram_bytes)),
+                format_size(s.vram_bytes),
+                s.vram_experts,
+                s.vram_hits,
+                s.hits + s.misses,
+                format_size(s.device_upload_bytes),
+                s.device_upload_bytes as f64 / 1e9 / s.device_upload_seconds.max(1e-9),
+                r.device_product_seconds,
+                r.device_kernel_seconds,
+            );
+        }
         if !s.drives.is_empty() {
             let parts: Vec<String> = s
                 .drives

@@ -1107,6 +1107,7 @@ mod tests {
                 pin_budget: Some("1M".parse().unwrap()),
                 mla_form: Some(colibri::model::mla::MlaForm::Expanded),
                 kv_dtype: Some(colibri::model::cache::KvDType::Bf16),
+                vram: Some("1G".parse().unwrap()),
                 ..EngineOptions::default()
             },
             ..ServeConfig::default()

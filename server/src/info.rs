@@ -93,6 +93,9 @@ pub fn run(args: InfoArgs) -> Result<()> {
             .map(|t| t.source().display().to_string())
             .unwrap_or_else(|| "none".into())
     );
+    if let Some(line) = crate::model_arg::device_line(&loaded) {
+        println!("{line}");
+    }
     for what in &i.skipped {
         println!("not loaded:   {what}");
     }

@@ -96,4 +96,26 @@ pub fn report_placement(loaded: &LoadedModel, opts: &StoreOptions, default_budge
             size((i.dense_bytes + i.routed_expert_bytes) as u64)
         ),
     }
+    if let Some(line) = device_line(loaded) {
+        eprintln!("coli: {line}");
+    }
+}
+
+/// Where the device tier stands (`None` on the CPU): the device, its bytes per kind, experts
+/// held, uploads.
+pub fn device_line(loaded: &LoadedModel) -> Option<String> {
+    let s = loaded
+        .model
+        .store_stats()
+        .filter(|s| !s.device.is_empty())?;
+    let size = colibri::store::budget::format_size;
+    Some(format!(
+        "device {}: {} in VRAM ({} dense matrices, {} for {} experts); uploaded at {:.2} GB/s",
+        s.device,
+        size(s.device_bytes),
+        size(s.device_bytes.saturating_sub(s.vram_bytes)),
+        size(s.vram_bytes),
+        s.vram_experts,
+        s.device_upload_bytes as f64 / 1e9 / s.device_upload_seconds.max(1e-9),
+    ))
 }

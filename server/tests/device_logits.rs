@@ -15,28 +15,15 @@ fn root() -> PathBuf {
 /// Every fixture the checksum script covers, with its prompt + greedy tokens.
 fn fixtures() -> Vec<(String, String)> {
     let dir = root().join("engine/tests/fixtures");
-    let mut names: Vec<String> = [
-        "llama",
-        "mixtral",
-        "olmoe",
-        "qwen3_moe",
-        "deepseek_v3",
-        "kimi_k25",
-        "glm4_moe",
-        "glm_moe_dsa",
-        "deepseek_v4",
-        "qwen3_next",
-        "qwen3_5_moe",
-        "kimi_linear",
-        "glm5_next",
-        "minimax_m2",
-        "gpt_oss",
-        "inkling",
-        "inkling2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    // Every family's fixture (a directory with a reference.json), then the variants.
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.path().join("reference.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(names.len() >= 17, "fixtures missing: {names:?}");
     let mut variants: Vec<String> = std::fs::read_dir(dir.join("variants"))
         .unwrap()
         .map(|e| format!("variants/{}", e.unwrap().file_name().to_string_lossy()))

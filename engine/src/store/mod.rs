@@ -233,14 +233,16 @@ pub struct StoreSnapshot {
     pub reader: String,
     /// Bytes served per drive when mirrors spread the reads (model directory first).
     pub drives: Vec<(String, u64)>,
-    /// Experts served from VRAM, and their bytes.
+    /// Experts served from VRAM, and their bytes (also counted in `hits`, `hit_bytes`).
     pub vram_hits: u64,
     pub vram_hit_bytes: u64,
     /// Experts held in VRAM, and their bytes.
     pub vram_experts: u64,
     pub vram_bytes: u64,
-    /// The device computing them (empty on the CPU).
+    /// The device computing them (empty on the CPU), and the bytes of every matrix on it
+    /// (dense and experts).
     pub device: String,
+    pub device_bytes: u64,
     /// Bytes uploaded to the device and the seconds it took (dense matrices and experts).
     pub device_upload_bytes: u64,
     pub device_upload_seconds: f64,

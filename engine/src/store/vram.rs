@@ -189,6 +189,9 @@ impl ExpertStore for VramTier {
         let mut s = self.below.stats().unwrap_or_default();
         s.vram_hits = self.hits.load(Ordering::Relaxed);
         s.vram_hit_bytes = self.hit_bytes.load(Ordering::Relaxed);
+        // A VRAM hit is a hit: the counts and rates cover every tier.
+        s.hits += s.vram_hits;
+        s.hit_bytes += s.vram_hit_bytes;
         s.vram_bytes = self.held_bytes.load(Ordering::Relaxed);
         s.vram_experts = self.held() as u64;
         s.device = format!(
@@ -197,6 +200,7 @@ impl ExpertStore for VramTier {
             self.placement.backend().name()
         );
         let d = self.placement.backend().stats();
+        s.device_bytes = d.resident_bytes;
         s.device_upload_bytes = d.upload_bytes;
         s.device_upload_seconds = d.upload_seconds;
         s.device_products = d.products;

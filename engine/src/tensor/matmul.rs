@@ -141,6 +141,48 @@ pub fn matmul_new(x: &[f32], w: &WeightView<'_>) -> Vec<f32> {
     out
 }
 
+/// `x·Wᵀ` for a weight tensor: on its device copy when it has one (the same bits), else
+/// [`matmul`] on the CPU. A device that fails mid-run is a fault the request cannot recover
+/// from: it panics with the device's error (the server answers that request with a 500).
+pub fn tensor_matmul(x: &[f32], w: &super::Tensor) -> Vec<f32> {
+    let rows = w.shape.first().copied().unwrap_or(0);
+    let cols = w.shape.last().copied().unwrap_or(1).max(1);
+    match &w.device {
+        Some(d) => {
+            let mut out = vec![0.0; x.len() / cols * rows];
+            if let Err(e) = d.matmul(x, &mut out) {
+                panic!("{} failed computing `{}`: {e}", d.backend().name(), w.name);
+            }
+            out
+        }
+        None => matmul_new(x, &w.view().expect("weights were checked at load")),
+    }
+}
+
+/// [`matmul_pair`] for weight tensors (an expert's gate and up): on their device when both
+/// are there (the activations quantized once), else on the CPU.
+pub fn tensor_matmul_pair(x: &[f32], a: &super::Tensor, b: &super::Tensor) -> (Vec<f32>, Vec<f32>) {
+    match (&a.device, &b.device) {
+        (Some(da), Some(db)) if da.format == db.format && da.cols == db.cols => {
+            let acts = da.activations(x);
+            let m = x.len() / da.cols;
+            let (mut ya, mut yb) = (vec![0.0; m * da.rows], vec![0.0; m * db.rows]);
+            for (d, y, t) in [(da, &mut ya, a), (db, &mut yb, b)] {
+                if let Err(e) = d.matmul_prepared(x, acts.as_ref(), y) {
+                    panic!("{} failed computing `{}`: {e}", d.backend().name(), t.name);
+                }
+            }
+            (ya, yb)
+        }
+        (None, None) => matmul_pair(
+            x,
+            &a.view().expect("weights were checked at load"),
+            &b.view().expect("weights were checked at load"),
+        ),
+        _ => (tensor_matmul(x, a), tensor_matmul(x, b)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,47 +252,5 @@ mod tests {
         let a = pool(1).install(|| matmul_new(&x, &f32_view(&w, n, k)));
         let b = pool(3).install(|| matmul_new(&x, &f32_view(&w, n, k)));
         assert_eq!(bits(&a), bits(&b));
-    }
-}
-
-/// `x·Wᵀ` for a weight tensor: on its device copy when it has one (the same bits), else
-/// [`matmul`] on the CPU. A device that fails mid-run is a fault the request cannot recover
-/// from: it panics with the device's error (the server answers that request with a 500).
-pub fn tensor_matmul(x: &[f32], w: &super::Tensor) -> Vec<f32> {
-    let rows = w.shape.first().copied().unwrap_or(0);
-    let cols = w.shape.last().copied().unwrap_or(1).max(1);
-    match &w.device {
-        Some(d) => {
-            let mut out = vec![0.0; x.len() / cols * rows];
-            if let Err(e) = d.matmul(x, &mut out) {
-                panic!("{} failed computing `{}`: {e}", d.backend().name(), w.name);
-            }
-            out
-        }
-        None => matmul_new(x, &w.view().expect("weights were checked at load")),
-    }
-}
-
-/// [`matmul_pair`] for weight tensors (an expert's gate and up): on their device when both
-/// are there (the activations quantized once), else on the CPU.
-pub fn tensor_matmul_pair(x: &[f32], a: &super::Tensor, b: &super::Tensor) -> (Vec<f32>, Vec<f32>) {
-    match (&a.device, &b.device) {
-        (Some(da), Some(db)) if da.format == db.format && da.cols == db.cols => {
-            let acts = da.activations(x);
-            let m = x.len() / da.cols;
-            let (mut ya, mut yb) = (vec![0.0; m * da.rows], vec![0.0; m * db.rows]);
-            for (d, y, t) in [(da, &mut ya, a), (db, &mut yb, b)] {
-                if let Err(e) = d.matmul_prepared(x, acts.as_ref(), y) {
-                    panic!("{} failed computing `{}`: {e}", d.backend().name(), t.name);
-                }
-            }
-            (ya, yb)
-        }
-        (None, None) => matmul_pair(
-            x,
-            &a.view().expect("weights were checked at load"),
-            &b.view().expect("weights were checked at load"),
-        ),
-        _ => (tensor_matmul(x, a), tensor_matmul(x, b)),
     }
 }

@@ -33,6 +33,9 @@ pub struct Metrics {
     expert_hits: IntCounter,
     expert_misses: IntCounter,
     expert_hit_rate: Gauge,
+    expert_vram_hits: IntCounter,
+    device_upload_bytes: IntCounter,
+    device_seconds: GaugeVec,
     bytes_read: IntCounterVec,
     memory: GaugeVec,
     ready: IntGauge,
@@ -125,6 +128,22 @@ impl Metrics {
                 "coli_expert_cache_hit_rate",
                 "Share of routed-expert uses served from memory",
             )),
+            expert_vram_hits: counter(
+                "coli_expert_vram_hits_total",
+                "Routed experts computed from their copy in VRAM (also counted as hits)",
+            ),
+            device_upload_bytes: counter(
+                "coli_device_upload_bytes_total",
+                "Bytes of matrices uploaded to the compute device",
+            ),
+            device_seconds: must(GaugeVec::new(
+                Opts::new(
+                    "coli_device_seconds",
+                    "Cumulative seconds on the compute device, by stage: upload (matrices), \
+                     product (host view of products), kernel (device timestamps)",
+                ),
+                &["stage"],
+            )),
             bytes_read: must(IntCounterVec::new(
                 Opts::new(
                     "coli_bytes_read_total",
@@ -157,6 +176,9 @@ impl Metrics {
             Box::new(m.expert_hits.clone()),
             Box::new(m.expert_misses.clone()),
             Box::new(m.expert_hit_rate.clone()),
+            Box::new(m.expert_vram_hits.clone()),
+            Box::new(m.device_upload_bytes.clone()),
+            Box::new(m.device_seconds.clone()),
             Box::new(m.bytes_read.clone()),
             Box::new(m.memory.clone()),
             Box::new(m.ready.clone()),
@@ -212,6 +234,23 @@ impl Metrics {
             self.memory
                 .with_label_values(&["ram", "pinned_experts"])
                 .set(st.pinned_bytes as f64);
+            if !st.device.is_empty() {
+                mirror(&self.expert_vram_hits, st.vram_hits);
+                mirror(&self.device_upload_bytes, st.device_upload_bytes);
+                self.memory
+                    .with_label_values(&["vram", "experts"])
+                    .set(st.vram_bytes as f64);
+                self.memory
+                    .with_label_values(&["vram", "dense"])
+                    .set(st.device_bytes.saturating_sub(st.vram_bytes) as f64);
+                for (stage, secs) in [
+                    ("upload", st.device_upload_seconds),
+                    ("product", st.device_product_seconds),
+                    ("kernel", st.device_kernel_seconds),
+                ] {
+                    self.device_seconds.with_label_values(&[stage]).set(secs);
+                }
+            }
             if st.drives.is_empty() {
                 mirror(
                     &self.bytes_read.with_label_values(&["disk", "model"]),

@@ -356,3 +356,23 @@ def complete_json_prefix(text: str) -> str:
     for opener in reversed(stack):
         suffix += "}" if opener == "{" else "]"
     return text + suffix
+
+
+def complete_tokens(server, prompt, max_tokens, **kw):
+    """A `/v1/completions` request for token ids `prompt` (greedy unless `temperature` is
+    given, never stopping at EOS): returns (text, usage)."""
+    with server.http() as c:
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": server.model_id,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": kw.pop("temperature", 0),
+                "ignore_eos": True,
+                **kw,
+            },
+        )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]

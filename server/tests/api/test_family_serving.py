@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from helpers import REPO, batched_equals_solo
+from helpers import REPO, batched_equals_solo, complete_tokens as complete
 
 FIXTURES = REPO / "engine" / "tests" / "fixtures"
 # fixture -> whether its state is recurrent (reused only from a checkpoint, not from any prefix)
@@ -39,24 +39,6 @@ def family(request, start_server):
     # Another server on the same model, used once per request: nothing cached.
     fresh = start_server("--slots", "4", "--drain-secs", "5", name=name + "-fresh", model=model)
     return Family(name, server, fresh)
-
-
-def complete(server, prompt, max_tokens, **kw):
-    with server.http() as c:
-        r = c.post(
-            "/v1/completions",
-            json={
-                "model": server.model_id,
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": kw.pop("temperature", 0),
-                "ignore_eos": True,
-                **kw,
-            },
-        )
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return body["choices"][0]["text"], body["usage"]
 
 
 def test_greedy_decoding_is_the_reference_continuation(family):

@@ -414,8 +414,8 @@ impl DeviceMatrix {
 /// cannot be opened or fails [`verify`] (every backend's `open` verifies its kernels).
 pub fn open(choice: DeviceChoice) -> Result<Option<Arc<dyn Backend>>> {
     // One backend per choice per process: later loads share it (and its verified kernels).
-    static OPENED: std::sync::Mutex<Vec<(DeviceChoice, Option<Arc<dyn Backend>>)>> =
-        std::sync::Mutex::new(Vec::new());
+    type Opened = Vec<(DeviceChoice, Option<Arc<dyn Backend>>)>;
+    static OPENED: std::sync::Mutex<Opened> = std::sync::Mutex::new(Vec::new());
     if choice == DeviceChoice::Cpu {
         return Ok(None);
     }

@@ -575,8 +575,13 @@ unsafe fn write_mapped(dst: *mut c_void, offset: usize, bytes: &[u8]) {
     };
 }
 
-/// The activation words the shader reads, and the word offsets of the scales and sums.
-fn pack_acts(acts: Acts<'_>, rows: std::ops::Range<usize>, k: usize) -> (Vec<u8>, [u32; 4]) {
+/// The activation words the shader reads (and the CUDA kernels), and the word offsets of the
+/// scales and sums.
+pub(super) fn pack_acts(
+    acts: Acts<'_>,
+    rows: std::ops::Range<usize>,
+    k: usize,
+) -> (Vec<u8>, [u32; 4]) {
     match acts {
         Acts::F32(x) => (
             bytemuck::cast_slice(&x[rows.start * k..rows.end * k]).to_vec(),
