@@ -1125,6 +1125,9 @@ def test_server_reports_the_charts_engine_options(tmp_path):
     assert "no_learn = true  # env COLI_NO_LEARN\n" in shown, shown
     assert f'kv_dtype = "f32"  # file {config} [profile f32]\n' in show("--profile", "f32")
 
+
+@needs_coli
+def test_default_chart_serves(tmp_path):
     """The default chart's configuration, environment and probes against `coli serve` (demo
     model): /health and /ready answer 200 within the startup budget, /metrics carries every
     metric the dashboard and the alerts use, and SIGTERM ends the process within the grace
