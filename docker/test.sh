@@ -5,12 +5,16 @@
 #  1. base images from Debian packages (docker/build-base.sh; cached as images after the first run)
 #  2. the CPU image (docker/Dockerfile, target prebuilt) from the `coli` binary built by cargo
 #  3. it serves a synthesized model, mounted read-only at /models, to the openai Python client, as
-#     a non-root user that cannot write /models, and reports healthy
+#     a non-root user that cannot write /models, and reports healthy; coli says `device: cpu`
 #  4. `docker stop -t 40` during a streaming request: the stream completes, exit code 0
 #  5. the state volume keeps the usage history: a second container pins experts from it
-#  6. the Vulkan image builds and, run, says "Vulkan backend not built; running on CPU"
+#  6. the Vulkan image builds and, run, computes on its Vulkan backend (lavapipe, Mesa's Vulkan
+#     device on the CPU: its log says `device: vulkan` and names llvmpipe), answering the same
+#     requests with the same text as the CPU image, sampled with a seed and greedy (and the same
+#     greedy logprobs); its default device gives way to COLI_DEVICE and to a profile file
 #  7. the CUDA Dockerfile passes hadolint and builds on a stand-in base (the CUDA base needs a
-#     registry); the other Dockerfiles are linted too; compose.yaml and prometheus.yml parse
+#     registry), with the NVIDIA runtime's variables and the default device `auto`; the other
+#     Dockerfiles are linted too; compose.yaml and prometheus.yml parse
 #
 # Environment: COLI_DOCKER_BINARY (default target/debug/coli, which `cargo test` builds; or
 # target/release/coli), COLI_TEST_PYTHON (a Python with openai; default target/api-venv/bin/python,
@@ -102,8 +106,8 @@ build() {
 
 # Waits until GET $1/ready answers 200 (or the container $2 stops).
 wait_ready() {
-  local url=$1 c=$2 i
-  for i in $(seq 1 300); do
+  local url=$1 c=$2 _
+  for _ in $(seq 1 300); do
     curl -fsS -o /dev/null "$url/ready" 2>/dev/null && return 0
     [ "$(docker inspect -f '{{.State.Running}}' "$c")" = true ] || fail "$c exited before it was ready"
     sleep 0.2
@@ -124,6 +128,13 @@ log_has() {
   local log
   log=$(docker logs "$1" 2>&1)
   grep -q -- "$2" <<<"$log"
+}
+# What container $1's log says about the device coli computes on: the line coli logs at model
+# load (`device: cpu`, or `device: vulkan|cuda NAME: ...`), its timestamp and target left out.
+device_line() {
+  local log
+  log=$(docker logs "$1" 2>&1)
+  grep -m 1 -oE 'device: (cpu$|(vulkan|cuda) .*)' <<<"$log" || true
 }
 
 # The usage-history file(s) in the state volume: "NAME SIZE TOKENS" per file.
@@ -167,7 +178,7 @@ took
 # ---------------------------------------------------------------------------------------------
 step "2. CPU image ($IMG_CPU from $BIN)"
 [ -x "$BIN" ] || fail "$BIN not found: build it first (cargo test --workspace --no-run, or cargo build --release -p colibri-server and COLI_DOCKER_BINARY=target/release/coli)"
-[ -x "$PY" ] && "$PY" -c 'import openai' 2>/dev/null ||
+{ [ -x "$PY" ] && "$PY" -c 'import openai' 2>/dev/null; } ||
   fail "$PY with the openai package not found (python3 -m venv target/api-venv && target/api-venv/bin/pip install -r server/tests/api/requirements.txt)"
 mkdir -p docker/prebuilt
 # Without debug info (the test profile's binary is ~300 MB with it, ~20 MB without); replaced
@@ -213,14 +224,31 @@ docker exec "$C1" sh -c 'touch /var/lib/colibri/probe && rm /var/lib/colibri/pro
 ok "can write the state volume /var/lib/colibri"
 
 cat >"$TMP/client.py" <<'EOF'
-# The openai client against the container: `chat URL`, or `stream URL READY_FILE RESULT_FILE`.
+# The openai client against the container: `chat URL`, `texts URL OUT_FILE` (the same requests
+# for every image; the texts and logprobs, as JSON) or `stream URL READY_FILE RESULT_FILE`.
 import json, sys, time
 from openai import OpenAI
 
 mode, url = sys.argv[1], sys.argv[2]
-client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 model = client.models.list().data[0].id
-if mode == "chat":
+if mode == "texts":
+    out = {}
+    for name, extra in (("sampled", {"temperature": 0.9, "top_p": 0.95, "seed": 11}),
+                        ("greedy", {"temperature": 0, "logprobs": True, "top_logprobs": 3})):
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Tell me about the sea."}],
+            max_tokens=24, extra_body={"ignore_eos": True}, **extra)
+        c = r.choices[0]
+        assert c.message.content and r.usage.completion_tokens == 24, r
+        out[name] = {"text": c.message.content}
+        if c.logprobs and c.logprobs.content:
+            out[name]["logprobs"] = [[t.token, t.logprob, [[a.token, a.logprob] for a in t.top_logprobs]]
+                                     for t in c.logprobs.content]
+    assert out["greedy"].get("logprobs"), "no logprobs"
+    json.dump(out, open(sys.argv[3], "w"))
+    print(f"sampled (seed 11) {out['sampled']['text'][:32]!r}..., greedy {out['greedy']['text'][:32]!r}...")
+elif mode == "chat":
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=24, seed=7)
     assert r.choices[0].message.content, r
@@ -259,7 +287,12 @@ else:
 EOF
 out=$("$PY" "$TMP/client.py" chat "$URL") || fail "the openai client (above)"
 ok "$out"
-for i in $(seq 1 30); do
+# What the Vulkan image must answer too (step 6).
+out=$("$PY" "$TMP/client.py" texts "$URL" "$TMP/texts-cpu.json") || fail "the openai client (texts, above)"
+ok "$out"
+log_has "$C1" "device: cpu$" || fail "$C1: no 'device: cpu' in its log"
+ok "coli computes on the CPU: $(device_line "$C1")"
+for _ in $(seq 1 30); do
   [ "$(docker inspect -f '{{.State.Health.Status}}' "$C1")" = healthy ] && break
   sleep 1
 done
@@ -274,7 +307,7 @@ took
 step "4. docker stop -t 40 while a stream is in flight"
 "$PY" "$TMP/client.py" stream "$URL" "$TMP/stream.ready" "$TMP/stream.json" 2>"$TMP/stream.err" &
 client_pid=$!
-for i in $(seq 1 300); do
+for _ in $(seq 1 300); do
   [ -e "$TMP/stream.ready" ] && break
   kill -0 "$client_pid" 2>/dev/null || break
   sleep 0.05
@@ -327,30 +360,57 @@ awk -v p="${pinned2:-0}" 'BEGIN { exit !(p > 0) }' ||
 ok "second container read it: ${pinned2} bytes of experts pinned at start (first start: ${pinned1:-?})"
 out=$("$PY" "$TMP/client.py" chat "$URL2") || fail "the openai client against the second container"
 stop_cleanly "$C2"
-read -r _ hsize2 htokens2 <<<"$(history_in_volume)"
+read -r _ _ htokens2 <<<"$(history_in_volume)"
 [ "${htokens2:-0}" -gt "$htokens" ] ||
   fail "the history was not carried on: $htokens tokens before, ${htokens2:-?} after the second run"
 ok "exit code 0 after ${STOP_SECONDS} s; the history went on from $htokens to $htokens2 tokens"
 took
 
 # ---------------------------------------------------------------------------------------------
-step "6. Vulkan image ($IMG_VULKAN)"
+step "6. Vulkan image ($IMG_VULKAN): the Vulkan backend on lavapipe"
 build vulkan -f docker/Dockerfile.vulkan --target prebuilt --build-arg BASE="$BASE_VULKAN" -t "$IMG_VULKAN" .
-docker run -d --name "$CV" -v "$MODEL:/models:ro" "$IMG_VULKAN" >/dev/null
-for i in $(seq 1 300); do
-  docker exec "$CV" curl -fsS -o /dev/null http://127.0.0.1:8080/ready 2>/dev/null && break
-  [ "$(docker inspect -f '{{.State.Running}}' "$CV")" = true ] || fail "$CV exited"
-  sleep 0.2
-done
-docker exec "$CV" curl -fsS -o /dev/null http://127.0.0.1:8080/ready || fail "$CV not ready"
-docker logs "$CV" 2>&1 | grep -E '^colibri:|^coli: ready' | sed 's/^/   | /' || true
-log_has "$CV" "^colibri: Vulkan backend not built; running on CPU" ||
-  fail "no CPU-fallback line in the log"
+docker run -d --name "$CV" -p 127.0.0.1::8080 -v "$MODEL:/models:ro" "$IMG_VULKAN" >/dev/null
+URLV=http://$(docker port "$CV" 8080/tcp | head -n 1)
+wait_ready "$URLV" "$CV"
+docker logs "$CV" 2>&1 | grep -E '^colibri:|device: |^coli: ready' | sed 's/^/   | /' || true
 log_has "$CV" "^colibri: vulkaninfo --summary sees: GPU" ||
   fail "vulkaninfo saw no Vulkan device (lavapipe expected)"
-ok "$(docker image inspect -f '{{.Size}}' "$IMG_VULKAN" | awk '{printf "%.0f MB", $1/1e6}'); lavapipe seen, CPU fallback said, serves"
+log_has "$CV" "^colibri: device vulkan (the image's default" ||
+  fail "the entrypoint did not give coli the image's default device, vulkan"
+if log_has "$CV" "backend not built"; then
+  fail "the Vulkan image still says its backend is not built"
+fi
+log_has "$CV" "device: vulkan \`llvmpipe" ||
+  fail "coli does not compute on the Vulkan device (no 'device: vulkan ... llvmpipe' in its log)"
+ok "coli computes on lavapipe: $(device_line "$CV")"
+out=$("$PY" "$TMP/client.py" texts "$URLV" "$TMP/texts-vulkan.json") || fail "the openai client against $CV"
+ok "$out"
+"$PY" - "$TMP/texts-cpu.json" "$TMP/texts-vulkan.json" <<'EOF' || fail "the Vulkan image answered otherwise than the CPU image"
+import json, sys
+cpu, vk = (json.load(open(p)) for p in sys.argv[1:3])
+for name in ("sampled", "greedy"):
+    assert vk[name]["text"] == cpu[name]["text"], f"{name}: CPU {cpu[name]['text']!r}, Vulkan {vk[name]['text']!r}"
+assert vk["greedy"]["logprobs"] == cpu["greedy"]["logprobs"], "greedy: the same text, other logprobs"
+EOF
+ok "the CPU image's texts: sampled (temperature 0.9, seed 11) and greedy, with the same greedy logprobs"
 stop_cleanly "$CV"
-ok "exit code 0 after ${STOP_SECONDS} s"
+ok "exit code 0 after ${STOP_SECONDS} s; $(docker image inspect -f '{{.Size}}' "$IMG_VULKAN" | awk '{printf "%.0f MB", $1/1e6}')"
+# The image's default device gives way to the environment and to a profile file.
+show_device() {
+  local out
+  out=$(docker run --rm "$@" 2>&1) || fail "docker run $* (coli config --show): $out"
+  grep '^device = ' <<<"$out" || fail "no device in coli config --show: $out"
+}
+shown=$(show_device "$IMG_VULKAN" config --show)
+[ "$shown" = 'device = "vulkan"  # env COLI_DEVICE' ] || fail "image default: $shown"
+shown=$(show_device -e COLI_DEVICE=cpu "$IMG_VULKAN" config --show)
+[ "$shown" = 'device = "cpu"  # env COLI_DEVICE' ] || fail "-e COLI_DEVICE=cpu: $shown"
+printf 'device = "cpu"\n' >"$TMP/device.toml"
+chmod 644 "$TMP/device.toml"
+shown=$(show_device -v "$TMP/device.toml:/etc/colibri/colibri.toml:ro" "$IMG_VULKAN" config --show)
+grep -Eqx 'device = "cpu"  # file (/etc/colibri/|\./)?colibri\.toml' <<<"$shown" ||
+  fail "device = \"cpu\" in /etc/colibri/colibri.toml: $shown"
+ok "the default (vulkan, as COLI_DEVICE) gives way to -e COLI_DEVICE=cpu and to device = \"cpu\" in colibri.toml"
 took
 
 # ---------------------------------------------------------------------------------------------
@@ -370,13 +430,17 @@ else
 fi
 # The CUDA runtime base (nvidia/cuda) needs a registry: build every other part on a stand-in.
 build cuda -f docker/Dockerfile.cuda --target prebuilt --build-arg CUDA_BASE="$BASE" -t "$IMG_CUDA" .
-out=$(docker run --rm "$IMG_CUDA" --version 2>&1)
-grep -q "^colibri: CUDA backend not built; running on CPU" <<<"$out" || fail "CUDA image: $out"
+out=$(docker run --rm "$IMG_CUDA" config --show 2>&1) || fail "CUDA image, coli config --show: $out"
+grep -q "^colibri: no NVIDIA GPU visible" <<<"$out" || fail "CUDA image: no 'no NVIDIA GPU visible' line: $out"
+grep -qx 'device = "auto"  # env COLI_DEVICE' <<<"$out" || fail "CUDA image: the default device is not auto: $out"
+if grep -q "backend not built" <<<"$out"; then
+  fail "the CUDA image still says its backend is not built"
+fi
 env=$(docker image inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$IMG_CUDA")
 grep -qx 'NVIDIA_DRIVER_CAPABILITIES=compute,utility' <<<"$env" || fail "NVIDIA_DRIVER_CAPABILITIES not set"
 grep -qx 'NVIDIA_VISIBLE_DEVICES=all' <<<"$env" || fail "NVIDIA_VISIBLE_DEVICES not set"
-printf '%s\n' "$out" | sed 's/^/   | /'
-ok "Dockerfile.cuda builds on $BASE (everything but nvidia/cuda); NVIDIA_* set; user $(docker image inspect -f '{{.Config.User}}' "$IMG_CUDA")"
+grep -E '^colibri:|^device = ' <<<"$out" | sed 's/^/   | /'
+ok "Dockerfile.cuda builds on $BASE (everything but nvidia/cuda); NVIDIA_* set; device auto (no GPU here); user $(docker image inspect -f '{{.Config.User}}' "$IMG_CUDA")"
 if docker compose version >/dev/null 2>&1; then
   MODEL_DIR=$MODEL docker compose -f docker/compose.yaml config -q || fail "docker compose config"
   ok "docker compose config: compose.yaml valid"

@@ -384,10 +384,14 @@ def check_workload(docs: list[dict], *, existing: set[str] = frozenset()) -> dic
         assert any(mirror == p or mirror.startswith(p + "/") for p in mirror_mounts), f"mirror {mirror} is not mounted"
     assert len(mirrors) == len(mirror_mounts), "a mirror drive is mounted but not passed to the server"
 
-    # RAM budget, when set, parses.
+    # RAM and VRAM budgets, when set, parse; the device is one coli knows.
     ram = effective("ram")
     if ram is not None:
         assert is_size(str(ram)), f"ram {ram!r}"
+    vram = effective("vram")
+    if vram is not None:
+        assert is_size(str(vram)), f"vram {vram!r}"
+    assert effective("device", "auto") in ("auto", "cpu", "cuda", "vulkan"), effective("device")
 
     # API keys from a Secret.
     if "COLI_API_KEYS" in env:
@@ -596,13 +600,17 @@ def test_chart_wiring(values):
     expected_mirrors = [f"/mirrors/{m['name']}/{m.get('dir', '')}".rstrip("/") for m in vals["mirrors"]]
     assert facts["profile"].get("mirrors", []) == expected_mirrors
 
-    # GPU.
+    # GPU: the resource, and the device and VRAM budget in colibri.toml.
     gpu = c["resources"]["limits"].get("nvidia.com/gpu")
     if vals["gpu"]["enabled"]:
         assert gpu == vals["gpu"]["count"] >= 1
         assert pod.get("nodeSelector") and pod.get("tolerations")
+        assert facts["profile"].get("device") == (vals["config"].get("device") or vals["gpu"]["device"] or None)
+        assert facts["profile"].get("vram") == (vals["config"].get("vram") or vals["gpu"]["vram"])
     else:
         assert gpu is None
+        assert facts["profile"].get("device") == vals["config"].get("device")
+        assert facts["profile"].get("vram") == vals["config"].get("vram")
 
     # Grace period: preStop + drain + 10 unless set.
     if vals["terminationGracePeriodSeconds"] is None:
@@ -656,6 +664,7 @@ def test_gpu_values():
     c, pod = facts["container"], facts["pod"]
     assert c["image"] == "colibri:cuda"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert facts["profile"]["device"] == "cuda" and facts["profile"]["vram"] == "72G"
     assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert "hostPath" in facts["volumes"][facts["mounts"]["/models"]["name"]]
@@ -690,6 +699,27 @@ def test_docs_examples():
     for job in jobs:
         for version in K8S_VERSIONS:
             validate_schema(job, version)
+
+
+@pytest.mark.parametrize(
+    "values,device,vram",
+    [
+        ({}, None, None),
+        ({"gpu": {"enabled": True}}, "cuda", None),
+        ({"gpu": {"enabled": True, "vram": "20G"}}, "cuda", "20G"),
+        ({"gpu": {"enabled": True, "device": ""}}, None, None),
+        ({"gpu": {"enabled": True, "device": "vulkan", "resourceName": "amd.com/gpu"}}, "vulkan", None),
+        ({"gpu": {"enabled": True, "vram": "20G"}, "config": {"device": "auto", "vram": "10G"}}, "auto", "10G"),
+        ({"gpu": {"enabled": True}, "config": {"device": None}}, "cuda", None),
+        ({"config": {"device": "vulkan", "vram": "4G"}}, "vulkan", "4G"),
+    ],
+)
+def test_chart_device(values, device, vram):
+    """`gpu.enabled` writes `gpu.device` and `gpu.vram` into colibri.toml where `config.device`
+    and `config.vram` leave them null; without a GPU only `config` sets them."""
+    docs = manifests(template_stream(render(values)))
+    profile = tomllib.loads(one(docs, "ConfigMap")["data"]["colibri.toml"])
+    assert (profile.get("device"), profile.get("vram")) == (device, vram)
 
 
 BAD_VALUES = {
@@ -773,6 +803,7 @@ def test_kustomize_wiring(overlay):
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+        assert {"name": "COLI_DEVICE", "value": "cuda"} in c["env"]
         assert facts["effective"]("mirrors")
     else:
         assert c["image"] == "colibri:cpu"
@@ -1094,6 +1125,9 @@ def test_server_reports_the_charts_engine_options(tmp_path):
     assert "no_learn = true  # env COLI_NO_LEARN\n" in shown, shown
     assert f'kv_dtype = "f32"  # file {config} [profile f32]\n' in show("--profile", "f32")
 
+
+@needs_coli
+def test_default_chart_serves(tmp_path):
     """The default chart's configuration, environment and probes against `coli serve` (demo
     model): /health and /ready answer 200 within the startup budget, /metrics carries every
     metric the dashboard and the alerts use, and SIGTERM ends the process within the grace
