@@ -277,7 +277,7 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         );
         if !s.device.is_empty() {
             println!(
-                "device:   {}: {} in VRAM ({} dense, {} experts: {} of them), decode VRAM hits {} of {} experts; uploads {} at {:.2} GB/s; decode products {:.2} s ({:.2} s in kernels)",
+                "device:   {}: {} in VRAM ({} dense, {} experts: {} of them), decode VRAM hits {} of {} experts; decode products {:.2} s ({:.2} s in kernels)",
                 s.device,
                 format_size(s.device_bytes),
                 format_size(s.device_bytes.saturating_sub(s.vram_bytes)),
@@ -285,8 +285,6 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
                 s.vram_experts,
                 s.vram_hits,
                 s.hits + s.misses,
-                format_size(s.device_upload_bytes),
-                s.device_upload_bytes as f64 / 1e9 / s.device_upload_seconds.max(1e-9),
                 r.device_product_seconds,
                 r.device_kernel_seconds,
             );

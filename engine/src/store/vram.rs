@@ -26,6 +26,8 @@ pub struct VramTier {
     hits: AtomicU64,
     hit_bytes: AtomicU64,
     held_bytes: AtomicU64,
+    /// Experts asked for, in every tier.
+    asked: AtomicU64,
 }
 
 impl VramTier {
@@ -45,6 +47,7 @@ impl VramTier {
             hits: AtomicU64::new(0),
             hit_bytes: AtomicU64::new(0),
             held_bytes: AtomicU64::new(0),
+            asked: AtomicU64::new(0),
         }
     }
 
@@ -118,6 +121,8 @@ impl Expert {
 
 impl ExpertStore for VramTier {
     fn acquire(&self, layer: usize, experts: &[usize]) -> Result<Lease> {
+        self.asked
+            .fetch_add(experts.len() as u64, Ordering::Relaxed);
         let mut on_device = Vec::new();
         let mut rest = Vec::new();
         {
@@ -186,8 +191,15 @@ impl ExpertStore for VramTier {
     }
 
     fn stats(&self) -> Option<StoreSnapshot> {
-        let mut s = self.below.stats().unwrap_or_default();
+        let below = self.below.stats();
+        let counted = below.is_some();
+        let mut s = below.unwrap_or_default();
         s.vram_hits = self.hits.load(Ordering::Relaxed);
+        if !counted {
+            // The store below keeps no counters: it holds every expert in memory (mapped), so
+            // whatever VRAM did not serve, it served from RAM.
+            s.hits = self.asked.load(Ordering::Relaxed) - s.vram_hits;
+        }
         s.vram_hit_bytes = self.hit_bytes.load(Ordering::Relaxed);
         // A VRAM hit is a hit: the counts and rates cover every tier.
         s.hits += s.vram_hits;
