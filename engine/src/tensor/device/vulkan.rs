@@ -228,6 +228,12 @@ impl VulkanBackend {
             .device_name_as_c_str()
             .map(|c| c.to_string_lossy().into_owned())
             .unwrap_or_else(|_| "unnamed device".into());
+        if props.device_type == vk::PhysicalDeviceType::CPU {
+            tracing::warn!(
+                "vulkan: `{name}` is a CPU implementation of Vulkan (for testing): its products \
+                 are exact but far slower than --device cpu (docs/benchmarks.md §10)"
+            );
+        }
         // SAFETY: `pd` came from this instance.
         let memory_props = unsafe { instance.get_physical_device_memory_properties(pd) };
         let heap_bytes = (0..memory_props.memory_heap_count as usize)
