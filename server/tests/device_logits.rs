@@ -225,3 +225,60 @@ fn an_explicit_device_that_is_missing_is_a_clear_error_and_auto_falls_back_to_th
         "auto says which device it uses:\n{log}"
     );
 }
+
+#[test]
+fn gguf_block_formats_on_vulkan_print_the_cpus_logits() {
+    // Real models through the integer kernels (Q8_0; Q4_K and Q6_K in q4_k_m's mix; the rest
+    // of that mix dequantized exactly): GGUF conversions of the fixtures llama.cpp has a
+    // layout for, on the CPU and on Vulkan with everything / part in VRAM.
+    if let Err(e) = colibri::tensor::device::vulkan::VulkanBackend::open(false) {
+        eprintln!("skipped: no Vulkan device ({e})");
+        return;
+    }
+    let state = tempfile::tempdir().unwrap();
+    let tokens: std::collections::HashMap<String, String> = fixtures().into_iter().collect();
+    let mut checked = 0;
+    for f in ["llama", "olmoe", "qwen3_moe", "deepseek_v3", "glm4_moe"] {
+        for ty in ["q8_0", "q4_k_m", "q5_k_m"] {
+            let gguf = state.path().join(format!("{f}-{ty}.gguf"));
+            let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+                .current_dir(root().join("engine/tests/fixtures"))
+                .args(["convert", "--model", f, "--type", ty, "--out"])
+                .arg(&gguf)
+                .env("COLI_STATE_DIR", state.path())
+                .env("COLI_CACHE_DIR", state.path())
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "convert {f} {ty}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let model = gguf.to_str().unwrap();
+            let t = &tokens[f];
+            let cpu = logits(model, t, &["--mmap", "--device", "cpu"], state.path());
+            let all = logits(model, t, &["--mmap", "--device", "vulkan"], state.path());
+            assert!(number_after(&all.log, "dense matrices ") > 0, "{f} {ty}");
+            assert_eq!(all.hash, cpu.hash, "{f} {ty}: everything in VRAM");
+            let dense = number_after(&all.log, "dense matrices ");
+            if let Some((_, total)) = experts_in_vram(&all.log).filter(|&(_, t)| t > 0) {
+                let experts = number_after(&all.log, "experts in VRAM (");
+                let half = (dense + experts / 2).to_string();
+                let some = logits(
+                    model,
+                    t,
+                    &["--mmap", "--device", "vulkan", "--vram", &half],
+                    state.path(),
+                );
+                let (held, _) = experts_in_vram(&some.log).unwrap();
+                assert!(0 < held && held < total, "{f} {ty}: {held} of {total}");
+                assert_eq!(
+                    some.hash, cpu.hash,
+                    "{f} {ty}: {held} of {total} experts in VRAM"
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 15);
+}
