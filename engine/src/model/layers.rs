@@ -14,7 +14,7 @@ use crate::format::config::{RopeKind, RopeParams};
 use crate::format::safetensors::Checkpoint;
 use crate::store::ExpertStore;
 use crate::tensor::device::place_dense;
-use crate::tensor::kernels::{dot, Isa};
+use crate::tensor::kernels::{add_weighted_rows, dot_strided, Isa};
 use crate::tensor::matmul::{tensor_matmul, tensor_matmul_pair};
 use crate::tensor::{Tensor, WeightData};
 use crate::Result;
@@ -480,7 +480,11 @@ pub struct RelBias<'a> {
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
 /// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
 /// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
-/// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order.
+/// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order: its
+/// scores by [`dot_strided`] (each the canonical [`dot`] of the query and one key), the softmax
+/// over its row, then [`add_weighted_rows`] (every output element summing `p_j · v_j` in
+/// ascending key order) — so a token's result never depends on the tokens beside it, the
+/// threads, or how a prompt was split into calls.
 pub fn attend(
     q: &[f32],
     kv: &LayerKv,
@@ -507,17 +511,18 @@ pub fn attend(
         let pos = start + t;
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qv = &q[idx * head_dim..(idx + 1) * head_dim];
-        let kvh = hh / group;
-        let mut scores: Vec<f32> = (first..=pos)
-            .map(|j| {
-                let kj = &keys[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-                let s = dot(isa, qv, WeightData::F32(kj)) * scale;
-                match bias {
-                    Some(b) if pos - j < b.extent => s + b.profiles[idx * b.extent + pos - j],
-                    _ => s,
+        // This head's keys and values from key `first` on: row j at (j − first) · kv_dim.
+        let from = first * kv_dim + (hh / group) * head_dim;
+        let mut scores = vec![0.0f32; pos + 1 - first];
+        dot_strided(isa, qv, &keys[from..], kv_dim, &mut scores);
+        for (s, j) in scores.iter_mut().zip(first..) {
+            *s *= scale;
+            if let Some(b) = bias {
+                if pos - j < b.extent {
+                    *s += b.profiles[idx * b.extent + pos - j];
                 }
-            })
-            .collect();
+            }
+        }
         match sinks {
             Some(Sinks::PerHead(sinks)) => softmax_with_sink(&mut scores, sinks[hh]),
             Some(Sinks::PerToken(sinks)) => softmax_with_sink(&mut scores, sinks[idx]),
@@ -529,12 +534,7 @@ pub fn attend(
                 *p = half::f16::from_f32(*p).to_f32();
             }
         }
-        for (p, j) in scores.iter().zip(first..=pos) {
-            let vj = &values[j * kv_dim + kvh * head_dim..j * kv_dim + (kvh + 1) * head_dim];
-            for (oo, vv) in o.iter_mut().zip(vj) {
-                *oo += p * vv;
-            }
-        }
+        add_weighted_rows(isa, &scores, &values[from..], kv_dim, o);
     };
     if q.len() * (start + q.len() / (heads * head_dim)) < 1 << 16 {
         out.chunks_mut(head_dim).enumerate().for_each(work);

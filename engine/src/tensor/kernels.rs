@@ -195,6 +195,62 @@ pub fn dot_mxfp4_scalar(a: &[f32], w: &[u8]) -> f32 {
     fold_lanes(&mut acc)
 }
 
+/// `out[j] = dot(a, m[j·stride ..][.. a.len()])` for every `j < out.len()`: one activation row
+/// against rows of a strided f32 matrix (an attention query against one head's cached keys),
+/// each in the canonical order — the bits of [`dot`] on each pair, without a call per row.
+pub fn dot_strided(isa: Isa, a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    assert!(
+        n == 0 || (n - 1) * stride + a.len() <= m.len(),
+        "dot_strided: {n} rows of {} at stride {stride} in {} values",
+        a.len(),
+        m.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_fma_f16c() {
+        // SAFETY: AVX2 and FMA were detected just above; the bounds were checked.
+        return unsafe { avx2::dot_strided(a, m, stride, out) };
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot(
+            isa,
+            a,
+            WeightData::F32(&m[j * stride..j * stride + a.len()]),
+        );
+    }
+}
+
+/// `out[e] += p[j] · m[j·stride + e]` for `j = 0, 1, …` in that order and every `e <
+/// out.len()`, each product rounded and then added (no fused multiply-add): attention's
+/// probability-weighted sum of one head's cached values. The scalar loop is the reference; the
+/// SIMD path does the same operations on eight elements at a time.
+pub fn add_weighted_rows(isa: Isa, p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = p.len();
+    assert!(
+        n == 0 || (n - 1) * stride + out.len() <= m.len(),
+        "add_weighted_rows: {n} rows of {} at stride {stride} in {} values",
+        out.len(),
+        m.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_fma_f16c() {
+        // SAFETY: AVX2 was detected just above; the bounds were checked.
+        return unsafe { avx2::add_weighted_rows(p, m, stride, out) };
+    }
+    let _ = isa;
+    add_weighted_rows_scalar(p, m, stride, out);
+}
+
+/// [`add_weighted_rows`]' scalar reference.
+pub fn add_weighted_rows_scalar(p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    for (j, &pj) in p.iter().enumerate() {
+        for (o, &v) in out.iter_mut().zip(&m[j * stride..j * stride + d]) {
+            *o += pj * v;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as index loops
 mod avx2 {
@@ -377,6 +433,101 @@ mod avx2 {
         }
     }
 
+    /// [`super::dot_strided`] on AVX2: `block` inlined for each row, three rows a pass.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `(out.len() − 1)·stride + a.len() ≤ m.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_strided(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+        let k = a.len();
+        let row = |j: usize| &m[j * stride..j * stride + k];
+        let mut j = 0;
+        while j + 3 <= out.len() {
+            // SAFETY: the caller's features; every row has k elements, as `a`.
+            let d = unsafe { block::<f32, 1, 3>([a], [row(j), row(j + 1), row(j + 2)]) };
+            out[j..j + 3].copy_from_slice(&d[0]);
+            j += 3;
+        }
+        while j < out.len() {
+            // SAFETY: as above.
+            out[j] = unsafe { block::<f32, 1, 1>([a], [row(j)]) }[0][0];
+            j += 1;
+        }
+    }
+
+    /// [`super::add_weighted_rows`] on AVX2: the output in slices of up to 64 elements held in
+    /// registers while every row passes (`acc + p·v`, a rounded product then a rounded sum, as
+    /// the reference); a slice's last `len % 8` elements by the scalar loop.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `(p.len() − 1)·stride + out.len() ≤ m.len()`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn add_weighted_rows(p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+        const SLICE: usize = 64;
+        let d = out.len();
+        let mut e0 = 0;
+        while e0 < d {
+            let width = SLICE.min(d - e0);
+            let vec = width / 8;
+            // SAFETY: the caller's features and bound; `e0 + 8·vec ≤ d`.
+            unsafe {
+                match vec {
+                    8 => weighted_slice::<8>(p, m, stride, out, e0),
+                    7 => weighted_slice::<7>(p, m, stride, out, e0),
+                    6 => weighted_slice::<6>(p, m, stride, out, e0),
+                    5 => weighted_slice::<5>(p, m, stride, out, e0),
+                    4 => weighted_slice::<4>(p, m, stride, out, e0),
+                    3 => weighted_slice::<3>(p, m, stride, out, e0),
+                    2 => weighted_slice::<2>(p, m, stride, out, e0),
+                    1 => weighted_slice::<1>(p, m, stride, out, e0),
+                    _ => {}
+                }
+            }
+            for e in e0 + 8 * vec..e0 + width {
+                for (j, &pj) in p.iter().enumerate() {
+                    out[e] += pj * m[j * stride + e];
+                }
+            }
+            e0 += width;
+        }
+    }
+
+    /// `out[e0 ..][.. 8V] += p[j] · m[j·stride + e0 ..]` for every row `j` in order, the `V`
+    /// vectors of the output held in registers.
+    ///
+    /// # Safety
+    /// The CPU must have AVX; `e0 + 8V ≤ out.len()` and `(p.len() − 1)·stride + out.len() ≤
+    /// m.len()`.
+    #[inline(always)]
+    unsafe fn weighted_slice<const V: usize>(
+        p: &[f32],
+        m: &[f32],
+        stride: usize,
+        out: &mut [f32],
+        e0: usize,
+    ) {
+        // SAFETY: loads and stores of out[e0 + 8g ..][..8] (g < V, within `out`) and of
+        // m[j·stride + e0 + 8g ..][..8] (within row j's first out.len() values, inside `m` by
+        // the caller's bound); AVX by the caller's contract.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); V];
+            for g in 0..V {
+                acc[g] = _mm256_loadu_ps(out.as_ptr().add(e0 + 8 * g));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pj);
+                let r = m.as_ptr().add(j * stride + e0);
+                for g in 0..V {
+                    acc[g] =
+                        _mm256_add_ps(acc[g], _mm256_mul_ps(pv, _mm256_loadu_ps(r.add(8 * g))));
+                }
+            }
+            for g in 0..V {
+                _mm256_storeu_ps(out.as_mut_ptr().add(e0 + 8 * g), acc[g]);
+            }
+        }
+    }
+
     macro_rules! entry {
         ($name:ident, $w:ty, $feat:literal) => {
             /// # Safety
@@ -533,6 +684,76 @@ mod tests {
     /// Naive f64 dot product: an independent reference for the value (not the bits).
     fn dot_f64(a: &[f32], w: &[f32]) -> f64 {
         a.iter().zip(w).map(|(&x, &y)| x as f64 * y as f64).sum()
+    }
+
+    /// An attention query against strided key rows: every score has the bits of [`dot`] on
+    /// that pair and is close to the f64 dot, for head widths with and without a partial
+    /// 32-lane chunk and row counts around the three-row passes, on every instruction set.
+    #[test]
+    fn strided_dots_are_the_dot_of_each_row() {
+        for isa in [Isa::Scalar, Isa::best_available()] {
+            for (hd, stride, rows) in [
+                (64, 192, 1),
+                (64, 192, 7),
+                (80, 160, 9),
+                (100, 300, 4),
+                (128, 128, 3),
+                (256, 512, 5),
+            ] {
+                let a = pseudo_random(hd, hd as u32);
+                let m = pseudo_random((rows - 1) * stride + hd, (rows * stride) as u32);
+                let mut out = vec![f32::NAN; rows];
+                dot_strided(isa, &a, &m, stride, &mut out);
+                for (j, &o) in out.iter().enumerate() {
+                    let row = &m[j * stride..j * stride + hd];
+                    assert_eq!(
+                        o.to_bits(),
+                        dot_scalar(&a, row).to_bits(),
+                        "{isa:?} hd {hd} row {j}"
+                    );
+                    assert!(
+                        (o as f64 - dot_f64(&a, row)).abs() < 1e-4,
+                        "{isa:?} hd {hd} row {j}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The probability-weighted sum of value rows: the SIMD path gives the reference's bits
+    /// (a rounded product, then a rounded sum, rows in order) for widths that are whole
+    /// 64-element slices, partial ones and a scalar tail, added to what `out` held; and the
+    /// reference is the f64 sum within rounding.
+    #[test]
+    fn weighted_rows_match_the_reference_bit_for_bit() {
+        for (d, stride, rows) in [
+            (64, 192, 1),
+            (64, 192, 33),
+            (8, 24, 5),
+            (72, 144, 10),
+            (100, 300, 17),
+            (128, 256, 64),
+            (7, 7, 3),
+        ] {
+            let p = pseudo_random(rows, 7 + rows as u32);
+            let m = pseudo_random((rows - 1) * stride + d, d as u32);
+            let init = pseudo_random(d, 99);
+            let mut want = init.clone();
+            add_weighted_rows_scalar(&p, &m, stride, &mut want);
+            for (e, &w) in want.iter().enumerate() {
+                let exact: f64 = init[e] as f64
+                    + (0..rows)
+                        .map(|j| p[j] as f64 * m[j * stride + e] as f64)
+                        .sum::<f64>();
+                assert!((w as f64 - exact).abs() < 1e-4, "d {d} element {e}");
+            }
+            for isa in [Isa::Scalar, Isa::best_available()] {
+                let mut got = init.clone();
+                add_weighted_rows(isa, &p, &m, stride, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa:?} d {d} rows {rows}");
+            }
+        }
     }
 
     /// MXFP4 rows decoded inside the dot kernel give the bits of the dequantized row's f32

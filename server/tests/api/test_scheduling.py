@@ -55,7 +55,7 @@ def test_deepseek_v4_concurrent_requests_get_their_solo_tokens(start_server):
         with s.http() as c:
             r = c.post(
                 "/v1/completions",
-                json={"model": s.model_id, "prompt": prompt[i * 4 :] + prompt[: i * 4], "max_tokens": 12,
+                json={"model": s.model_id, "prompt": prompt[i * 4 :] + prompt[: i * 4], "max_tokens": 32,
                       "temperature": 0.8, "seed": 70 + i, "ignore_eos": True},
             )
         assert r.status_code == 200, r.text
