@@ -16,7 +16,7 @@ use crate::store::ExpertStore;
 use crate::tensor::device::place_dense;
 use crate::tensor::kernels::{add_weighted_rows, dot_strided, Isa};
 use crate::tensor::matmul::{tensor_matmul, tensor_matmul_pair};
-use crate::tensor::{Tensor, WeightData};
+use crate::tensor::Tensor;
 use crate::Result;
 
 /// `y = x·Wᵀ + b` with `W` stored `[out, in]`.
