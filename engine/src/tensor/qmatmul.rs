@@ -1887,6 +1887,7 @@ mod tests {
     /// Every path the dispatch can take for these rows — the scalar reference, the AVX2
     /// kernels and, where detected, the AVX-512 ones, one row at a time and four at once —
     /// gives the reference's bits.
+    #[allow(clippy::needless_range_loop)] // a row index for the rows and the wanted bits
     fn all_paths_agree(ty: QuantType, w: &[u8], acts: &QuantizedActs, what: &str) {
         let m = acts.qs.len() / acts.cols;
         let want: Vec<u32> = (0..m)
