@@ -1011,7 +1011,7 @@ mod avx2 {
     /// Safety of the generated functions: as [`dot_rows`], with the features they enable.
     /// With `nb` blocks in `w`, every block index `b0 + k` read below is `< nb`, so weight
     /// bytes `(b0 + k)·bb..(b0 + k + 1)·bb`, activation codes `(b0 + k)·32..+32` and scales
-    /// (and Q4_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
+    /// (and Q4_1/Q5_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
     macro_rules! dot32_kernel {
         ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
             $(#[$attr])*
@@ -1055,13 +1055,13 @@ mod avx2 {
                 let mw = if signed {
                     _mm256_setzero_ps()
                 } else {
-                    // SAFETY: Q4_1's f16 min (bytes 2..4) of blocks b0..b0 + 8, inside `w`.
+                    // SAFETY: the Q4_1/Q5_1 f16 min (bytes 2..4) of blocks b0..b0 + 8, inside `w`.
                     unsafe { f16x8(wp.add(2), bb) }
                 };
                 for r in 0..R {
                     let xr = x[r];
                     // SAFETY: the row fits `w`: codes (b0 + k)·32..+32 for k < 8 and scales
-                    // (and Q4_1 sums) b0..b0 + 8 lie inside it, as b0 + 8 <= full <= nb.
+                    // (and Q4_1/Q5_1 sums) b0..b0 + 8 lie inside it, as b0 + 8 <= full <= nb.
                     unsafe {
                         let xq = xr.qs.as_ptr().add(b0 * QK32);
                         let mut prods = [_mm256_setzero_si256(); 8];
