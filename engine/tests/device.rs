@@ -81,11 +81,29 @@ fn products_match_the_cpu(backend: &Arc<dyn Backend>) {
         QuantType::Q4_K,
         QuantType::Q6_K,
         QuantType::MXFP4,
-        // Computed as exact f32 rows on the device, as on the CPU.
-        QuantType::Q5_0,
-        QuantType::Q5_K,
-        QuantType::Q3_K,
     ];
+    // Computed by integer kernels on the CPU and by none on a device: never placed.
+    for ty in [
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::Q2_K,
+        QuantType::Q3_K,
+        QuantType::Q5_K,
+    ] {
+        let mut bytes = Vec::new();
+        quantize_row(ty, &values(256, 99), &mut bytes).unwrap();
+        let w = WeightView {
+            rows: 1,
+            cols: 256,
+            data: WeightData::Quant(ty, &bytes),
+        };
+        assert!(
+            !device::placeable(&w) && device::device_form(&w).is_none(),
+            "{ty}"
+        );
+        let err = DeviceMatrix::upload(backend, &w).unwrap_err().to_string();
+        assert!(err.contains("stay on the CPU"), "{ty}: {err}");
+    }
     for ty in types {
         for (seed, &(rows, cols)) in blocks.iter().enumerate() {
             let v = values(rows * cols, 100 + seed as u64);
@@ -328,7 +346,7 @@ fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
                 cols: *cols,
                 data,
             };
-            let (format, placed) = device::device_form(&w);
+            let (format, placed) = device::device_form(&w).expect("a device format");
             for m in [1usize, 3, 5, 8] {
                 let x = values(m * cols, 7 + m as u64);
                 let mut want = vec![0f32; m * rows];

@@ -91,8 +91,15 @@ impl VramTier {
     }
 
     /// The expert with all three matrices on the device (host bytes dropped), or `None`
-    /// if they do not all fit.
+    /// if they do not all fit or one of them must stay on the CPU (checked first, so no
+    /// budget is taken for an expert that cannot be placed whole).
     fn upload(&self, x: &Expert) -> Option<Expert> {
+        if ![&x.gate, &x.up, &x.down]
+            .iter()
+            .all(|t| self.placement.can_place(t))
+        {
+            return None;
+        }
         let gate = self.placement.place(&x.gate, false)?;
         let up = self.placement.place(&x.up, false)?;
         let down = self.placement.place(&x.down, false)?;

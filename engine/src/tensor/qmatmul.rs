@@ -2,37 +2,60 @@
 //! does: the activation rows are quantized to 8-bit blocks once per product, and each output
 //! is a sum of exact integer block dot products scaled by the two block scales.
 //!
-//! Activation formats (chosen by the weight type):
-//! * `Q8_0` (for Q8_0 and Q4_0 weights): 32 values, `d = f16(max|x| / 127)`,
+//! Activation formats (chosen by the weight type, as llama.cpp's `vec_dot` pairs them):
+//! * `Q8_0` (for Q8_0, Q4_0, Q5_0 and IQ4_NL weights): 32 values, `d = f16(max|x| / 127)`,
 //!   `q = round_ties_even(x · 127 / max|x|)`.
-//! * `Q8_1` (for Q4_1): as `Q8_0` plus `s = f16(d · Σq)` with the unrounded `d`.
-//! * `Q8_K` (for Q4_K and Q6_K): 256 values, `d = 1 / iscale` in f32 with
-//!   `iscale = −127 / x_max` (`x_max` the value of largest magnitude), `q = nearest(iscale·x)`,
-//!   and the sums of each 16 codes.
+//! * `Q8_1` (for Q4_1 and Q5_1): as `Q8_0` plus `s = f16(d · Σq)` with the unrounded `d`.
+//! * `Q8_K` (for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS): 256 values, `d = 1 / iscale` in
+//!   f32 with `iscale = −127 / x_max` (`x_max` the value of largest magnitude),
+//!   `q = nearest(iscale·x)`, and the sums of each 16 codes.
+//!
+//! Weight codes, as ggml defines the values: Q8_0 `q`; Q4_0 `q − 8`; Q5_0 `q − 16` (the fifth
+//! bit from `qh`); Q4_1 / Q5_1 `q` with the block min `m` added as `m · s`; IQ4_NL / IQ4_XS
+//! `kvalues_iq4nl[q]`; Q4_K / Q5_K `sc·q` less `m` against the 32-sums of the activation
+//! codes; Q6_K `sc·(q − 32)`; Q3_K `sc·(q − 4)` (`q` with bit 2 from `hmask`, and
+//! `sc − 32` from the 6-bit scales); Q2_K `sc·q` less `m` against the 16-sums. Integer
+//! sums are exact, so only where they are cut into lanes and the float steps after them
+//! define the bits.
 //!
 //! Canonical order (what makes the scalar reference and the SIMD kernels bit-identical, and a
 //! row's result independent of batch size and threads):
-//! * 32-element formats: block `b`'s exact integer sum `isum_b` is scaled,
-//!   `p_b = (d_w · d_x) · isum_b`, and added into lane `b % 8` of eight f32 accumulators
-//!   (Q4_1 then adds `m_w · s_x` to the same lane); the lanes fold as
-//!   `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
-//! * K-quants: per 256-element super-block, exact integer sums of the scaled codes (and of
-//!   the mins against the 16-sums), then `acc += (d_w · d_x) · sumi` (and
-//!   `acc_min += (dmin_w · d_x) · summ` for Q4_K) in super-block order; result
-//!   `acc − acc_min`.
+//! * 32-element formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL): block `b`'s exact integer sum
+//!   `isum_b` is scaled, `p_b = (d_w · d_x) · isum_b`, and added into lane `b % 8` of eight
+//!   f32 accumulators (Q4_1 and Q5_1 then add `m_w · s_x` to the same lane); the lanes fold
+//!   as `((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))`.
+//! * K-quants and IQ4_XS: eight f32 lanes, one per i32 lane of AVX2's `madd` over a
+//!   32-element group. Per super-block, lane `u` takes the exact integer sum over the eight
+//!   groups `j` of the group's scale (of its 16-element half for Q2_K, Q3_K, Q6_K: the first
+//!   half for `u < 4`) times `Σ code·y` over elements `32j + 4u .. 32j + 4u + 4`; then, still
+//!   in i32, the per-format term of that lane: Q4_K / Q5_K `summ_u = m_p · (32-sum p)` with
+//!   `p = [0, 1, 4, 5, 2, 3, 6, 7][u]`; Q2_K `summ_u = m_u · bsum_u + m_{8+u} · bsum_{8+u}`;
+//!   Q6_K / Q3_K subtract `32` / `4` times `sc_u · bsum_u + sc_{8+u} · bsum_{8+u}` (the
+//!   codes are taken unsigned, `q + 32` / `q + 4`). The lane then adds
+//!   `(d_w·d_x) · sumi_u − (dmin_w·d_x) · summ_u` (Q4_K, Q5_K, Q2_K) or `(d_w·d_x) · sumi_u`
+//!   (Q6_K, Q3_K, IQ4_XS), super-block after super-block; the lanes fold as above.
 //!
-//! Every other ggml type (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4) is computed by
-//! dequantizing the weight row (bit-identical to ggml's dequantization) and taking the f32
-//! dot product of `tensor::kernels`: exact to the format, deterministic, but slower. MXFP4
-//! against a few activation rows (decode) skips the row buffer: `kernels::dot_mxfp4` decodes
-//! each block in registers and fuses it into the same 32 lanes, giving the same bits.
+//! Kernels: the scalar reference (`dot_ref`, which defines the results) and AVX2 for every
+//! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW
+//! 512-bit integer steps for Q4_K and Q6_K (the others' AVX2 kernels run there). There are no
+//! NEON kernels for the block formats: aarch64 computes them by the scalar reference (this
+//! workspace is built and tested on x86-64 only and cannot compile aarch64).
+//!
+//! Every other ggml type (MXFP4) is computed by dequantizing the weight row (bit-identical to
+//! ggml's dequantization) and taking the f32 dot product of `tensor::kernels`: exact to the
+//! format, deterministic, but slower. MXFP4 against a few activation rows (decode) skips the
+//! row buffer: `kernels::dot_mxfp4` decodes each block in registers and fuses it into the
+//! same 32 lanes, giving the same bits.
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::kernels::{dot, dot_mxfp4, Isa};
 use super::matmul::OutPtr;
-use super::quant::{dequantize_row, get_scale_min_k4, QuantType, QK32, QK_K};
+use super::quant::{
+    dequantize_row, get_scale_min_k4, q3k_scales, unpack_q5, BlockIq4Xs, QuantType, KVALUES_IQ4NL,
+    QK32, QK_K,
+};
 use super::WeightData;
 
 /// Weight rows per parallel task.
@@ -60,9 +83,16 @@ pub enum ActFormat {
 /// dequantizing.
 pub fn act_format(ty: QuantType) -> Option<ActFormat> {
     match ty {
-        QuantType::Q8_0 | QuantType::Q4_0 => Some(ActFormat::Q8_0),
-        QuantType::Q4_1 => Some(ActFormat::Q8_1),
-        QuantType::Q4_K | QuantType::Q6_K => Some(ActFormat::Q8K),
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 | QuantType::IQ4_NL => {
+            Some(ActFormat::Q8_0)
+        }
+        QuantType::Q4_1 | QuantType::Q5_1 => Some(ActFormat::Q8_1),
+        QuantType::Q2_K
+        | QuantType::Q3_K
+        | QuantType::Q4_K
+        | QuantType::Q5_K
+        | QuantType::Q6_K
+        | QuantType::IQ4_XS => Some(ActFormat::Q8K),
         _ => None,
     }
 }
@@ -242,15 +272,64 @@ fn isum32(ty: QuantType, w: &[u8], x: &[i8]) -> i32 {
                 })
                 .sum()
         }
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let (qh_at, off) = if ty == QuantType::Q5_0 {
+                (2, 16)
+            } else {
+                (4, 0)
+            };
+            let qh = u32::from_le_bytes(w[qh_at..qh_at + 4].try_into().unwrap());
+            let codes = unpack_q5(w[qh_at + 4..qh_at + 20].try_into().unwrap(), qh);
+            codes
+                .iter()
+                .zip(x)
+                .map(|(&q, &v)| (q as i32 - off) * v as i32)
+                .sum()
+        }
+        QuantType::IQ4_NL => {
+            let qs = &w[2..18];
+            let kv = |q: u8| KVALUES_IQ4NL[q as usize] as i32;
+            (0..16)
+                .map(|j| kv(qs[j] & 0xf) * x[j] as i32 + kv(qs[j] >> 4) * x[j + 16] as i32)
+                .sum()
+        }
         _ => unreachable!("not a 32-element integer format"),
     }
+}
+
+/// A K-quant super-block's eight lane sums: lane `u` holds, for each 32-element group `j`,
+/// the group's scale `sc(j, u)` times the exact sum of `code(e) · y[e]` over its elements
+/// `e = 32j + 4u .. 32j + 4u + 4` (the i32 lanes of AVX2's `madd` over a group).
+fn k_lanes(y: &[i8], code: impl Fn(usize) -> i32, sc: impl Fn(usize, usize) -> i32) -> [i32; 8] {
+    std::array::from_fn(|u| {
+        (0..8)
+            .map(|j| {
+                let s: i32 = (32 * j + 4 * u..32 * j + 4 * u + 4)
+                    .map(|e| code(e) * y[e] as i32)
+                    .sum();
+                sc(j, u) * s
+            })
+            .sum()
+    })
+}
+
+/// The 16-element sub-block of lane `u`'s elements in 32-element group `j` (lanes 0..4 hold
+/// the group's first 16 elements).
+#[inline]
+fn sub16(j: usize, u: usize) -> usize {
+    2 * j + usize::from(u >= 4)
 }
 
 /// Scalar reference dot of a quantized weight row against a quantized activation row.
 #[allow(clippy::needless_range_loop)] // element indices are the point of the reference
 fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
     match ty {
-        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
+        QuantType::Q8_0
+        | QuantType::Q4_0
+        | QuantType::Q4_1
+        | QuantType::Q5_0
+        | QuantType::Q5_1
+        | QuantType::IQ4_NL => {
             let bb = ty.block_bytes();
             let mut acc = [0.0f32; 8];
             for (b, wb) in w.chunks_exact(bb).enumerate() {
@@ -258,7 +337,7 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
                 let s = f16_le(wb, 0) * x.d[b];
                 let l = b % 8;
                 acc[l] += s * isum as f32;
-                if ty == QuantType::Q4_1 {
+                if matches!(ty, QuantType::Q4_1 | QuantType::Q5_1) {
                     acc[l] += f16_le(wb, 2) * x.sums[b];
                 }
             }
@@ -313,6 +392,80 @@ fn dot_ref(ty: QuantType, w: &[u8], x: ActRow<'_>) -> f32 {
             }
             fold8(&acc)
         }
+        QuantType::Q5_K => {
+            let mut acc = [0.0f32; 8];
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let s1 = f16_le(wb, 0) * x.d[b];
+                let s2 = f16_le(wb, 2) * x.d[b];
+                let sumi = k_lanes(
+                    y,
+                    |e| q5k_code(wb, e),
+                    |j, _| get_scale_min_k4(j, scales).0 as i32,
+                );
+                for u in 0..8 {
+                    let (_, m) = get_scale_min_k4(Q4K_MIN_LANES[u], scales);
+                    let summ = m as i32 * x.pairs[b * 8 + u];
+                    acc[u] += s1 * sumi[u] as f32 - s2 * summ as f32;
+                }
+            }
+            fold8(&acc)
+        }
+        QuantType::IQ4_XS => {
+            let mut acc = [0.0f32; 8];
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let blk = BlockIq4Xs::from_bytes(wb);
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let s1 = blk.d.to_f32() * x.d[b];
+                let code = |e: usize| {
+                    let q = blk.qs[16 * (e / 32) + e % 16] >> (4 * ((e % 32) / 16));
+                    KVALUES_IQ4NL[(q & 0xf) as usize] as i32
+                };
+                let sumi = k_lanes(y, code, |j, _| blk.scale(j));
+                for u in 0..8 {
+                    acc[u] += s1 * sumi[u] as f32;
+                }
+            }
+            fold8(&acc)
+        }
+        QuantType::Q3_K => {
+            let mut acc = [0.0f32; 8];
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let sc = q3k_scales(wb[96..108].try_into().unwrap());
+                let sc = |i: usize| sc[i] as i32;
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let s1 = f16_le(wb, 108) * x.d[b];
+                // Codes 0..8 (`q + 4`); Σ sc·(c − 4)·y = Σ sc·c·y − 4·Σ sc·bsum.
+                let sumi = k_lanes(y, |e| q3k_code(wb, e), |j, u| sc(sub16(j, u)));
+                for u in 0..8 {
+                    let v = sumi[u] - 4 * (sc(u) * bs[u] + sc(8 + u) * bs[8 + u]);
+                    acc[u] += s1 * v as f32;
+                }
+            }
+            fold8(&acc)
+        }
+        QuantType::Q2_K => {
+            let mut acc = [0.0f32; 8];
+            for (b, wb) in w.chunks_exact(ty.block_bytes()).enumerate() {
+                let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+                let bs = &x.bsums[b * 16..(b + 1) * 16];
+                let s1 = f16_le(wb, 80) * x.d[b];
+                let s2 = f16_le(wb, 82) * x.d[b];
+                let sumi = k_lanes(
+                    y,
+                    |e| q2k_code(wb, e),
+                    |j, u| (wb[sub16(j, u)] & 0xf) as i32,
+                );
+                let m = |i: usize| (wb[i] >> 4) as i32;
+                for u in 0..8 {
+                    let summ = m(u) * bs[u] + m(8 + u) * bs[8 + u];
+                    acc[u] += s1 * sumi[u] as f32 - s2 * summ as f32;
+                }
+            }
+            fold8(&acc)
+        }
         _ => unreachable!("no integer kernel for {ty}"),
     }
 }
@@ -327,10 +480,11 @@ fn row_fits(ty: QuantType, w: &[u8], x: &ActRow<'_>) -> bool {
     // One scale per block: `nb` without a division (this runs for every row product).
     let nb = x.d.len();
     let sums = match ty {
-        QuantType::Q8_0 | QuantType::Q4_0 => true,
-        QuantType::Q4_1 => x.sums.len() == nb,
-        QuantType::Q4_K => x.pairs.len() == 8 * nb,
-        QuantType::Q6_K => x.bsums.len() == 16 * nb,
+        QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q5_0 | QuantType::IQ4_NL => true,
+        QuantType::Q4_1 | QuantType::Q5_1 => x.sums.len() == nb,
+        QuantType::IQ4_XS => true,
+        QuantType::Q4_K | QuantType::Q5_K => x.pairs.len() == 8 * nb,
+        QuantType::Q6_K | QuantType::Q3_K | QuantType::Q2_K => x.bsums.len() == 16 * nb,
         _ => false,
     };
     sums && w.len() == nb * bb && x.qs.len() == nb * bs
@@ -345,6 +499,36 @@ fn q6k_code(wb: &[u8], e: usize) -> i32 {
     let lo = if s < 2 { ql & 0xf } else { ql >> 4 };
     let hi = (wb[128 + 32 * h + l] >> (2 * s)) & 3;
     (lo | (hi << 4)) as i32
+}
+
+/// The 5-bit code (0..32) of element `e` of a Q5_K block (d, dmin 0..4, scales 4..16, qh
+/// 16..48, qs 48..176): group `j = e / 32` takes the low (even `j`) or high nibble of
+/// `qs[32·(j / 2) + l]` and bit `j` of `qh[l]`, `l = e % 32` (as `dequantize_row_q5_K`).
+#[inline]
+fn q5k_code(wb: &[u8], e: usize) -> i32 {
+    let (j, l) = (e / 32, e % 32);
+    let byte = wb[48 + 32 * (j / 2) + l];
+    let lo = if j % 2 == 0 { byte & 0xf } else { byte >> 4 };
+    let hi = (wb[16 + l] >> j) & 1;
+    (lo | (hi << 4)) as i32
+}
+
+/// The 3-bit code plus 4 (0..8) of element `e` of a Q3_K block (hmask 0..32, qs 32..96):
+/// group `g = e / 32` takes bits `2·(g % 4)` of `qs[32·(g / 4) + i]` and, as bit 2, bit `g`
+/// of `hmask[i]` (set: no −4), `i = e % 32` (as `dequantize_row_q3_K`).
+#[inline]
+fn q3k_code(wb: &[u8], e: usize) -> i32 {
+    let (g, i) = (e / 32, e % 32);
+    let lo = (wb[32 + 32 * (g / 4) + i] >> (2 * (g % 4))) & 3;
+    let hi = (wb[i] >> g) & 1;
+    (lo | (hi << 2)) as i32
+}
+
+/// The 2-bit code (0..4) of element `e` of a Q2_K block (qs 16..80, laid out as Q3_K's).
+#[inline]
+fn q2k_code(wb: &[u8], e: usize) -> i32 {
+    let (g, i) = (e / 32, e % 32);
+    ((wb[16 + 32 * (g / 4) + i] >> (2 * (g % 4))) & 3) as i32
 }
 
 // ------------------------------------------------------------------------------------------
@@ -582,7 +766,9 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::{f16_le, fold8, ActRow, QuantType, QK32, QK_K};
+    use super::{
+        f16_le, fold8, q3k_scales, ActRow, BlockIq4Xs, QuantType, KVALUES_IQ4NL, QK32, QK_K,
+    };
 
     /// The address `off` bytes past `p`, for a prefetch hint. The kernels prefetch a few
     /// blocks ahead, which near the end of a row lies past the row, and for the last row of a
@@ -645,33 +831,70 @@ mod avx2 {
         _mm256_add_epi32(lo, hi)
     }
 
-    /// The 32 weight codes of a 32-element block as bytes (signed for Q8_0/Q4_0, unsigned
-    /// for Q4_1).
+    /// The 32 weight codes of a 32-element block as bytes (signed for Q8_0/Q4_0/Q5_0/IQ4_NL,
+    /// unsigned for Q4_1/Q5_1).
     ///
     /// # Safety
     /// `wb` must point to a whole block of `ty` (`ty.block_bytes()` readable bytes).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn codes32(ty: QuantType, wb: *const u8) -> __m256i {
-        match ty {
+        if ty == QuantType::Q8_0 {
             // SAFETY: bytes 2..34 of a 34-byte Q8_0 block.
-            QuantType::Q8_0 => unsafe { _mm256_loadu_si256(wb.add(2) as *const __m256i) },
+            return unsafe { _mm256_loadu_si256(wb.add(2) as *const __m256i) };
+        }
+        // Where the 16 bytes of nibbles start.
+        let off = match ty {
+            QuantType::Q4_0 | QuantType::IQ4_NL => 2,
+            QuantType::Q4_1 => 4,
+            QuantType::Q5_0 => 6,
+            _ => 8,
+        };
+        // SAFETY: bytes 2..18 of an 18-byte Q4_0 or IQ4_NL block, 4..20 of a 20-byte Q4_1
+        // block, 6..22 of a 22-byte Q5_0 block or 8..24 of a 24-byte Q5_1 block.
+        let packed = unsafe { _mm_loadu_si128(wb.add(off) as *const __m128i) };
+        let m = _mm_set1_epi8(0xf);
+        let lo = _mm_and_si128(packed, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), m);
+        let v = _mm256_set_m128i(hi, lo);
+        match ty {
+            QuantType::Q4_0 => _mm256_sub_epi8(v, _mm256_set1_epi8(8)),
+            QuantType::Q4_1 => v,
+            QuantType::IQ4_NL => {
+                // SAFETY: the 16 bytes of the 16-entry i8 table.
+                let kv = unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i) };
+                _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(kv), v)
+            }
             _ => {
-                let off = if ty == QuantType::Q4_0 { 2 } else { 4 };
-                // SAFETY: bytes 2..18 of an 18-byte Q4_0 block, or 4..20 of a 20-byte Q4_1
-                // block.
-                let packed = unsafe { _mm_loadu_si128(wb.add(off) as *const __m128i) };
-                let m = _mm_set1_epi8(0xf);
-                let lo = _mm_and_si128(packed, m);
-                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), m);
-                let v = _mm256_set_m128i(hi, lo);
-                if ty == QuantType::Q4_0 {
-                    _mm256_sub_epi8(v, _mm256_set1_epi8(8))
+                // SAFETY: the four bytes of `qh` just before the nibbles (2..6 of a Q5_0
+                // block, 4..8 of a Q5_1 block), no alignment needed.
+                let qh = unsafe { (wb.add(off - 4) as *const u32).read_unaligned() };
+                let v = _mm256_or_si256(v, _mm256_and_si256(bits32(qh), _mm256_set1_epi8(0x10)));
+                if ty == QuantType::Q5_0 {
+                    _mm256_sub_epi8(v, _mm256_set1_epi8(16))
                 } else {
                     v
                 }
             }
         }
+    }
+
+    /// Byte `i` of the result is 0xff where bit `i` of `bits` is set, else 0.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn bits32(bits: u32) -> __m256i {
+        // Byte i gets byte i / 8 of `bits`, all its bits but bit i % 8 then set.
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+        _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1))
     }
 
     /// # Safety
@@ -700,7 +923,12 @@ mod avx2 {
         wide: bool,
     ) -> [f32; R] {
         match ty {
-            QuantType::Q8_0 | QuantType::Q4_0 | QuantType::Q4_1 => {
+            QuantType::Q8_0
+            | QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::IQ4_NL => {
                 let vnni = wide && super::vnni();
                 // SAFETY: the caller's contract is the kernel's; VNNI only where `vnni`
                 // detected AVX-512 F, BW, VL and VNNI.
@@ -714,6 +942,14 @@ mod avx2 {
             QuantType::Q6_K if wide => unsafe { dot_q6k_512::<R>(w, x) },
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q6_K => unsafe { dot_q6k::<R>(w, x) },
+            // SAFETY: the caller's contract is each kernel's.
+            QuantType::Q5_K => unsafe { dot_k::<R, 0>(w, x) },
+            // SAFETY: as above.
+            QuantType::IQ4_XS => unsafe { dot_k::<R, 1>(w, x) },
+            // SAFETY: as above.
+            QuantType::Q3_K => unsafe { dot_k::<R, 2>(w, x) },
+            // SAFETY: as above.
+            QuantType::Q2_K => unsafe { dot_k::<R, 3>(w, x) },
             _ => unreachable!("no integer kernel for {ty}"),
         }
     }
@@ -733,10 +969,16 @@ mod avx2 {
             match (ty, vnni) {
                 (QuantType::Q8_0, false) => dot32_t::<R, 0>(w, x),
                 (QuantType::Q4_0, false) => dot32_t::<R, 1>(w, x),
-                (_, false) => dot32_t::<R, 2>(w, x),
+                (QuantType::Q4_1, false) => dot32_t::<R, 2>(w, x),
+                (QuantType::Q5_0, false) => dot32_t::<R, 3>(w, x),
+                (QuantType::Q5_1, false) => dot32_t::<R, 4>(w, x),
+                (_, false) => dot32_t::<R, 5>(w, x),
                 (QuantType::Q8_0, true) => dot32_t_vnni::<R, 0>(w, x),
                 (QuantType::Q4_0, true) => dot32_t_vnni::<R, 1>(w, x),
-                (_, true) => dot32_t_vnni::<R, 2>(w, x),
+                (QuantType::Q4_1, true) => dot32_t_vnni::<R, 2>(w, x),
+                (QuantType::Q5_0, true) => dot32_t_vnni::<R, 3>(w, x),
+                (QuantType::Q5_1, true) => dot32_t_vnni::<R, 4>(w, x),
+                (_, true) => dot32_t_vnni::<R, 5>(w, x),
             }
         }
     }
@@ -762,13 +1004,14 @@ mod avx2 {
         ))
     }
 
-    /// Defines a 32-element kernel for one format (`T` = 0 Q8_0, 1 Q4_0, 2 Q4_1) with the
+    /// Defines a 32-element kernel for one format (`T` = 0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0,
+    /// 4 Q5_1, 5 IQ4_NL) with the
     /// given byte-product steps; the integer sums, and so the results, are the same for all.
     ///
     /// Safety of the generated functions: as [`dot_rows`], with the features they enable.
     /// With `nb` blocks in `w`, every block index `b0 + k` read below is `< nb`, so weight
     /// bytes `(b0 + k)·bb..(b0 + k + 1)·bb`, activation codes `(b0 + k)·32..+32` and scales
-    /// (and Q4_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
+    /// (and Q4_1/Q5_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
     macro_rules! dot32_kernel {
         ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
             $(#[$attr])*
@@ -776,9 +1019,13 @@ mod avx2 {
             let ty = match T {
                 0 => QuantType::Q8_0,
                 1 => QuantType::Q4_0,
-                _ => QuantType::Q4_1,
+                2 => QuantType::Q4_1,
+                3 => QuantType::Q5_0,
+                4 => QuantType::Q5_1,
+                _ => QuantType::IQ4_NL,
             };
-            let signed = T != 2;
+            // Q4_1 and Q5_1 have unsigned codes and a min.
+            let signed = T != 2 && T != 4;
             let bb = ty.block_bytes();
             let nb = w.len() / bb;
             let full = nb / 8 * 8;
@@ -808,13 +1055,13 @@ mod avx2 {
                 let mw = if signed {
                     _mm256_setzero_ps()
                 } else {
-                    // SAFETY: Q4_1's f16 min (bytes 2..4) of blocks b0..b0 + 8, inside `w`.
+                    // SAFETY: the Q4_1/Q5_1 f16 min (bytes 2..4) of blocks b0..b0 + 8, inside `w`.
                     unsafe { f16x8(wp.add(2), bb) }
                 };
                 for r in 0..R {
                     let xr = x[r];
                     // SAFETY: the row fits `w`: codes (b0 + k)·32..+32 for k < 8 and scales
-                    // (and Q4_1 sums) b0..b0 + 8 lie inside it, as b0 + 8 <= full <= nb.
+                    // (and Q4_1/Q5_1 sums) b0..b0 + 8 lie inside it, as b0 + 8 <= full <= nb.
                     unsafe {
                         let xq = xr.qs.as_ptr().add(b0 * QK32);
                         let mut prods = [_mm256_setzero_si256(); 8];
@@ -1069,6 +1316,286 @@ mod avx2 {
         fold_rows(acc)
     }
 
+    /// One super-block of Q5_K, IQ4_XS, Q3_K or Q2_K unpacked for [`dot_k`].
+    struct KBlock {
+        /// The codes of the 8 groups of 32 elements (element `32j + l`): unsigned (Q5_K
+        /// 0..32, Q3_K 0..8 = `q + 4`, Q2_K 0..4) or signed (IQ4_XS, the code book's values).
+        codes: [__m256i; 8],
+        /// Group `j`'s scales as i16 for `madd`: its first 16 elements' in the low half, its
+        /// last 16's in the high half (the same for a 32-element scale).
+        scv: [__m256i; 8],
+        /// Q5_K: the mins in [`Q4K_MIN_LANES`](super::Q4K_MIN_LANES) order. Q3_K: scales
+        /// 0..8; Q2_K: mins 0..8 (as i32).
+        aux_lo: __m256i,
+        /// Q3_K: scales 8..16; Q2_K: mins 8..16.
+        aux_hi: __m256i,
+        d: f32,
+        dmin: f32,
+    }
+
+    /// `T` of [`dot_k`]: 0 Q5_K, 1 IQ4_XS, 2 Q3_K, 3 Q2_K.
+    const fn k_type(t: u8) -> QuantType {
+        match t {
+            0 => QuantType::Q5_K,
+            1 => QuantType::IQ4_XS,
+            2 => QuantType::Q3_K,
+            _ => QuantType::Q2_K,
+        }
+    }
+
+    /// Two scales side by side: `a` for the low 16 bytes' pairs, `c` for the high ones.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scale_pair(a: i16, c: i16) -> __m256i {
+        _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a))
+    }
+
+    /// The 32 bytes of `wb` from `off` (`off + 32 ≤ N`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn load32<const N: usize>(wb: &[u8; N], off: usize) -> __m256i {
+        let b: &[u8; 32] = wb[off..off + 32].try_into().expect("32 bytes");
+        // SAFETY: `b` is 32 readable bytes (unaligned load).
+        unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) }
+    }
+
+    /// The 16 bytes of `wb` from `off` as the 32 nibbles of a group: low nibbles (elements
+    /// 0..16) in the low half, high ones (16..32) in the high half.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn nibbles16<const N: usize>(wb: &[u8; N], off: usize) -> __m256i {
+        let b: &[u8; 16] = wb[off..off + 16].try_into().expect("16 bytes");
+        // SAFETY: `b` is 16 readable bytes (unaligned load).
+        let packed = unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) };
+        let m = _mm_set1_epi8(0xf);
+        _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(packed, 4), m),
+            _mm_and_si128(packed, m),
+        )
+    }
+
+    /// Unpack one super-block of `k_type(T)`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn k_block<const T: u8>(wb: &[u8]) -> KBlock {
+        let one = _mm256_set1_epi8(1);
+        let three = _mm256_set1_epi8(3);
+        let m4 = _mm256_set1_epi8(0xf);
+        let mut codes = [_mm256_setzero_si256(); 8];
+        let mut scv = [_mm256_setzero_si256(); 8];
+        let (mut aux_lo, mut aux_hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        let (d, dmin);
+        // The 2-bit fields of Q3_K / Q2_K: group g = 4n + s is bits 2s of the 32 bytes n.
+        let low2 = |q: [__m256i; 2], g: usize| {
+            let v = q[g / 4];
+            let v = match g % 4 {
+                0 => v,
+                1 => _mm256_srli_epi16(v, 2),
+                2 => _mm256_srli_epi16(v, 4),
+                _ => _mm256_srli_epi16(v, 6),
+            };
+            _mm256_and_si256(v, three)
+        };
+        // Bit g of each byte of `h`, moved to bit `to`.
+        let bit = |h: __m256i, g: usize, to: i32| {
+            let v = match g {
+                0 => h,
+                1 => _mm256_srli_epi16(h, 1),
+                2 => _mm256_srli_epi16(h, 2),
+                3 => _mm256_srli_epi16(h, 3),
+                4 => _mm256_srli_epi16(h, 4),
+                5 => _mm256_srli_epi16(h, 5),
+                6 => _mm256_srli_epi16(h, 6),
+                _ => _mm256_srli_epi16(h, 7),
+            };
+            let v = _mm256_and_si256(v, one);
+            if to == 4 {
+                _mm256_slli_epi16(v, 4)
+            } else {
+                _mm256_slli_epi16(v, 2)
+            }
+        };
+        match T {
+            0 => {
+                let wb: &[u8; 176] = wb.try_into().expect("a Q5_K block is 176 bytes");
+                let (ub, mv) = q4k_scales_mins(wb);
+                let qh = load32(wb, 16);
+                for c in 0..4 {
+                    let q = load32(wb, 48 + 32 * c);
+                    let lo = _mm256_and_si256(q, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    codes[2 * c] = _mm256_or_si256(lo, bit(qh, 2 * c, 4));
+                    codes[2 * c + 1] = _mm256_or_si256(hi, bit(qh, 2 * c + 1, 4));
+                }
+                for j in 0..8 {
+                    scv[j] = _mm256_set1_epi16(ub[j] as i16);
+                }
+                aux_lo = mv;
+                d = f16_le(wb, 0);
+                dmin = f16_le(wb, 2);
+            }
+            1 => {
+                let wb: &[u8; 136] = wb.try_into().expect("an IQ4_XS block is 136 bytes");
+                let blk = BlockIq4Xs::from_bytes(wb);
+                // SAFETY: the 16 bytes of the 16-entry i8 table.
+                let kv = unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i) };
+                let kv = _mm256_broadcastsi128_si256(kv);
+                for j in 0..8 {
+                    codes[j] = _mm256_shuffle_epi8(kv, nibbles16(wb, 8 + 16 * j));
+                    scv[j] = _mm256_set1_epi16(blk.scale(j) as i16);
+                }
+                d = blk.d.to_f32();
+                dmin = 0.0;
+            }
+            2 => {
+                let wb: &[u8; 110] = wb.try_into().expect("a Q3_K block is 110 bytes");
+                let hm = load32(wb, 0);
+                let q = [load32(wb, 32), load32(wb, 64)];
+                for g in 0..8 {
+                    codes[g] = _mm256_or_si256(low2(q, g), bit(hm, g, 2));
+                }
+                let sc = q3k_scales(wb[96..108].try_into().expect("12 bytes"));
+                for g in 0..8 {
+                    scv[g] = scale_pair(sc[2 * g] as i16, sc[2 * g + 1] as i16);
+                }
+                // SAFETY: bytes 0..8 and 8..16 of the 16-byte array `sc`.
+                let (lo, hi) = unsafe {
+                    (
+                        _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
+                        _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
+                    )
+                };
+                aux_lo = _mm256_cvtepi8_epi32(lo);
+                aux_hi = _mm256_cvtepi8_epi32(hi);
+                d = f16_le(wb, 108);
+                dmin = 0.0;
+            }
+            _ => {
+                let wb: &[u8; 84] = wb.try_into().expect("a Q2_K block is 84 bytes");
+                let q = [load32(wb, 16), load32(wb, 48)];
+                let mut sc = [0u8; 16];
+                let mut mins = [0u8; 16];
+                for i in 0..16 {
+                    sc[i] = wb[i] & 0xf;
+                    mins[i] = wb[i] >> 4;
+                }
+                for g in 0..8 {
+                    codes[g] = low2(q, g);
+                    scv[g] = scale_pair(sc[2 * g] as i16, sc[2 * g + 1] as i16);
+                }
+                // SAFETY: bytes 0..8 and 8..16 of the 16-byte array `mins`.
+                let (lo, hi) = unsafe {
+                    (
+                        _mm_loadl_epi64(mins.as_ptr() as *const __m128i),
+                        _mm_loadl_epi64(mins.as_ptr().add(8) as *const __m128i),
+                    )
+                };
+                aux_lo = _mm256_cvtepu8_epi32(lo);
+                aux_hi = _mm256_cvtepu8_epi32(hi);
+                d = f16_le(wb, 80);
+                dmin = f16_le(wb, 82);
+            }
+        }
+        KBlock {
+            codes,
+            scv,
+            aux_lo,
+            aux_hi,
+            d,
+            dmin,
+        }
+    }
+
+    /// Q5_K (`T` = 0), IQ4_XS (1), Q3_K (2), Q2_K (3): the eight-lane integer sums of
+    /// [`k_lanes`](super::k_lanes) by `maddubs`/`madd` per 32-element group, then the
+    /// per-format min or offset and the float steps of `dot_ref`, lane for lane.
+    ///
+    /// # Safety
+    /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits `w`:
+    /// codes `b·256..+256` and `d[b]` exist for every block `b < nb`, and `pairs[b·8..+8]`
+    /// (Q5_K) or `bsums[b·16..+16]` (Q3_K, Q2_K).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_k<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+        let bb = k_type(T).block_bytes();
+        let signed = T == 1;
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (b, wb) in w.chunks_exact(bb).enumerate() {
+            // Two blocks ahead: past the row's end for its last two blocks.
+            prefetch(wb.as_ptr(), 2 * bb);
+            prefetch(wb.as_ptr(), 2 * bb + 64);
+            prefetch(wb.as_ptr(), 2 * bb + 128);
+            let k = k_block::<T>(wb);
+            let mut abs = [_mm256_setzero_si256(); 8];
+            if signed {
+                for j in 0..8 {
+                    abs[j] = _mm256_sign_epi8(k.codes[j], k.codes[j]);
+                }
+            }
+            for r in 0..R {
+                let xr = x[r];
+                // SAFETY: the row fits `w` and b < nb: codes b·256..+256 and d[b] are inside
+                // it, and pairs b·8..+8 (T = 0) or bsums b·16..+16 (T = 2, 3).
+                let (sum, aux_lo, aux_hi, xd) = unsafe {
+                    let y = xr.qs.as_ptr().add(b * QK_K);
+                    let mut sum = _mm256_setzero_si256();
+                    for j in 0..8 {
+                        let yv = _mm256_loadu_si256(y.add(32 * j) as *const __m256i);
+                        let p16 = if signed {
+                            _mm256_maddubs_epi16(abs[j], _mm256_sign_epi8(yv, k.codes[j]))
+                        } else {
+                            _mm256_maddubs_epi16(k.codes[j], yv)
+                        };
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p16, k.scv[j]));
+                    }
+                    let (lo, hi) = match T {
+                        0 => (
+                            _mm256_loadu_si256(xr.pairs.as_ptr().add(b * 8) as *const __m256i),
+                            _mm256_setzero_si256(),
+                        ),
+                        1 => (_mm256_setzero_si256(), _mm256_setzero_si256()),
+                        _ => {
+                            let bs = xr.bsums.as_ptr().add(b * 16);
+                            (
+                                _mm256_loadu_si256(bs as *const __m256i),
+                                _mm256_loadu_si256(bs.add(8) as *const __m256i),
+                            )
+                        }
+                    };
+                    (sum, lo, hi, *xr.d.get_unchecked(b))
+                };
+                let s1 = _mm256_set1_ps(k.d * xd);
+                let t = match T {
+                    0 | 3 => {
+                        let summ = if T == 0 {
+                            _mm256_mullo_epi32(aux_lo, k.aux_lo)
+                        } else {
+                            _mm256_add_epi32(
+                                _mm256_mullo_epi32(aux_lo, k.aux_lo),
+                                _mm256_mullo_epi32(aux_hi, k.aux_hi),
+                            )
+                        };
+                        let t1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(sum));
+                        let t2 =
+                            _mm256_mul_ps(_mm256_set1_ps(k.dmin * xd), _mm256_cvtepi32_ps(summ));
+                        _mm256_sub_ps(t1, t2)
+                    }
+                    1 => _mm256_mul_ps(s1, _mm256_cvtepi32_ps(sum)),
+                    _ => {
+                        let off = _mm256_add_epi32(
+                            _mm256_mullo_epi32(aux_lo, k.aux_lo),
+                            _mm256_mullo_epi32(aux_hi, k.aux_hi),
+                        );
+                        // Σ sc·(c − 4)·y = Σ sc·c·y − 4·Σ sc·bsum, exact in i32.
+                        let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 2));
+                        _mm256_mul_ps(s1, _mm256_cvtepi32_ps(sumi))
+                    }
+                };
+                acc[r] = _mm256_add_ps(acc[r], t);
+            }
+        }
+        fold_rows(acc)
+    }
+
     /// Fold each row's eight lanes in the canonical order.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -1287,20 +1814,207 @@ mod tests {
         v
     }
 
-    const TYPES: [QuantType; 5] = [
+    /// Every type with an integer kernel.
+    const TYPES: [QuantType; 12] = [
         QuantType::Q8_0,
         QuantType::Q4_0,
         QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::IQ4_NL,
+        QuantType::Q2_K,
+        QuantType::Q3_K,
         QuantType::Q4_K,
+        QuantType::Q5_K,
         QuantType::Q6_K,
+        QuantType::IQ4_XS,
     ];
 
+    /// `w` (rows of `k`) as `ty`: quantized where colibri has a quantizer, else random
+    /// blocks ([`blocks`]) seeded from the values.
     fn quantized(ty: QuantType, w: &[f32], k: usize) -> Vec<u8> {
+        if !ty.can_quantize() {
+            let nb = w.len() / ty.block_size();
+            return blocks(ty, nb, w[0].to_bits() as u64, Fill::Random, 0.01);
+        }
         let mut bytes = Vec::new();
         for row in w.chunks_exact(k) {
             quantize_row(ty, row, &mut bytes).unwrap();
         }
         bytes
+    }
+
+    /// Byte offsets of a block's f16 scale fields (d, and dmin or m).
+    fn f16_fields(ty: QuantType) -> &'static [usize] {
+        match ty {
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+            QuantType::Q3_K => &[108],
+            QuantType::Q2_K => &[80, 82],
+            QuantType::Q6_K => &[208],
+            _ => &[0],
+        }
+    }
+
+    /// How [`blocks`] fills the code and sub-scale bytes.
+    #[derive(Clone, Copy, Debug)]
+    enum Fill {
+        Random,
+        /// Every byte 0: the smallest codes (IQ4's −127, Q5_0's −16, Q3_K's −4 everywhere).
+        Zero,
+        /// Every byte 0xff: the largest codes and sub-scales.
+        Max,
+    }
+
+    /// `nb` blocks of `ty` whose bytes are `fill`, with every f16 scale field set to `scale`.
+    fn blocks(ty: QuantType, nb: usize, seed: u64, fill: Fill, scale: f32) -> Vec<u8> {
+        let bb = ty.block_bytes();
+        let mut b: Vec<u8> = match fill {
+            Fill::Random => values(nb * bb, seed)
+                .iter()
+                .map(|v| (v.to_bits() >> 9) as u8)
+                .collect(),
+            Fill::Zero => vec![0; nb * bb],
+            Fill::Max => vec![0xff; nb * bb],
+        };
+        for blk in b.chunks_exact_mut(bb) {
+            for &o in f16_fields(ty) {
+                blk[o..o + 2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
+            }
+        }
+        b
+    }
+
+    /// Every path the dispatch can take for these rows — the scalar reference, the AVX2
+    /// kernels and, where detected, the AVX-512 ones, one row at a time and four at once —
+    /// gives the reference's bits.
+    #[allow(clippy::needless_range_loop)] // a row index for the rows and the wanted bits
+    fn all_paths_agree(ty: QuantType, w: &[u8], acts: &QuantizedActs, what: &str) {
+        let m = acts.qs.len() / acts.cols;
+        let want: Vec<u32> = (0..m)
+            .map(|i| dot_ref(ty, w, acts.row(i)).to_bits())
+            .collect();
+        for isa in [Isa::Scalar, Isa::best_available()] {
+            for i in 0..m {
+                let got = dot_rows::<1>(isa, ty, w, [acts.row(i)])[0];
+                assert_eq!(got.to_bits(), want[i], "{ty} {isa:?} {what} row {i}");
+            }
+            for i0 in (0..m.saturating_sub(3)).step_by(4) {
+                let four: [ActRow; 4] = std::array::from_fn(|r| acts.row(i0 + r));
+                for (r, v) in dot_rows::<4>(isa, ty, w, four).into_iter().enumerate() {
+                    assert_eq!(v.to_bits(), want[i0 + r], "{ty} {isa:?} {what} x4 row {r}");
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best_available() == Isa::Avx2 {
+            for wide in [false, avx512()] {
+                for i in 0..m {
+                    assert!(row_fits(ty, w, &acts.row(i)));
+                    // SAFETY: AVX2, FMA and F16C were detected (`best_available`), the row
+                    // fits (asserted), and `wide` only where `avx512` detected F and BW.
+                    let got = unsafe { avx2::dot_rows_with::<1>(ty, w, [acts.row(i)], wide) };
+                    assert_eq!(got[0].to_bits(), want[i], "{ty} wide={wide} {what} row {i}");
+                }
+            }
+        }
+    }
+
+    /// Activation rows for the edge tests: random, all zero, every code ±127, a zero block
+    /// among random ones, and tiny values.
+    fn edge_activations(k: usize, seed: u64) -> Vec<f32> {
+        let mut x = values(k, seed);
+        x.extend(std::iter::repeat_n(0.0, k));
+        x.extend((0..k).map(|i| if i % 3 == 0 { -3.0 } else { 3.0 }));
+        let mut holed = values(k, seed + 1);
+        holed[..QK32].fill(0.0);
+        x.extend(holed);
+        x.extend(values(k, seed + 2).iter().map(|v| v * 1e-20));
+        x
+    }
+
+    /// Random, all-zero, smallest-code and largest-code blocks with zero, subnormal, unit and
+    /// largest f16 scales, against random, zero and saturated activations, for several block
+    /// counts: every kernel gives the scalar reference's bits.
+    #[test]
+    fn kernels_match_the_reference_on_edge_blocks() {
+        for ty in TYPES {
+            let ks: &[usize] = if ty.block_size() == QK_K {
+                &[256, 512, 768, 1280]
+            } else {
+                &[32, 96, 256, 288, 544]
+            };
+            for &k in ks {
+                let acts =
+                    QuantizedActs::quantize(act_format(ty).unwrap(), &edge_activations(k, 5), k);
+                let nb = k / ty.block_size();
+                for fill in [Fill::Random, Fill::Zero, Fill::Max] {
+                    for scale in [0.0f32, 6e-8, 1.0, 65504.0] {
+                        let w = blocks(ty, nb, 3 + k as u64, fill, scale);
+                        all_paths_agree(ty, &w, &acts, &format!("k={k} {fill:?} {scale:e}"));
+                    }
+                }
+                // Blocks of mixed kinds in one row.
+                let mut w = Vec::new();
+                for b in 0..nb {
+                    let fill = [Fill::Random, Fill::Max, Fill::Zero][b % 3];
+                    w.extend(blocks(ty, 1, b as u64, fill, [0.5, 2.0, 0.0][b % 3]));
+                }
+                all_paths_agree(ty, &w, &acts, &format!("k={k} mixed"));
+            }
+        }
+    }
+
+    /// The scalar reference is the dot product of the dequantized weights
+    /// (`dequantize_row`, ggml's values) and the dequantized activation codes (`q · d`, and
+    /// for Q8_1 the block sums as given), computed independently in f64: the integer
+    /// formulas are right, up to the f32 rounding of the scaled sums.
+    #[test]
+    fn reference_is_the_dot_of_the_dequantized_rows() {
+        for ty in TYPES {
+            for k in [256usize, 768, 2304] {
+                let bs = ty.block_size();
+                let nb = k / bs;
+                let mut rows = vec![quantized(ty, &values(k, 70 + k as u64), k)];
+                rows.push(blocks(ty, nb, 71, Fill::Random, 0.03));
+                rows.push(blocks(ty, nb, 72, Fill::Max, 0.5));
+                let x = edge_activations(k, 73);
+                let format = act_format(ty).unwrap();
+                let acts = QuantizedActs::quantize(format, &x, k);
+                let abs = match format {
+                    ActFormat::Q8K => QK_K,
+                    _ => QK32,
+                };
+                let mut wf = vec![0.0f32; k];
+                for (r, w) in rows.iter().enumerate() {
+                    dequantize_row(ty, w, &mut wf).unwrap();
+                    for i in 0..x.len() / k {
+                        let a = acts.row(i);
+                        let xf = |t: usize| a.qs[t] as f64 * a.d[t / abs] as f64;
+                        let mut want: f64 = (0..k).map(|t| wf[t] as f64 * xf(t)).sum();
+                        let mut mag: f64 = (0..k).map(|t| (wf[t] as f64 * xf(t)).abs()).sum();
+                        if format == ActFormat::Q8_1 {
+                            // The min's term uses the block sum `s` (f16 of the unrounded
+                            // scale times Σq) where the dequantized activations give d·Σq.
+                            for b in 0..nb {
+                                let m = f16::from_le_bytes([
+                                    w[b * ty.block_bytes() + 2],
+                                    w[b * ty.block_bytes() + 3],
+                                ])
+                                .to_f32() as f64;
+                                let dsum: f64 = (32 * b..32 * b + 32).map(xf).sum();
+                                want += m * (a.sums[b] as f64 - dsum);
+                                mag += (m * a.sums[b] as f64).abs();
+                            }
+                        }
+                        let got = dot_ref(ty, w, a) as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * mag + 1e-30,
+                            "{ty} k={k} weights {r} row {i}: {got} vs {want} (scale {mag})"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The SIMD kernels give exactly the scalar reference, for 1 and 4 rows at once and for
@@ -1477,26 +2191,11 @@ mod tests {
     /// Batch size and thread count never change a result.
     #[test]
     fn batch_and_threads_do_not_change_bits() {
-        for ty in TYPES
-            .into_iter()
-            .chain([QuantType::Q5_K, QuantType::IQ4_NL])
-        {
+        for ty in TYPES.into_iter().chain([QuantType::MXFP4]) {
             let (n, k, m) = (70, 512, 9);
             let w = values(n * k, 31);
             let x = values(m * k, 32);
-            let bytes = if ty == QuantType::IQ4_NL {
-                // No IQ4_NL quantizer: random bytes with small scales are valid blocks.
-                let mut b: Vec<u8> = values(n * k / 32 * 18, 33)
-                    .iter()
-                    .map(|v| (v.to_bits() >> 7) as u8)
-                    .collect();
-                for blk in b.chunks_exact_mut(18) {
-                    blk[..2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
-                }
-                b
-            } else {
-                quantized(ty, &w, k)
-            };
+            let bytes = quantized(ty, &w, k);
             let pool = |t| {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(t)
@@ -1512,17 +2211,26 @@ mod tests {
                 threaded.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{ty}: threads"
             );
-            for i in [0, 5, 8] {
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for i in 0..m {
                 let mut alone = vec![0.0f32; n];
                 qmatmul(&x[i * k..(i + 1) * k], ty, &bytes, n, k, &mut alone);
                 assert_eq!(
-                    alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    batch[i * n..(i + 1) * n]
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect::<Vec<_>>(),
-                    "{ty}: row {i} alone vs in a batch"
+                    bits(&alone),
+                    bits(&batch[i * n..(i + 1) * n]),
+                    "{ty}: row {i} alone vs in a batch of {m}"
                 );
+                // Among every smaller batch that holds it (1..9 rows: groups of four and the
+                // single-row tail in every mix).
+                for rows in i + 1..m {
+                    let mut some = vec![0.0f32; rows * n];
+                    qmatmul(&x[..rows * k], ty, &bytes, n, k, &mut some);
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&some[i * n..(i + 1) * n]),
+                        "{ty}: row {i} alone vs in a batch of {rows}"
+                    );
+                }
             }
         }
     }

@@ -521,9 +521,11 @@ fn pack_q5(l: &[u8; 32]) -> ([u8; 16], u32) {
     (qs, qh)
 }
 
-/// The 32 five-bit codes of a Q5 block.
+/// The 32 five-bit codes (0..32) of a Q5_0 / Q5_1 block from its low nibbles and high-bit
+/// word (element `j < 16` in the low nibble of `qs[j]`, `j ≥ 16` in the high nibble of
+/// `qs[j − 16]`; the fifth bit of element `j` is bit `j` of `qh`).
 #[inline]
-fn unpack_q5(qs: &[u8; 16], qh: u32) -> [u8; 32] {
+pub fn unpack_q5(qs: &[u8; 16], qh: u32) -> [u8; 32] {
     let mut l = [0u8; 32];
     for j in 0..16 {
         let xh0 = (((qh >> j) << 4) & 0x10) as u8;
@@ -1410,14 +1412,19 @@ impl BlockIq4Xs {
         out.extend_from_slice(&self.qs);
     }
 
+    /// The signed scale (`−32..32`) of 32-element sub-block `ib` (0..8).
+    #[inline]
+    pub fn scale(&self, ib: usize) -> i32 {
+        let low = (self.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf;
+        let high = ((self.scales_h >> (2 * ib)) & 3) as u8;
+        (low | (high << 4)) as i32 - 32
+    }
+
     /// Dequantize into 256 values (ggml's `dequantize_row_iq4_xs`).
     pub fn dequantize(&self, y: &mut [f32]) {
         let d = self.d.to_f32();
         for ib in 0..8 {
-            let low = (self.scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf;
-            let high = ((self.scales_h >> (2 * ib)) & 3) as u8;
-            let ls = (low | (high << 4)) as i32;
-            let dl = d * (ls - 32) as f32;
+            let dl = d * self.scale(ib) as f32;
             let qs = &self.qs[16 * ib..16 * ib + 16];
             let y = &mut y[32 * ib..32 * ib + 32];
             for j in 0..16 {

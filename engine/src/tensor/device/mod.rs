@@ -10,9 +10,13 @@
 //!
 //! What a device computes: matrix products with weights placed on it ([`DeviceMatrix`]); the
 //! activations are quantized on the CPU by the CPU's own code and uploaded with each product.
-//! Block formats without an integer kernel (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, FP8
-//! with block scales) are dequantized exactly when placed and computed as f32 rows, as the CPU
-//! computes them. Norms, RoPE, attention, activations and routing run on the CPU.
+//! FP8 with block scales, which the CPU computes from exactly dequantized f32 rows, is
+//! dequantized when placed and computed as f32 rows there too. The block formats the CPU
+//! computes by integer kernels that no device has yet (Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q5_K,
+//! IQ4_XS) are never placed ([`placeable`]): as f32 rows on a device they would give other
+//! bits than the CPU's integer dots, so those matrices — and routed experts with one of them —
+//! stay on the CPU even with a GPU. Norms, RoPE, attention, activations and routing run on the
+//! CPU.
 //!
 //! [`verify`] runs every kernel of a freshly opened backend against the CPU on test values
 //! and refuses the device if any bit differs (a driver that does not fuse `fma`, say).
@@ -287,27 +291,49 @@ impl Drop for DeviceMatrix {
     }
 }
 
-/// The bytes and format a weight matrix takes on a device: float and integer-kernel formats
-/// as they are; the other block formats dequantized exactly to f32 (the values the CPU
-/// computes them from).
-pub fn device_form<'a>(w: &WeightView<'a>) -> (DeviceFormat, std::borrow::Cow<'a, [u8]>) {
-    use std::borrow::Cow;
-    let native = |f: DeviceFormat, b: &[u8]| (f, Cow::Owned(b.to_vec()));
+/// The device kernel of a ggml block type, if a device has one.
+fn native_format(q: QuantType) -> Option<DeviceFormat> {
+    Some(match q {
+        QuantType::Q8_0 => DeviceFormat::Q8_0,
+        QuantType::Q4_0 => DeviceFormat::Q4_0,
+        QuantType::Q4_1 => DeviceFormat::Q4_1,
+        QuantType::Q4_K => DeviceFormat::Q4K,
+        QuantType::Q6_K => DeviceFormat::Q6K,
+        QuantType::MXFP4 => DeviceFormat::Mxfp4,
+        _ => return None,
+    })
+}
+
+/// Whether a device can compute products with `w` with the CPU's bits. Not for the block
+/// formats the CPU computes by an integer kernel that no device has (Q5_0, Q5_1, IQ4_NL,
+/// Q2_K, Q3_K, Q5_K, IQ4_XS): as f32 rows on a device they would give other bits than the
+/// CPU's integer dots, so they stay on the CPU.
+pub fn placeable(w: &WeightView<'_>) -> bool {
     match w.data {
+        WeightData::Quant(q, _) => native_format(q).is_some() || act_format(q).is_none(),
+        _ => true,
+    }
+}
+
+/// The bytes and format a weight matrix takes on a device: float and integer-kernel formats
+/// as they are; FP8 with block scales (and any block format the CPU computes by
+/// dequantizing) dequantized exactly to f32, the values the CPU computes it from. `None` for
+/// a matrix that is not [`placeable`].
+pub fn device_form<'a>(w: &WeightView<'a>) -> Option<(DeviceFormat, std::borrow::Cow<'a, [u8]>)> {
+    use std::borrow::Cow;
+    if !placeable(w) {
+        return None;
+    }
+    Some(match w.data {
         WeightData::F32(d) => (DeviceFormat::F32, Cow::Borrowed(bytemuck::cast_slice(d))),
         WeightData::BF16(d) => (DeviceFormat::BF16, Cow::Borrowed(bytemuck::cast_slice(d))),
         WeightData::F16(d) => (DeviceFormat::F16, Cow::Borrowed(bytemuck::cast_slice(d))),
-        WeightData::Quant(q, b) => match q {
-            QuantType::Q8_0 => native(DeviceFormat::Q8_0, b),
-            QuantType::Q4_0 => native(DeviceFormat::Q4_0, b),
-            QuantType::Q4_1 => native(DeviceFormat::Q4_1, b),
-            QuantType::Q4_K => native(DeviceFormat::Q4K, b),
-            QuantType::Q6_K => native(DeviceFormat::Q6K, b),
-            QuantType::MXFP4 => native(DeviceFormat::Mxfp4, b),
-            _ => (DeviceFormat::F32, Cow::Owned(dequantized(w))),
+        WeightData::Quant(q, b) => match native_format(q) {
+            Some(f) => (f, Cow::Owned(b.to_vec())),
+            None => (DeviceFormat::F32, Cow::Owned(dequantized(w))),
         },
         WeightData::F8Block { .. } => (DeviceFormat::F32, Cow::Owned(dequantized(w))),
-    }
+    })
 }
 
 /// The matrix as f32 bytes, row by row through the CPU's own dequantization.
@@ -322,9 +348,7 @@ fn dequantized(w: &WeightView<'_>) -> Vec<u8> {
 /// The bytes `view` would take on a device.
 pub fn device_bytes(view: &WeightView<'_>) -> u64 {
     match view.data {
-        WeightData::Quant(q, b) if act_format(q).is_some() || q == QuantType::MXFP4 => {
-            b.len() as u64
-        }
+        WeightData::Quant(q, b) if native_format(q).is_some() => b.len() as u64,
         WeightData::F32(d) => 4 * d.len() as u64,
         WeightData::BF16(d) => 2 * d.len() as u64,
         WeightData::F16(d) => 2 * d.len() as u64,
@@ -335,7 +359,13 @@ pub fn device_bytes(view: &WeightView<'_>) -> u64 {
 impl DeviceMatrix {
     /// Place `view` on `backend`.
     pub fn upload(backend: &Arc<dyn Backend>, view: &WeightView<'_>) -> Result<DeviceMatrix> {
-        let (format, bytes) = device_form(view);
+        let Some((format, bytes)) = device_form(view) else {
+            return Err(Error::Unsupported(format!(
+                "{} weights stay on the CPU: no {} kernel computes them with the CPU's bits",
+                view.dtype(),
+                backend.api()
+            )));
+        };
         if bytes.len() as u64 > backend.max_matrix_bytes() {
             return Err(Error::Unsupported(format!(
                 "a {}×{} matrix ({} bytes) is larger than one {} buffer may be ({} bytes)",
@@ -461,7 +491,9 @@ fn open_uncached(choice: DeviceChoice) -> Result<Option<Arc<dyn Backend>>> {
 pub fn verify(backend: &dyn Backend) -> Result<()> {
     for probe in probe_matrices() {
         let w = probe.view();
-        let (format, bytes) = device_form(&w);
+        let Some((format, bytes)) = device_form(&w) else {
+            continue;
+        };
         let (rows, cols) = (w.rows, w.cols);
         for m in [1usize, 3, 5] {
             let x = super::test_values::xorshift(m * cols, 11 + m as u32);
@@ -649,13 +681,22 @@ impl DevicePlacement {
         self.left.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Whether [`DevicePlacement::place`] may put `t` on the device, budget aside: a matrix
+    /// not there yet whose format the device computes with the CPU's bits ([`placeable`]).
+    pub fn can_place(&self, t: &super::Tensor) -> bool {
+        t.device.is_none()
+            && t.shape.len() == 2
+            && t.dtype.is_matrix()
+            && t.view().is_ok_and(|v| placeable(&v))
+    }
+
     /// Put a matrix tensor on the device if the budget has room for it and the device can
     /// hold it; `keep_host` keeps its bytes in host memory too (dense weights, which some
     /// layers also read directly), else the returned tensor has only the device copy.
-    /// `None` (the tensor stays on the CPU) when it does not fit, is not a matrix, or the
-    /// upload fails (logged).
+    /// `None` (the tensor stays on the CPU) when it does not fit, is not a matrix, is not
+    /// [`placeable`], or the upload fails (logged).
     pub fn place(&self, t: &super::Tensor, keep_host: bool) -> Option<super::Tensor> {
-        if t.device.is_some() || t.shape.len() != 2 || !t.dtype.is_matrix() {
+        if !self.can_place(t) {
             return None;
         }
         let view = t.view().ok()?;
