@@ -241,7 +241,7 @@ pub fn convert_with(
 }
 
 /// A GGUF file's `general.name` for the model in `dir`: the directory's name.
-pub fn model_name(dir: &Path) -> String {
+fn model_name(dir: &Path) -> String {
     dir.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into())
