@@ -21,6 +21,10 @@
 //! Neither is permuted. GLM's MTP layers follow the main ones (`nextn_predict_layers`);
 //! DeepSeek's are dropped, as llama.cpp drops them. FP8 checkpoints (DeepSeek-V3's own) are
 //! dequantized with their block scales.
+//!
+//! The tensors come from a [`TensorSource`]: a safetensors [`Checkpoint`] ([`convert`]), or
+//! anything else that can hand over one named tensor at a time ([`Conversion::plan`];
+//! `coli synth --format gguf` generates each from its seed when asked).
 
 use std::path::Path;
 
@@ -28,11 +32,13 @@ use rayon::prelude::*;
 use serde_json::Value;
 
 use crate::format::config::ModelConfig;
-use crate::format::gguf::{GgmlType, GgufArray, GgufTensorSpec, GgufValue, GgufWriter};
+use crate::format::gguf::{
+    GgmlType, GgufArray, GgufTensorSpec, GgufValue, GgufWriter, GGUF_DEFAULT_ALIGNMENT,
+};
 use crate::format::safetensors::Checkpoint;
 use crate::model::registry::{self, Family, Gguf, FAMILIES};
 use crate::tensor::quant::{quantize_row, QuantType};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use crate::{Error, Result};
 
 /// The target mixes of `coli convert --type`.
@@ -185,19 +191,15 @@ fn gguf_family(cfg: &ModelConfig) -> Result<(&'static Family, Gguf)> {
     }
 }
 
-/// The `general.*` keys every file gets: architecture `arch`, the name (the model
-/// directory's), the mix's `file_type` and the quantization version.
-fn general_metadata(dir: &Path, arch: &str, mix: ConvertType) -> Vec<(String, GgufValue)> {
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
+/// The `general.*` keys every file gets: architecture `arch`, the model's `name`, the mix's
+/// `file_type` and the quantization version.
+fn general_metadata(name: &str, arch: &str, mix: ConvertType) -> Vec<(String, GgufValue)> {
     vec![
         (
             "general.architecture".into(),
             GgufValue::String(arch.into()),
         ),
-        ("general.name".into(), GgufValue::String(name)),
+        ("general.name".into(), GgufValue::String(name.into())),
         ("general.file_type".into(), GgufValue::U32(mix.file_type())),
         ("general.quantization_version".into(), GgufValue::U32(2)),
     ]
@@ -214,7 +216,7 @@ pub struct ConvertOptions {
 }
 
 /// Convert the Hugging Face model in `dir` to a GGUF file at `out`. `progress(done, total)`
-/// is called with source bytes after each tensor.
+/// is called with source bytes after each source tensor.
 pub fn convert(
     dir: &Path,
     out: &Path,
@@ -224,7 +226,8 @@ pub fn convert(
     convert_with(dir, out, mix, ConvertOptions::default(), progress)
 }
 
-/// [`convert`] with options.
+/// [`convert`] with options: the safetensors checkpoint in `dir` through [`Conversion`],
+/// named after the directory.
 pub fn convert_with(
     dir: &Path,
     out: &Path,
@@ -232,18 +235,215 @@ pub fn convert_with(
     opts: ConvertOptions,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<ConvertReport> {
-    let cfg = ModelConfig::from_model_dir(dir)?;
-    let (family, gguf) = gguf_family(&cfg)?;
-    if matches!(gguf.arch, "deepseek2" | "glm4moe") {
-        return convert_deepseek_family(dir, out, mix, opts, family, &cfg, &mut progress);
+    let ckpt = Checkpoint::open(dir)?;
+    let conversion = Conversion::plan(dir, &model_name(dir), &ckpt, mix, opts)?;
+    conversion.write(out, |p| progress(p.source_done, p.source_total))
+}
+
+/// A GGUF file's `general.name` for the model in `dir`: the directory's name.
+fn model_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// A tensor as a [`TensorSource`] describes it, without its values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceTensor {
+    /// Row-major shape (the last dimension is the row length).
+    pub shape: Vec<usize>,
+    /// How its values are stored.
+    pub dtype: DType,
+    /// Its stored size in bytes (what progress counts).
+    pub bytes: usize,
+}
+
+/// What a conversion reads from a checkpoint: which tensors it has, their shapes and dtypes,
+/// and one tensor's values at a time. A [`Checkpoint`] reads them from its safetensors files;
+/// `coli synth --format gguf` generates each one when it is asked for, so a model need never
+/// exist whole in memory or on disk before its GGUF does.
+pub trait TensorSource {
+    /// Whether the checkpoint has a tensor of this name.
+    fn contains(&self, name: &str) -> bool;
+    /// A tensor's shape, dtype and size, or an error naming it.
+    fn describe(&self, name: &str) -> Result<SourceTensor>;
+    /// A tensor's values, aligned for its dtype (an FP8 tensor with its block scales
+    /// attached), or an error naming it.
+    fn tensor(&self, name: &str) -> Result<Tensor>;
+}
+
+impl TensorSource for Checkpoint {
+    fn contains(&self, name: &str) -> bool {
+        Checkpoint::contains(self, name)
     }
+
+    fn describe(&self, name: &str) -> Result<SourceTensor> {
+        let d = self.desc(name)?;
+        Ok(SourceTensor {
+            shape: d.shape.clone(),
+            dtype: d.dtype,
+            bytes: d.len,
+        })
+    }
+
+    fn tensor(&self, name: &str) -> Result<Tensor> {
+        let mut t = self.tensor_any_shape(name)?;
+        // FP8 checkpoints (DeepSeek-V3's own) carry per-block scales.
+        t.block_scales = self.block_scales(name)?;
+        Ok(t)
+    }
+}
+
+/// Where a conversion is, for progress displays ([`Conversion::write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvertProgress {
+    /// GGUF tensors written so far, of `tensors`.
+    pub tensors_done: usize,
+    /// GGUF tensors in the file.
+    pub tensors: usize,
+    /// Source bytes converted so far, of `source_total`.
+    pub source_done: u64,
+    /// Source bytes the conversion reads.
+    pub source_total: u64,
+    /// Tensor bytes written so far.
+    pub written: u64,
+}
+
+/// A conversion planned: the GGUF file's metadata and tensors (names, shapes, types and
+/// where their rows come from), nothing read yet. [`Conversion::write`] then reads one
+/// source tensor at a time, quantizes its rows in parallel and streams them to the file.
+pub struct Conversion<'a> {
+    source: &'a dyn TensorSource,
+    metadata: Vec<(String, GgufValue)>,
+    plans: Vec<Plan>,
+    warnings: Vec<String>,
+}
+
+impl<'a> Conversion<'a> {
+    /// Plan the GGUF file of the model whose `config.json`, `tokenizer.json` and
+    /// `tokenizer_config.json` are in `dir` and whose tensors `source` gives, with
+    /// `general.name` = `name`.
+    pub fn plan(
+        dir: &Path,
+        name: &str,
+        source: &'a dyn TensorSource,
+        mix: ConvertType,
+        opts: ConvertOptions,
+    ) -> Result<Conversion<'a>> {
+        let cfg = ModelConfig::from_model_dir(dir)?;
+        let (family, gguf) = gguf_family(&cfg)?;
+        if matches!(gguf.arch, "deepseek2" | "glm4moe") {
+            plan_deepseek_family(dir, name, source, mix, opts, family, &cfg)
+        } else {
+            plan_standard(dir, name, source, mix, family, gguf, &cfg)
+        }
+    }
+
+    /// Bytes of tensor data the file will hold (each tensor padded to the alignment); the
+    /// file is this plus its header (metadata, vocabulary and tensor infos).
+    pub fn tensor_bytes(&self) -> Result<u64> {
+        let mut total = 0u64;
+        for p in &self.plans {
+            let spec = GgufTensorSpec::from_shape(p.name.clone(), &p.shape, ggml(p.ty));
+            let n = spec
+                .nbytes()
+                .map_err(|m| Error::Invalid(format!("tensor `{}`: {m}", p.name)))?;
+            // The metadata sets no `general.alignment`: GGUF's default.
+            total += (n as u64).next_multiple_of(GGUF_DEFAULT_ALIGNMENT);
+        }
+        Ok(total)
+    }
+
+    /// Source bytes the conversion reads.
+    pub fn source_bytes(&self) -> u64 {
+        self.plans
+            .iter()
+            .flat_map(|p| p.sources.iter())
+            .map(|s| self.source.describe(s).map(|d| d.bytes as u64).unwrap_or(0))
+            .sum()
+    }
+
+    /// Tensors the file will hold.
+    pub fn tensors(&self) -> usize {
+        self.plans.len()
+    }
+
+    /// What planning found that llama.cpp or colibri will treat differently.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// Write the file at `out` (a temporary beside it, renamed into place when complete),
+    /// one source tensor at a time; `progress` is called after each.
+    pub fn write(
+        self,
+        out: &Path,
+        mut progress: impl FnMut(&ConvertProgress),
+    ) -> Result<ConvertReport> {
+        let source = self.source;
+        let specs: Vec<GgufTensorSpec> = self
+            .plans
+            .iter()
+            .map(|p| GgufTensorSpec::from_shape(p.name.clone(), &p.shape, ggml(p.ty)))
+            .collect();
+        let mut state = ConvertProgress {
+            tensors_done: 0,
+            tensors: self.plans.len(),
+            source_done: 0,
+            source_total: self.source_bytes(),
+            written: 0,
+        };
+        let mut writer = GgufWriter::create(out, &self.metadata, specs)?;
+        let mut types: Vec<(String, usize)> = Vec::new();
+        for p in &self.plans {
+            if let Some(bytes) = &p.computed {
+                state.written += bytes.len() as u64;
+                writer.write(bytes)?;
+            }
+            for src in &p.sources {
+                let t = source.tensor(src)?;
+                let bytes = convert_tensor(&t, p.ty, p.rows)?;
+                state.written += bytes.len() as u64;
+                writer.write(&bytes)?;
+                state.source_done += t.nbytes() as u64;
+                drop(t);
+                progress(&state);
+            }
+            match types.iter_mut().find(|(n, _)| n == p.ty.name()) {
+                Some((_, c)) => *c += 1,
+                None => types.push((p.ty.name().to_string(), 1)),
+            }
+            state.tensors_done += 1;
+            progress(&state);
+        }
+        writer.finish()?;
+        Ok(ConvertReport {
+            tensors: self.plans.len(),
+            bytes_in: state.source_total,
+            bytes_out: state.written,
+            types,
+            warnings: self.warnings,
+        })
+    }
+}
+
+/// The plan of every family but the DeepSeek-style ones: llama.cpp's `llama`, `olmoe`,
+/// `qwen3moe` layouts (Q/K permuted where the family's descriptor says so).
+fn plan_standard<'a>(
+    dir: &Path,
+    name: &str,
+    ckpt: &'a dyn TensorSource,
+    mix: ConvertType,
+    family: &Family,
+    gguf: Gguf,
+    cfg: &ModelConfig,
+) -> Result<Conversion<'a>> {
     // Where the experts are, and how many (a dense family has none).
     let moe = match family.experts {
         Some(experts) => Some((experts, cfg.usize(experts.count)?)),
         None => None,
     };
     let experts = moe.map_or(0, |(_, n)| n);
-    let ckpt = Checkpoint::open(dir)?;
     let mut warnings = Vec::new();
     let layers = cfg.usize("num_hidden_layers")?;
     let hidden = cfg.usize("hidden_size")?;
@@ -267,7 +467,7 @@ pub fn convert_with(
     // Metadata.
     let a = gguf.arch;
     let u32v = |v: usize| GgufValue::U32(v as u32);
-    let mut md = general_metadata(dir, a, mix);
+    let mut md = general_metadata(name, a, mix);
     md.extend([
         (format!("{a}.block_count"), u32v(layers)),
         (
@@ -344,14 +544,14 @@ pub fn convert_with(
     } else {
         md.push((format!("{a}.feed_forward_length"), u32v(expert_inter)));
     }
-    tokenizer_metadata(dir, &cfg, &mut md, &mut warnings)?;
+    tokenizer_metadata(dir, cfg, &mut md, &mut warnings)?;
 
     // Tensors, in llama.cpp's order: embeddings, layers, final norm, output.
     let vocab = cfg.usize("vocab_size")?;
     let mut plans = Vec::new();
     let plan_one = |name: String, src: String, permute: Option<usize>, layer: Option<usize>| {
         let rows = permute.map_or(Rows::Plain, Rows::Permute);
-        plan_tensor(&ckpt, mix, layers, name, src, rows, layer)
+        plan_tensor(ckpt, mix, layers, name, src, rows, layer)
     };
     macro_rules! plan {
         ($($a:expr),*) => { plans.push(plan_one($($a),*)?) };
@@ -464,7 +664,7 @@ pub fn convert_with(
                     .map(|e| layout.matrix("model", l, e, i))
                     .collect();
                 plans.push(plan_fused_experts(
-                    &ckpt, dir, mix, layers, name, sources, l,
+                    ckpt, dir, mix, layers, name, sources, l,
                 )?);
             }
         } else {
@@ -501,13 +701,18 @@ pub fn convert_with(
         ));
     }
 
-    write_plans(&ckpt, out, &md, plans, warnings, &mut progress)
+    Ok(Conversion {
+        source: ckpt,
+        metadata: md,
+        plans,
+        warnings,
+    })
 }
 
 /// Source tensor `src` written as `name` with its rows as `rows` says: vectors (norms, biases)
 /// and routers in f32, the rest in the type the mix gives `name` in `layer` of `blocks`.
 fn plan_tensor(
-    ckpt: &Checkpoint,
+    ckpt: &dyn TensorSource,
     mix: ConvertType,
     blocks: usize,
     name: String,
@@ -515,7 +720,7 @@ fn plan_tensor(
     rows: Rows,
     layer: Option<usize>,
 ) -> Result<Plan> {
-    let shape = ckpt.desc(&src)?.shape.clone();
+    let shape = ckpt.describe(&src)?.shape;
     let ty = match shape.last() {
         Some(&cols) if shape.len() > 1 && !name.contains("ffn_gate_inp") => {
             choose_type(mix, &name, cols, layer, blocks)
@@ -535,7 +740,7 @@ fn plan_tensor(
 /// Layer `layer`'s routed experts fused into one tensor `name` (`[experts, rows, cols]`, as
 /// llama.cpp's `ffn_{gate,up,down}_exps`), one source per expert, all of one shape.
 fn plan_fused_experts(
-    ckpt: &Checkpoint,
+    ckpt: &dyn TensorSource,
     dir: &Path,
     mix: ConvertType,
     blocks: usize,
@@ -550,9 +755,9 @@ fn plan_fused_experts(
             "a MoE layer needs at least one routed expert",
         ));
     };
-    let first = ckpt.desc(first)?.shape.clone();
+    let first = ckpt.describe(first)?.shape;
     for src in &sources {
-        if ckpt.desc(src)?.shape != first {
+        if ckpt.describe(src)?.shape != first {
             return Err(Error::tensor(
                 dir,
                 src,
@@ -579,57 +784,6 @@ fn plan_fused_experts(
     })
 }
 
-/// Write `plans` with metadata `md` to `out`, reading every source from `ckpt`.
-fn write_plans(
-    ckpt: &Checkpoint,
-    out: &Path,
-    md: &[(String, GgufValue)],
-    plans: Vec<Plan>,
-    warnings: Vec<String>,
-    progress: &mut impl FnMut(u64, u64),
-) -> Result<ConvertReport> {
-    let specs: Vec<GgufTensorSpec> = plans
-        .iter()
-        .map(|p| GgufTensorSpec::from_shape(p.name.clone(), &p.shape, ggml(p.ty)))
-        .collect();
-    let bytes_in: u64 = plans
-        .iter()
-        .flat_map(|p| p.sources.iter())
-        .map(|s| ckpt.desc(s).map(|d| d.len as u64).unwrap_or(0))
-        .sum();
-    let mut writer = GgufWriter::create(out, md, specs)?;
-    let (mut done, mut bytes_out) = (0u64, 0u64);
-    let mut types: Vec<(String, usize)> = Vec::new();
-    for p in &plans {
-        if let Some(bytes) = &p.computed {
-            bytes_out += bytes.len() as u64;
-            writer.write(bytes)?;
-        }
-        for src in &p.sources {
-            let mut t = ckpt.tensor_any_shape(src)?;
-            // FP8 checkpoints (DeepSeek-V3's own) carry per-block scales.
-            t.block_scales = ckpt.block_scales(src)?;
-            let bytes = convert_tensor(&t, p.ty, p.rows)?;
-            bytes_out += bytes.len() as u64;
-            writer.write(&bytes)?;
-            done += t.nbytes() as u64;
-        }
-        match types.iter_mut().find(|(n, _)| n == p.ty.name()) {
-            Some((_, c)) => *c += 1,
-            None => types.push((p.ty.name().to_string(), 1)),
-        }
-        progress(done, bytes_in);
-    }
-    writer.finish()?;
-    Ok(ConvertReport {
-        tensors: plans.len(),
-        bytes_in,
-        bytes_out,
-        types,
-        warnings,
-    })
-}
-
 /// DeepSeek-V3 / R1 and the Kimi K2.5 text model → `deepseek2`, GLM-4.5 → `glm4moe`, as
 /// llama.cpp's converter writes them: MLA tensors unpermuted (the RoPE dimensions are already
 /// interleaved pairs), `kv_b_proj` split into `attn_k_b` (transposed per head) and `attn_v_b`
@@ -637,15 +791,15 @@ fn write_plans(
 /// router's correction bias as `exp_probs_b.bias`; GLM's MTP layers appended as
 /// `blk.{num_hidden_layers + i}` with their `nextn.*` tensors (DeepSeek's are skipped, as
 /// llama.cpp's converter skips them).
-fn convert_deepseek_family(
+fn plan_deepseek_family<'a>(
     dir: &Path,
-    out: &Path,
+    name: &str,
+    ckpt: &'a dyn TensorSource,
     mix: ConvertType,
     opts: ConvertOptions,
     family: &Family,
     top: &ModelConfig,
-    progress: &mut impl FnMut(u64, u64),
-) -> Result<ConvertReport> {
+) -> Result<Conversion<'a>> {
     use crate::format::config::RopeKind;
     let mt = top.model_type()?;
     // The text model's config as the loader reads it (Kimi K2.5's `text_config`), and where
@@ -654,7 +808,6 @@ fn convert_deepseek_family(
     let (m, lm_head) = (family.names.model, family.names.lm_head);
     let mla = mt != "glm4_moe";
     let a = if mla { "deepseek2" } else { "glm4moe" };
-    let ckpt = Checkpoint::open(dir)?;
     let mut warnings = Vec::new();
     let layers = cfg.usize("num_hidden_layers")?;
     let hidden = cfg.usize("hidden_size")?;
@@ -689,7 +842,7 @@ fn convert_deepseek_family(
     let u32v = |v: usize| GgufValue::U32(v as u32);
     let f32v = |v: f64| GgufValue::F32(v as f32);
     let key = |k: &str| format!("{a}.{k}");
-    let mut md = general_metadata(dir, a, mix);
+    let mut md = general_metadata(name, a, mix);
     md.extend([
         (
             key("context_length"),
@@ -856,7 +1009,7 @@ fn convert_deepseek_family(
     // Tensors.
     let blocks = layers + nextn;
     let plan = |name: String, src: String, layer: Option<usize>| {
-        plan_tensor(&ckpt, mix, blocks, name, src, Rows::Plain, layer)
+        plan_tensor(ckpt, mix, blocks, name, src, Rows::Plain, layer)
     };
     let mut plans = vec![plan(
         "token_embd.weight".into(),
@@ -927,7 +1080,7 @@ fn convert_deepseek_family(
         }
         if mla && !opts.legacy_kv_b {
             let src = format!("{p}.self_attn.kv_b_proj.weight");
-            let d = ckpt.desc(&src)?;
+            let d = ckpt.describe(&src)?;
             if d.shape != [heads * (nope + v_dim), kv_lora] {
                 return Err(Error::tensor(
                     dir,
@@ -988,7 +1141,7 @@ fn convert_deepseek_family(
                     .map(|e| format!("{p}.mlp.experts.{e}.{which}_proj.weight"))
                     .collect();
                 plans.push(plan_fused_experts(
-                    &ckpt, dir, mix, blocks, name, sources, l,
+                    ckpt, dir, mix, blocks, name, sources, l,
                 )?);
             }
             if shared > 0 {
@@ -1043,7 +1196,12 @@ fn convert_deepseek_family(
     if !tied {
         plans.push(plan("output.weight".into(), head, None)?);
     }
-    write_plans(&ckpt, out, &md, plans, warnings, progress)
+    Ok(Conversion {
+        source: ckpt,
+        metadata: md,
+        plans,
+        warnings,
+    })
 }
 
 /// How a plan's rows come from its source tensor.

@@ -58,6 +58,8 @@ pub fn demo_args(out: PathBuf) -> SynthArgs {
         ds: Default::default(),
         linear: Default::default(),
         mxfp4: false,
+        format: Default::default(),
+        ty: None,
     }
 }
 

@@ -43,7 +43,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Mean KL divergence and top-1 agreement of a model against a reference on prompts.
     Kl(kl::KlArgs),
-    /// Write a random-weight checkpoint in the Hugging Face layout (for benchmarks).
+    /// Write a random-weight checkpoint in the Hugging Face layout, or straight as its GGUF
+    /// (for benchmarks).
     Synth(colibri_synth::SynthArgs),
     /// Chat with a server (or with a model started in-process) from the terminal.
     Chat(chat_client::ChatArgs),

@@ -3,21 +3,33 @@
 //! tokenizer_config.json with a chat template, generation_config.json), deterministic from
 //! `--seed`. Written into a temporary directory that is renamed into place when complete.
 //!
+//! With `--format gguf` it writes the GGUF file `coli convert --type T` makes of that
+//! checkpoint instead, without the checkpoint ever existing: the converter asks for one tensor
+//! at a time ([`colibri::convert::TensorSource`]) and each is generated when asked, from the
+//! same per-tensor, per-chunk seeds the safetensors writer uses, so the two routes give the
+//! same bytes and memory stays near one tensor whatever the model's size.
+//!
 //! The `coli synth` command and the demo model (server/src/demo.rs) use it; [`tokenizer`] is the
 //! tokenizer and chat template every synthetic model gets.
 
 pub mod tokenizer;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use colibri::convert::{
+    Conversion, ConvertOptions, ConvertProgress, ConvertReport, ConvertType, SourceTensor,
+    TensorSource,
+};
 use colibri::format::write::{create_tmp_dir, write_atomic, SafetensorsWriter, TensorSpec};
 use colibri::model::registry::{Experts, Family};
 use colibri::model::{
     deepseek_v3, deepseek_v4, glm4_moe, glm_moe_dsa, gpt_oss, kimi_linear, llama, mixtral, olmoe,
     qwen3_moe, qwen3_next,
 };
-use colibri::tensor::DType;
+use colibri::tensor::{DType, Storage, Tensor};
 use half::bf16;
 use rayon::prelude::*;
 use serde_json::json;
@@ -113,10 +125,33 @@ impl SynthArch {
         self.family().experts
     }
 
+    /// How `--arch` names it.
+    fn flag_value(self) -> String {
+        clap::ValueEnum::to_possible_value(&self)
+            .map(|v| v.get_name().to_string())
+            .unwrap_or_default()
+    }
+
     /// The `model_type` written to config.json.
     fn model_type(self) -> &'static str {
         self.family().model_type()
     }
+}
+
+/// What `coli synth` writes.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SynthFormat {
+    /// A Hugging Face model directory (config.json, tokenizer, safetensors in --dtype).
+    #[default]
+    Safetensors,
+    /// One GGUF file, as `coli convert --type T` writes that directory (--type; llama.cpp's
+    /// architectures only: olmoe, qwen3-moe, mixtral, llama, deepseek-v3, glm4-moe).
+    Gguf,
+}
+
+/// `--type`: a `coli convert` mix.
+fn parse_convert_type(s: &str) -> std::result::Result<ConvertType, String> {
+    ConvertType::parse(s).map_err(|e| e.to_string())
 }
 
 /// Weight dtype of a synthetic checkpoint.
@@ -169,9 +204,17 @@ pub struct SynthArgs {
     /// Largest shard in bytes before splitting into model-0000i-of-0000n.safetensors.
     #[arg(long, default_value_t = 4_000_000_000)]
     pub shard_bytes: usize,
-    /// Output directory (must not exist).
+    /// Output directory, or with --format gguf the GGUF file (must not exist).
     #[arg(long)]
     pub out: PathBuf,
+    /// safetensors: a Hugging Face directory; gguf: the GGUF file `coli convert --type` would
+    /// make of it, written tensor by tensor without the directory (memory: about one tensor).
+    #[arg(long, value_enum, default_value_t = SynthFormat::Safetensors)]
+    pub format: SynthFormat,
+    /// --format gguf: the mix, as `coli convert --type` takes it (q8_0, q6_k, q5_k_m, q4_k_m,
+    /// bf16, f16 or f32; default q8_0). The values quantized are the --dtype checkpoint's.
+    #[arg(short = 't', long = "type", value_parser = parse_convert_type)]
+    pub ty: Option<ConvertType>,
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -715,13 +758,48 @@ fn indexer_full(i: usize, freq: usize) -> bool {
 /// Run `coli synth`.
 pub fn run(args: SynthArgs) -> Result<()> {
     colibri::tensor::threads::init(args.threads)?;
-    synthesize(&args, true)?;
-    eprintln!(
-        "coli: wrote {} (random weights, seed {})",
-        args.out.display(),
-        args.seed
-    );
+    let t0 = std::time::Instant::now();
+    match synthesize(&args, true)? {
+        None => eprintln!(
+            "coli: wrote {} (random weights, seed {})",
+            args.out.display(),
+            args.seed
+        ),
+        Some(report) => {
+            for w in &report.warnings {
+                eprintln!("coli: warning: {w}");
+            }
+            let types: Vec<String> = report
+                .types
+                .iter()
+                .map(|(t, n)| format!("{n} {t}"))
+                .collect();
+            let size = std::fs::metadata(&args.out)
+                .with_context(|| format!("reading {}", args.out.display()))?
+                .len();
+            eprintln!(
+                "coli: wrote {} ({}; random weights, seed {}; {} tensors: {}; {} from {} of {}) in {:.1} s",
+                args.out.display(),
+                format_size(size),
+                args.seed,
+                report.tensors,
+                types.join(", "),
+                format_size(report.bytes_out),
+                format_size(report.bytes_in),
+                match args.dtype {
+                    SynthDType::Bf16 => "bf16",
+                    SynthDType::F32 => "f32",
+                },
+                t0.elapsed().as_secs_f64()
+            );
+        }
+    }
     Ok(())
+}
+
+/// A size as every size the binary prints (KiB/MiB/GiB).
+fn format_size(bytes: u64) -> String {
+    colibri::store::budget::format_size(bytes)
 }
 
 /// How a tensor is filled.
@@ -1349,13 +1427,36 @@ fn fp4_code(seed: u64, base: &str, idx: u64) -> u8 {
     ((z ^ (z >> 31)) >> 60) as u8
 }
 
-/// Write the checkpoint described by `args` to `args.out`.
-pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
+/// Write the checkpoint described by `args` to `args.out`: the model directory, or with
+/// `--format gguf` the GGUF file (then the conversion's report is returned).
+pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<Option<ConvertReport>> {
     if args.out.exists() {
         bail!(
-            "--out {}: already exists (choose a new directory)",
-            args.out.display()
+            "--out {}: already exists (choose a new {})",
+            args.out.display(),
+            match args.format {
+                SynthFormat::Safetensors => "directory",
+                SynthFormat::Gguf => "file",
+            }
         );
+    }
+    match args.format {
+        SynthFormat::Safetensors if args.ty.is_some() => {
+            bail!("--type: only with --format gguf (safetensors are written in --dtype)")
+        }
+        SynthFormat::Gguf if args.arch.family().gguf.is_none() => {
+            let supported: Vec<String> = <SynthArch as clap::ValueEnum>::value_variants()
+                .iter()
+                .filter(|a| a.family().gguf.is_some())
+                .map(|a| a.flag_value())
+                .collect();
+            bail!(
+                "--format gguf: llama.cpp has no GGUF layout for --arch {} (GGUF: {})",
+                args.arch.flag_value(),
+                supported.join(", ")
+            )
+        }
+        _ => {}
     }
     if args.hidden == 0 || args.layers == 0 || args.vocab == 0 {
         bail!("--hidden, --layers and --vocab must be positive");
@@ -1440,6 +1541,9 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    if args.format == SynthFormat::Gguf {
+        return write_gguf(args, parent, heads, kv_heads, progress).map(Some);
+    }
     // Locked while `_lock` lives; a stale one of a killed run is removed first.
     let (tmp, _lock) = create_tmp_dir(&args.out)?;
     let result = write_all(args, &tmp, heads, kv_heads, progress);
@@ -1450,7 +1554,154 @@ pub fn synthesize(args: &SynthArgs, progress: bool) -> Result<()> {
     std::fs::rename(&tmp, &args.out)
         .with_context(|| format!("renaming {} to {}", tmp.display(), args.out.display()))?;
     colibri::format::write::sync_parent(&args.out)?;
+    Ok(None)
+}
+
+/// Room the GGUF header (metadata, vocabulary, merges, tensor infos) and the small text files
+/// of the conversion are given beyond the tensor data when free space is checked.
+const GGUF_HEADER_ALLOWANCE: u64 = 64 << 20;
+
+/// `--format gguf`: the text files the converter reads its metadata from go to a temporary
+/// directory beside `--out` (removed at the end), the tensors are generated one at a time as
+/// the converter asks for them, and the file is written to a temporary renamed into place.
+fn write_gguf(
+    args: &SynthArgs,
+    parent: &Path,
+    heads: usize,
+    kv_heads: usize,
+    progress: bool,
+) -> Result<ConvertReport> {
+    let mix = args.ty.unwrap_or(ConvertType::Q8_0);
+    let file = args.out.file_name().unwrap_or_default().to_string_lossy();
+    // Named after the output; locked while `_lock` lives, a stale one removed first.
+    let (text, _lock) = create_tmp_dir(&args.out.with_file_name(format!("{file}.text")))?;
+    let result = (|| {
+        write_text(args, &text, heads, kv_heads)?;
+        let planned = plan(args, heads, kv_heads);
+        let source = Generated::new(&planned, args.seed, &args.out);
+        // `coli convert` names a file after its model directory: --out without its extension
+        // is that directory's name.
+        let name = args.out.file_stem().unwrap_or_default().to_string_lossy();
+        let conversion = Conversion::plan(&text, &name, &source, mix, ConvertOptions::default())
+            .with_context(|| format!("planning the GGUF {}", args.out.display()))?;
+        let need = conversion.tensor_bytes()? + GGUF_HEADER_ALLOWANCE;
+        check_free_space(&args.out, parent, need)?;
+        let bar = progress_bar(progress, conversion.source_bytes(), "generating");
+        let report = conversion
+            .write(&args.out, |p: &ConvertProgress| {
+                bar.set_position(p.source_done);
+                bar.set_message(format!(
+                    "{}/{} tensors, {} written",
+                    p.tensors_done,
+                    p.tensors,
+                    format_size(p.written)
+                ));
+            })
+            .with_context(|| format!("writing {}", args.out.display()))?;
+        bar.finish_and_clear();
+        Ok(report)
+    })();
+    let _ = std::fs::remove_dir_all(&text);
+    result
+}
+
+/// Refuse to start writing `out` when the file system holding its directory `dir` has less
+/// than `need` bytes free.
+fn check_free_space(out: &Path, dir: &Path, need: u64) -> Result<()> {
+    let st = rustix::fs::statvfs(dir)
+        .with_context(|| format!("checking the free space of {}", dir.display()))?;
+    let free = st.f_bavail.saturating_mul(st.f_frsize);
+    if free < need {
+        bail!(
+            "--out {}: the GGUF needs about {}, but the file system of {} has {} free",
+            out.display(),
+            format_size(need),
+            dir.display(),
+            format_size(free)
+        );
+    }
     Ok(())
+}
+
+/// The progress bar of a long write (hidden unless `show`): bytes of `total`, rate, eta.
+fn progress_bar(show: bool, total: u64, message: &str) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(total);
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+        )
+        .unwrap()
+        .progress_chars("=> "),
+    );
+    b.set_message(message.to_string());
+    b
+}
+
+/// The planned tensors of a synthetic checkpoint as a [`TensorSource`]: each tensor is
+/// generated when asked for, chunk by chunk from the seeds the safetensors writer uses
+/// ([`fill_chunk`]), so it holds exactly the bytes `--format safetensors` writes.
+struct Generated<'a> {
+    seed: u64,
+    tensors: BTreeMap<&'a str, &'a Planned>,
+    /// What errors name.
+    out: &'a Path,
+}
+
+impl<'a> Generated<'a> {
+    fn new(planned: &'a [Planned], seed: u64, out: &'a Path) -> Generated<'a> {
+        let tensors = planned.iter().map(|p| (p.spec.name.as_str(), p)).collect();
+        Generated { seed, tensors, out }
+    }
+
+    fn planned(&self, name: &str) -> colibri::Result<&'a Planned> {
+        self.tensors.get(name).copied().ok_or_else(|| {
+            colibri::Error::tensor(self.out, name, "is not a tensor of this synthetic model")
+        })
+    }
+}
+
+impl TensorSource for Generated<'_> {
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn describe(&self, name: &str) -> colibri::Result<SourceTensor> {
+        let p = self.planned(name)?;
+        Ok(SourceTensor {
+            shape: p.spec.shape.clone(),
+            dtype: p.spec.dtype,
+            bytes: p.spec.nbytes(),
+        })
+    }
+
+    fn tensor(&self, name: &str) -> colibri::Result<Tensor> {
+        let p = self.planned(name)?;
+        let len = p.spec.nbytes();
+        let mut words = vec![0u64; len.div_ceil(8)];
+        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len];
+        // Chunk c holds elements c·CHUNK.., as the safetensors writer generates them.
+        let size = p.spec.dtype.size();
+        bytes
+            .par_chunks_mut(CHUNK * size)
+            .enumerate()
+            .for_each(|(c, out)| {
+                out.copy_from_slice(&fill_chunk(p, self.seed, c, out.len() / size))
+            });
+        Ok(Tensor {
+            name: name.to_string(),
+            shape: p.spec.shape.clone(),
+            dtype: p.spec.dtype,
+            storage: Storage::Owned {
+                words: Arc::new(words),
+                len,
+            },
+            block_scales: None,
+            device: None,
+        })
+    }
 }
 
 /// The shape rules of the DeepSeek-style architectures.
@@ -1529,14 +1780,10 @@ fn check_ds(args: &SynthArgs, heads: usize) -> Result<()> {
     Ok(())
 }
 
-fn write_all(
-    args: &SynthArgs,
-    dir: &Path,
-    heads: usize,
-    kv_heads: usize,
-    progress: bool,
-) -> Result<()> {
-    // Text side first: the tokenizer decides the special token ids.
+/// The text files of the checkpoint in `dir`: tokenizer.json, tokenizer_config.json (with the
+/// chat template), generation_config.json and config.json.
+fn write_text(args: &SynthArgs, dir: &Path, heads: usize, kv_heads: usize) -> Result<()> {
+    // The tokenizer decides the special token ids.
     let tok = tokenizer::tokenizer_for(args.vocab, &tokenizer::SPECIALS)?;
     tok.save(&dir.join("tokenizer.json"))?;
     let id = |s: &str| tok.token_to_id(s).unwrap_or(0);
@@ -1563,8 +1810,18 @@ fn write_all(
         &dir.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
     )?;
+    Ok(())
+}
 
-    // Weights, split into shards.
+/// The checkpoint in `dir`: text files first, then the weights split into shards.
+fn write_all(
+    args: &SynthArgs,
+    dir: &Path,
+    heads: usize,
+    kv_heads: usize,
+    progress: bool,
+) -> Result<()> {
+    write_text(args, dir, heads, kv_heads)?;
     let planned = plan(args, heads, kv_heads);
     let total: usize = planned.iter().map(|p| p.spec.nbytes()).sum();
     let mut shards: Vec<Vec<&Planned>> = vec![Vec::new()];
@@ -1577,20 +1834,7 @@ fn write_all(
         size += p.spec.nbytes();
         shards.last_mut().unwrap().push(p);
     }
-    let bar = if progress {
-        let b = indicatif::ProgressBar::new(total as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
-            )
-            .unwrap()
-            .progress_chars("=> "),
-        );
-        b.set_message("writing weights");
-        b
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
+    let bar = progress_bar(progress, total as u64, "writing weights");
     let n = shards.len();
     let mut weight_map = serde_json::Map::new();
     for (i, shard) in shards.iter().enumerate() {
@@ -1725,6 +1969,8 @@ mod tests {
             ds,
             linear: LinearArgs::default(),
             mxfp4: false,
+            format: SynthFormat::Safetensors,
+            ty: None,
         }
     }
 
