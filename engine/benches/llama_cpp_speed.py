@@ -17,11 +17,12 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention on")
     a = ap.parse_args()
     t0 = time.perf_counter()
     llm = Llama(model_path=a.model, n_ctx=a.prompt_tokens + a.gen_tokens + 8,
                 n_batch=a.prompt_tokens, n_ubatch=a.prompt_tokens, n_threads=a.threads,
-                n_threads_batch=a.threads, verbose=False)
+                n_threads_batch=a.threads, flash_attn=a.flash_attn, verbose=False)
     load = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
     prompt = [(i * 7919 + 13) % (n_vocab - 10) + 5 for i in range(a.prompt_tokens)]
@@ -36,7 +37,8 @@ def main():
         llm.eval([tok])
         tok = (tok * 31 + 7) % (n_vocab - 10) + 5
     tg = time.perf_counter() - t0
-    print(json.dumps({"engine": "llama.cpp", "threads": a.threads, "load_s": load,
+    print(json.dumps({"engine": "llama.cpp", "threads": a.threads, "flash_attn": a.flash_attn,
+                      "load_s": load,
                       "prefill_tok_per_s": a.prompt_tokens / pp,
                       "decode_tok_per_s": a.gen_tokens / tg,
                       "loadavg": open("/proc/loadavg").read().split()[:3]}))
