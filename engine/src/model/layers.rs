@@ -14,7 +14,7 @@ use crate::format::config::{RopeKind, RopeParams};
 use crate::format::safetensors::Checkpoint;
 use crate::store::ExpertStore;
 use crate::tensor::device::place_dense;
-use crate::tensor::kernels::{add_weighted_rows, dot_strided, Isa, MAX_PASS_ROWS};
+use crate::tensor::kernels::{add_weighted_rows, dot_strided, Isa};
 use crate::tensor::matmul::{tensor_matmul, tensor_matmul_pair};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -480,16 +480,11 @@ pub struct RelBias<'a> {
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
 /// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
 /// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
-/// (llama.cpp's f16 KV path).
-///
-/// One task takes a token and up to [`MAX_PASS_ROWS`] query heads of one GQA group
-/// ([`heads_per_task`]): their scores by [`dot_strided`] (each the canonical [`dot`] of the
-/// query and one key, the group's keys read once for all its heads), each head's softmax over
-/// its own row, then [`add_weighted_rows`] (every output element summing `p_j · v_j` in
-/// ascending key order, the values read once). So a result never depends on the heads beside
-/// it, the tokens beside it, the threads, or how a prompt was split into calls.
-///
-/// [`dot`]: crate::tensor::kernels::dot
+/// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order: its
+/// scores by [`dot_strided`] (each the canonical [`dot`] of the query and one key), the softmax
+/// over its row, then [`add_weighted_rows`] (every output element summing `p_j · v_j` in
+/// ascending key order) — so a token's result never depends on the tokens beside it, the
+/// threads, or how a prompt was split into calls.
 pub fn attend(
     q: &[f32],
     kv: &LayerKv,
@@ -510,77 +505,43 @@ pub fn attend(
     let (keys, values) = (kv.k.f32(), kv.v.f32());
     let group = heads / kv_heads;
     let kv_dim = kv_heads * head_dim;
-    let t_len = q.len() / (heads * head_dim);
-    let per_task = heads_per_task(group, head_dim, start + t_len);
     let mut out = vec![0.0f32; q.len()];
-    let work = |(task, o): (usize, &mut [f32])| {
-        let idx0 = task * per_task; // the (token, head) index of the task's first head
-        let (t, hh0) = (idx0 / heads, idx0 % heads);
+    let work = |(idx, o): (usize, &mut [f32])| {
+        let (t, hh) = (idx / heads, idx % heads);
         let pos = start + t;
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let n = pos + 1 - first;
-        let queries: Vec<&[f32]> = (0..per_task)
-            .map(|h| &q[(idx0 + h) * head_dim..(idx0 + h + 1) * head_dim])
-            .collect();
-        // This group's keys and values from key `first` on: row j at (j − first) · kv_dim.
-        let from = first * kv_dim + (hh0 / group) * head_dim;
-        // scores[h · n + (j − first)]: head hh0 + h against key j.
-        let mut scores = vec![0.0f32; per_task * n];
-        dot_strided(isa, &queries, &keys[from..], kv_dim, &mut scores);
-        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-            let idx = idx0 + h;
-            for (s, j) in row.iter_mut().zip(first..) {
-                *s *= scale;
-                if let Some(b) = bias {
-                    if pos - j < b.extent {
-                        *s += b.profiles[idx * b.extent + pos - j];
-                    }
-                }
-            }
-            match sinks {
-                Some(Sinks::PerHead(sinks)) => softmax_with_sink(row, sinks[hh0 + h]),
-                Some(Sinks::PerToken(sinks)) => softmax_with_sink(row, sinks[idx]),
-                None => softmax_inplace(row),
-            }
-            if probs_f16 {
-                // llama.cpp multiplies its f16 values by probabilities converted to f16.
-                for p in row.iter_mut() {
-                    *p = half::f16::from_f32(*p).to_f32();
+        let qv = &q[idx * head_dim..(idx + 1) * head_dim];
+        // This head's keys and values from key `first` on: row j at (j − first) · kv_dim.
+        let from = first * kv_dim + (hh / group) * head_dim;
+        let mut scores = vec![0.0f32; pos + 1 - first];
+        dot_strided(isa, qv, &keys[from..], kv_dim, &mut scores);
+        for (s, j) in scores.iter_mut().zip(first..) {
+            *s *= scale;
+            if let Some(b) = bias {
+                if pos - j < b.extent {
+                    *s += b.profiles[idx * b.extent + pos - j];
                 }
             }
         }
-        let probs: Vec<&[f32]> = scores.chunks_exact(n).collect();
-        let mut outs: Vec<&mut [f32]> = o.chunks_exact_mut(head_dim).collect();
-        add_weighted_rows(isa, &probs, &values[from..], kv_dim, &mut outs);
+        match sinks {
+            Some(Sinks::PerHead(sinks)) => softmax_with_sink(&mut scores, sinks[hh]),
+            Some(Sinks::PerToken(sinks)) => softmax_with_sink(&mut scores, sinks[idx]),
+            None => softmax_inplace(&mut scores),
+        }
+        if probs_f16 {
+            // llama.cpp multiplies its f16 values by probabilities converted to f16.
+            for p in scores.iter_mut() {
+                *p = half::f16::from_f32(*p).to_f32();
+            }
+        }
+        add_weighted_rows(isa, &scores, &values[from..], kv_dim, o);
     };
-    if q.len() * (start + t_len) < 1 << 16 {
-        out.chunks_mut(per_task * head_dim)
-            .enumerate()
-            .for_each(work);
+    if q.len() * (start + q.len() / (heads * head_dim)) < 1 << 16 {
+        out.chunks_mut(head_dim).enumerate().for_each(work);
     } else {
-        out.par_chunks_mut(per_task * head_dim)
-            .enumerate()
-            .for_each(work);
+        out.par_chunks_mut(head_dim).enumerate().for_each(work);
     }
     out
-}
-
-/// Bytes of one head's keys below which a task takes one query head: they stay in the core's
-/// cache for the group's other heads, and one head a task balances the threads best.
-const ATTEND_CACHED_KEY_BYTES: usize = 256 * 1024;
-
-/// How many query heads of one GQA group (`group` heads share a key/value head of `head_dim`)
-/// one attention task takes when a query sees up to `keys` keys: one while a head's keys fit
-/// in cache ([`ATTEND_CACHED_KEY_BYTES`]), else the largest divisor of `group` up to
-/// [`MAX_PASS_ROWS`], so long contexts stream each key and value once for those heads.
-fn heads_per_task(group: usize, head_dim: usize, keys: usize) -> usize {
-    if keys * head_dim * 4 <= ATTEND_CACHED_KEY_BYTES {
-        return 1;
-    }
-    (1..=MAX_PASS_ROWS.min(group.max(1)))
-        .rev()
-        .find(|&d| group.is_multiple_of(d))
-        .unwrap_or(1)
 }
 
 /// Softmax in place over `x` and one more logit, `sink`, which is left out of the result:
@@ -1519,11 +1480,11 @@ mod attend_tests {
         out
     }
 
-    /// Long contexts (where a task takes several heads of a GQA group) and short ones, with
-    /// windows, sinks and a relative bias: every output has the bits of one head at a time,
-    /// and the last tokens of a prompt attended in one call equal the same tokens one by one.
+    /// Long contexts and short ones, GQA groups of 1 to 6 heads, with windows, sinks and a
+    /// relative bias: every output has the bits of the spelled-out scalar attention, and the
+    /// last token of a prompt attended alone equals it attended with the prompt.
     #[test]
-    fn grouped_attention_gives_the_bits_of_one_head_at_a_time() {
+    fn attention_gives_the_bits_of_the_scalar_reference() {
         for (heads, kv_heads, hd, keys, window) in [
             (9, 3, 64, 1300, None),
             (8, 2, 64, 1200, Some(700)),

@@ -195,90 +195,53 @@ pub fn dot_mxfp4_scalar(a: &[f32], w: &[u8]) -> f32 {
     fold_lanes(&mut acc)
 }
 
-/// Most query rows [`dot_strided`] and value sums [`add_weighted_rows`] take in one pass.
-pub const MAX_PASS_ROWS: usize = 3;
-
-/// `out[r · n + j] = dot(a[r], m[j·stride ..][.. k])` for every query row `r` (at most
-/// [`MAX_PASS_ROWS`], all of length `k`) and every `j < n = out.len() / a.len()`: the queries of
-/// one GQA group against the rows of one head's cached keys, each key read once for all of them.
-/// Every score is the canonical [`dot`] of its pair, bit for bit, without a call per row.
-pub fn dot_strided(isa: Isa, a: &[&[f32]], m: &[f32], stride: usize, out: &mut [f32]) {
-    let rows = a.len();
+/// `out[j] = dot(a, m[j·stride ..][.. a.len()])` for every `j < out.len()`: one activation row
+/// against rows of a strided f32 matrix (an attention query against one head's cached keys),
+/// each in the canonical order — the bits of [`dot`] on each pair, without a call per row.
+pub fn dot_strided(isa: Isa, a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
     assert!(
-        (1..=MAX_PASS_ROWS).contains(&rows),
-        "dot_strided: {rows} query rows"
-    );
-    let k = a[0].len();
-    let n = out.len() / rows;
-    assert!(
-        a.iter().all(|r| r.len() == k)
-            && out.len() == rows * n
-            && (n == 0 || (n - 1) * stride + k <= m.len()),
-        "dot_strided: {rows} queries, {n} rows of {k} at stride {stride} in {} values",
+        n == 0 || (n - 1) * stride + a.len() <= m.len(),
+        "dot_strided: {n} rows of {} at stride {stride} in {} values",
+        a.len(),
         m.len()
     );
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && avx2_fma_f16c() {
-        // SAFETY: AVX2 and FMA were detected just above; the lengths and bounds were checked.
-        unsafe {
-            match rows {
-                1 => avx2::dot_strided::<1>([a[0]], m, stride, out),
-                2 => avx2::dot_strided::<2>([a[0], a[1]], m, stride, out),
-                _ => avx2::dot_strided::<3>([a[0], a[1], a[2]], m, stride, out),
-            }
-        }
-        return;
+        // SAFETY: AVX2 and FMA were detected just above; the bounds were checked.
+        return unsafe { avx2::dot_strided(a, m, stride, out) };
     }
-    for (r, q) in a.iter().enumerate() {
-        for j in 0..n {
-            out[r * n + j] = dot(isa, q, WeightData::F32(&m[j * stride..j * stride + k]));
-        }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot(
+            isa,
+            a,
+            WeightData::F32(&m[j * stride..j * stride + a.len()]),
+        );
     }
 }
 
-/// `out[h][e] += p[h][j] · m[j·stride + e]` for `j = 0, 1, …` in that order, every `e < d` and
-/// every head `h` (at most [`MAX_PASS_ROWS`]; all `p[h]` of one length, all `out[h]` of length
-/// `d`), each product rounded and then added (no fused multiply-add): attention's
-/// probability-weighted sums of one head's cached values for the queries of a GQA group, each
-/// value read once for all of them. [`add_weighted_rows_scalar`] is the reference; the SIMD path
-/// does the same operations on eight elements at a time.
-pub fn add_weighted_rows(isa: Isa, p: &[&[f32]], m: &[f32], stride: usize, out: &mut [&mut [f32]]) {
-    let heads = p.len();
+/// `out[e] += p[j] · m[j·stride + e]` for `j = 0, 1, …` in that order and every `e <
+/// out.len()`, each product rounded and then added (no fused multiply-add): attention's
+/// probability-weighted sum of one head's cached values. The scalar loop is the reference; the
+/// SIMD path does the same operations on eight elements at a time.
+pub fn add_weighted_rows(isa: Isa, p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = p.len();
     assert!(
-        (1..=MAX_PASS_ROWS).contains(&heads) && out.len() == heads,
-        "add_weighted_rows: {heads} probability rows for {} outputs",
-        out.len()
-    );
-    let (n, d) = (p[0].len(), out[0].len());
-    assert!(
-        p.iter().all(|r| r.len() == n)
-            && out.iter().all(|o| o.len() == d)
-            && (n == 0 || (n - 1) * stride + d <= m.len()),
-        "add_weighted_rows: {n} rows of {d} at stride {stride} in {} values",
+        n == 0 || (n - 1) * stride + out.len() <= m.len(),
+        "add_weighted_rows: {n} rows of {} at stride {stride} in {} values",
+        out.len(),
         m.len()
     );
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && avx2_fma_f16c() {
-        // SAFETY: AVX2 was detected just above; the lengths and bounds were checked.
-        unsafe {
-            match out {
-                [o0] => avx2::add_weighted_rows::<1>([p[0]], m, stride, [o0]),
-                [o0, o1] => avx2::add_weighted_rows::<2>([p[0], p[1]], m, stride, [o0, o1]),
-                [o0, o1, o2] => {
-                    avx2::add_weighted_rows::<3>([p[0], p[1], p[2]], m, stride, [o0, o1, o2])
-                }
-                _ => unreachable!("checked above"),
-            }
-        }
-        return;
+        // SAFETY: AVX2 was detected just above; the bounds were checked.
+        return unsafe { avx2::add_weighted_rows(p, m, stride, out) };
     }
     let _ = isa;
-    for (ph, oh) in p.iter().zip(out.iter_mut()) {
-        add_weighted_rows_scalar(ph, m, stride, oh);
-    }
+    add_weighted_rows_scalar(p, m, stride, out);
 }
 
-/// [`add_weighted_rows`]' scalar reference, for one head.
+/// [`add_weighted_rows`]' scalar reference.
 pub fn add_weighted_rows_scalar(p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
     let d = out.len();
     for (j, &pj) in p.iter().enumerate() {
@@ -470,117 +433,97 @@ mod avx2 {
         }
     }
 
-    /// [`super::dot_strided`] on AVX2: `block` inlined for each key row against the `R`
-    /// queries (`R ≤ 3`: 4·R accumulators in registers).
+    /// [`super::dot_strided`] on AVX2: `block` inlined for each row, three rows a pass.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA; every query has length `k`, `out.len() = R·n` and
-    /// `(n − 1)·stride + k ≤ m.len()`.
+    /// The CPU must have AVX2 and FMA; `(out.len() − 1)·stride + a.len() ≤ m.len()`.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_strided<const R: usize>(
-        a: [&[f32]; R],
-        m: &[f32],
-        stride: usize,
-        out: &mut [f32],
-    ) {
-        let k = a[0].len();
-        let n = out.len() / R;
-        for j in 0..n {
-            // SAFETY: the caller's features; row j has k elements, as every query.
-            let d = unsafe { block::<f32, R, 1>(a, [&m[j * stride..j * stride + k]]) };
-            for r in 0..R {
-                out[r * n + j] = d[r][0];
-            }
+    pub unsafe fn dot_strided(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+        let k = a.len();
+        let row = |j: usize| &m[j * stride..j * stride + k];
+        let mut j = 0;
+        while j + 3 <= out.len() {
+            // SAFETY: the caller's features; every row has k elements, as `a`.
+            let d = unsafe { block::<f32, 1, 3>([a], [row(j), row(j + 1), row(j + 2)]) };
+            out[j..j + 3].copy_from_slice(&d[0]);
+            j += 3;
+        }
+        while j < out.len() {
+            // SAFETY: as above.
+            out[j] = unsafe { block::<f32, 1, 1>([a], [row(j)]) }[0][0];
+            j += 1;
         }
     }
 
-    /// [`super::add_weighted_rows`] on AVX2: each head's output in slices (64 elements for
-    /// one head, 32 for two or three) held in registers while every value row passes, read
-    /// once for all heads (`acc + p·v`: a rounded product then a rounded sum, as the
-    /// reference); a slice's last `len % 8` elements by the scalar loop.
+    /// [`super::add_weighted_rows`] on AVX2: the output in slices of up to 64 elements held in
+    /// registers while every row passes (`acc + p·v`, a rounded product then a rounded sum, as
+    /// the reference); a slice's last `len % 8` elements by the scalar loop.
     ///
     /// # Safety
-    /// The CPU must have AVX2; all `p[h]` have one length `n`, all `out[h]` one length `d`,
-    /// and `(n − 1)·stride + d ≤ m.len()`.
+    /// The CPU must have AVX2; `(p.len() − 1)·stride + out.len() ≤ m.len()`.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn add_weighted_rows<const H: usize>(
-        p: [&[f32]; H],
-        m: &[f32],
-        stride: usize,
-        mut out: [&mut [f32]; H],
-    ) {
-        let slice = if H == 1 { 64 } else { 32 };
-        let d = out[0].len();
-        let outs: [*mut f32; H] = std::array::from_fn(|h| out[h].as_mut_ptr());
+    pub unsafe fn add_weighted_rows(p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+        const SLICE: usize = 64;
+        let d = out.len();
         let mut e0 = 0;
         while e0 < d {
-            let width = slice.min(d - e0);
+            let width = SLICE.min(d - e0);
             let vec = width / 8;
-            // SAFETY: the caller's features and bounds; `e0 + 8·vec ≤ d`.
+            // SAFETY: the caller's features and bound; `e0 + 8·vec ≤ d`.
             unsafe {
                 match vec {
-                    8 => weighted_slice::<H, 8>(p, m, stride, outs, e0),
-                    7 => weighted_slice::<H, 7>(p, m, stride, outs, e0),
-                    6 => weighted_slice::<H, 6>(p, m, stride, outs, e0),
-                    5 => weighted_slice::<H, 5>(p, m, stride, outs, e0),
-                    4 => weighted_slice::<H, 4>(p, m, stride, outs, e0),
-                    3 => weighted_slice::<H, 3>(p, m, stride, outs, e0),
-                    2 => weighted_slice::<H, 2>(p, m, stride, outs, e0),
-                    1 => weighted_slice::<H, 1>(p, m, stride, outs, e0),
+                    8 => weighted_slice::<8>(p, m, stride, out, e0),
+                    7 => weighted_slice::<7>(p, m, stride, out, e0),
+                    6 => weighted_slice::<6>(p, m, stride, out, e0),
+                    5 => weighted_slice::<5>(p, m, stride, out, e0),
+                    4 => weighted_slice::<4>(p, m, stride, out, e0),
+                    3 => weighted_slice::<3>(p, m, stride, out, e0),
+                    2 => weighted_slice::<2>(p, m, stride, out, e0),
+                    1 => weighted_slice::<1>(p, m, stride, out, e0),
                     _ => {}
                 }
             }
-            for h in 0..H {
-                for e in e0 + 8 * vec..e0 + width {
-                    for (j, &pj) in p[h].iter().enumerate() {
-                        // SAFETY: e < d, within out[h] (the caller's lengths).
-                        unsafe { *outs[h].add(e) += pj * m[j * stride + e] };
-                    }
+            for e in e0 + 8 * vec..e0 + width {
+                for (j, &pj) in p.iter().enumerate() {
+                    out[e] += pj * m[j * stride + e];
                 }
             }
             e0 += width;
         }
     }
 
-    /// `out[h][e0 ..][.. 8V] += p[h][j] · m[j·stride + e0 ..]` for every row `j` in order and
-    /// every head `h`, the `H·V` output vectors held in registers, each value vector loaded
-    /// once for all heads.
+    /// `out[e0 ..][.. 8V] += p[j] · m[j·stride + e0 ..]` for every row `j` in order, the `V`
+    /// vectors of the output held in registers.
     ///
     /// # Safety
-    /// The CPU must have AVX; each `out[h]` points at `d ≥ e0 + 8V` writable values no other
-    /// pointer here aliases, all `p[h]` have length `n`, `(n − 1)·stride + d ≤ m.len()`.
+    /// The CPU must have AVX; `e0 + 8V ≤ out.len()` and `(p.len() − 1)·stride + out.len() ≤
+    /// m.len()`.
     #[inline(always)]
-    unsafe fn weighted_slice<const H: usize, const V: usize>(
-        p: [&[f32]; H],
+    unsafe fn weighted_slice<const V: usize>(
+        p: &[f32],
         m: &[f32],
         stride: usize,
-        out: [*mut f32; H],
+        out: &mut [f32],
         e0: usize,
     ) {
-        // SAFETY: loads and stores of out[h][e0 + 8g ..][..8] (g < V, within out[h]) and
-        // loads of m[j·stride + e0 + 8g ..][..8] (within row j's first d values, inside `m`
-        // by the caller's bound); AVX by the caller's contract.
+        // SAFETY: loads and stores of out[e0 + 8g ..][..8] (g < V, within `out`) and of
+        // m[j·stride + e0 + 8g ..][..8] (within row j's first out.len() values, inside `m` by
+        // the caller's bound); AVX by the caller's contract.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); V]; H];
-            for h in 0..H {
-                for g in 0..V {
-                    acc[h][g] = _mm256_loadu_ps(out[h].add(e0 + 8 * g));
-                }
+            let mut acc = [_mm256_setzero_ps(); V];
+            for g in 0..V {
+                acc[g] = _mm256_loadu_ps(out.as_ptr().add(e0 + 8 * g));
             }
-            for j in 0..p[0].len() {
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pj);
                 let r = m.as_ptr().add(j * stride + e0);
-                let pv: [__m256; H] = std::array::from_fn(|h| _mm256_set1_ps(p[h][j]));
                 for g in 0..V {
-                    let v = _mm256_loadu_ps(r.add(8 * g));
-                    for h in 0..H {
-                        acc[h][g] = _mm256_add_ps(acc[h][g], _mm256_mul_ps(pv[h], v));
-                    }
+                    acc[g] =
+                        _mm256_add_ps(acc[g], _mm256_mul_ps(pv, _mm256_loadu_ps(r.add(8 * g))));
                 }
             }
-            for h in 0..H {
-                for g in 0..V {
-                    _mm256_storeu_ps(out[h].add(e0 + 8 * g), acc[h][g]);
-                }
+            for g in 0..V {
+                _mm256_storeu_ps(out.as_mut_ptr().add(e0 + 8 * g), acc[g]);
             }
         }
     }
@@ -743,13 +686,13 @@ mod tests {
         a.iter().zip(w).map(|(&x, &y)| x as f64 * y as f64).sum()
     }
 
-    /// Up to three attention queries against strided key rows: every score has the bits of
-    /// [`dot`] on that pair and is close to the f64 dot, for head widths with and without a
-    /// partial 32-lane chunk, on every instruction set.
+    /// An attention query against strided key rows: every score has the bits of [`dot`] on
+    /// that pair and is close to the f64 dot, for head widths with and without a partial
+    /// 32-lane chunk and row counts around the three-row passes, on every instruction set.
     #[test]
     fn strided_dots_are_the_dot_of_each_row() {
         for isa in [Isa::Scalar, Isa::best_available()] {
-            for (hd, stride, n) in [
+            for (hd, stride, rows) in [
                 (64, 192, 1),
                 (64, 192, 7),
                 (80, 160, 9),
@@ -757,41 +700,33 @@ mod tests {
                 (128, 128, 3),
                 (256, 512, 5),
             ] {
-                let m = pseudo_random((n - 1) * stride + hd, (n * stride) as u32);
-                for rows in 1..=MAX_PASS_ROWS {
-                    let qs: Vec<Vec<f32>> = (0..rows)
-                        .map(|r| pseudo_random(hd, (hd + r) as u32))
-                        .collect();
-                    let q: Vec<&[f32]> = qs.iter().map(|v| v.as_slice()).collect();
-                    let mut out = vec![f32::NAN; rows * n];
-                    dot_strided(isa, &q, &m, stride, &mut out);
-                    for r in 0..rows {
-                        for j in 0..n {
-                            let row = &m[j * stride..j * stride + hd];
-                            let o = out[r * n + j];
-                            assert_eq!(
-                                o.to_bits(),
-                                dot_scalar(q[r], row).to_bits(),
-                                "{isa:?} hd {hd} q {r} row {j}"
-                            );
-                            assert!(
-                                (o as f64 - dot_f64(q[r], row)).abs() < 1e-4,
-                                "{isa:?} hd {hd} row {j}"
-                            );
-                        }
-                    }
+                let a = pseudo_random(hd, hd as u32);
+                let m = pseudo_random((rows - 1) * stride + hd, (rows * stride) as u32);
+                let mut out = vec![f32::NAN; rows];
+                dot_strided(isa, &a, &m, stride, &mut out);
+                for (j, &o) in out.iter().enumerate() {
+                    let row = &m[j * stride..j * stride + hd];
+                    assert_eq!(
+                        o.to_bits(),
+                        dot_scalar(&a, row).to_bits(),
+                        "{isa:?} hd {hd} row {j}"
+                    );
+                    assert!(
+                        (o as f64 - dot_f64(&a, row)).abs() < 1e-4,
+                        "{isa:?} hd {hd} row {j}"
+                    );
                 }
             }
         }
     }
 
-    /// The probability-weighted sums of value rows for one to three heads at once: the SIMD
-    /// path gives the reference's bits for each head (a rounded product, then a rounded sum,
-    /// rows in order) for widths that are whole slices, partial ones and a scalar tail, added to
-    /// what `out` held; and the reference is the f64 sum within rounding.
+    /// The probability-weighted sum of value rows: the SIMD path gives the reference's bits
+    /// (a rounded product, then a rounded sum, rows in order) for widths that are whole
+    /// 64-element slices, partial ones and a scalar tail, added to what `out` held; and the
+    /// reference is the f64 sum within rounding.
     #[test]
     fn weighted_rows_match_the_reference_bit_for_bit() {
-        for (d, stride, n) in [
+        for (d, stride, rows) in [
             (64, 192, 1),
             (64, 192, 33),
             (8, 24, 5),
@@ -800,40 +735,23 @@ mod tests {
             (128, 256, 64),
             (7, 7, 3),
         ] {
-            let m = pseudo_random((n - 1) * stride + d, d as u32);
-            for heads in 1..=MAX_PASS_ROWS {
-                let ps: Vec<Vec<f32>> = (0..heads)
-                    .map(|h| pseudo_random(n, (7 + n + h) as u32))
-                    .collect();
-                let inits: Vec<Vec<f32>> = (0..heads)
-                    .map(|h| pseudo_random(d, 99 + h as u32))
-                    .collect();
-                let mut want = inits.clone();
-                for h in 0..heads {
-                    add_weighted_rows_scalar(&ps[h], &m, stride, &mut want[h]);
-                    for (e, &w) in want[h].iter().enumerate() {
-                        let exact: f64 = inits[h][e] as f64
-                            + (0..n)
-                                .map(|j| ps[h][j] as f64 * m[j * stride + e] as f64)
-                                .sum::<f64>();
-                        assert!((w as f64 - exact).abs() < 1e-4, "d {d} element {e}");
-                    }
-                }
-                for isa in [Isa::Scalar, Isa::best_available()] {
-                    let mut got = inits.clone();
-                    let p: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
-                    let mut outs: Vec<&mut [f32]> =
-                        got.iter_mut().map(|v| v.as_mut_slice()).collect();
-                    add_weighted_rows(isa, &p, &m, stride, &mut outs);
-                    let bits = |v: &[Vec<f32>]| {
-                        v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>()
-                    };
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{isa:?} d {d} rows {n} heads {heads}"
-                    );
-                }
+            let p = pseudo_random(rows, 7 + rows as u32);
+            let m = pseudo_random((rows - 1) * stride + d, d as u32);
+            let init = pseudo_random(d, 99);
+            let mut want = init.clone();
+            add_weighted_rows_scalar(&p, &m, stride, &mut want);
+            for (e, &w) in want.iter().enumerate() {
+                let exact: f64 = init[e] as f64
+                    + (0..rows)
+                        .map(|j| p[j] as f64 * m[j * stride + e] as f64)
+                        .sum::<f64>();
+                assert!((w as f64 - exact).abs() < 1e-4, "d {d} element {e}");
+            }
+            for isa in [Isa::Scalar, Isa::best_available()] {
+                let mut got = init.clone();
+                add_weighted_rows(isa, &p, &m, stride, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{isa:?} d {d} rows {rows}");
             }
         }
     }
