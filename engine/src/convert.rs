@@ -98,6 +98,14 @@ pub struct ConvertReport {
     pub warnings: Vec<String>,
 }
 
+impl ConvertReport {
+    /// Tensors per type as the commands print them: `25 q4_K, 5 q6_K, 21 f32`.
+    pub fn types_summary(&self) -> String {
+        let types: Vec<String> = self.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        types.join(", ")
+    }
+}
+
 /// One tensor to write: its GGUF name, row-major shape, type and where its rows come from.
 struct Plan {
     name: String,

@@ -57,16 +57,11 @@ pub fn run(a: ConvertArgs) -> Result<()> {
     for w in &report.warnings {
         eprintln!("coli: warning: {w}");
     }
-    let types: Vec<String> = report
-        .types
-        .iter()
-        .map(|(t, n)| format!("{n} {t}"))
-        .collect();
     eprintln!(
         "coli: wrote {} ({} tensors: {}; {} from {}) in {:.1} s",
         a.out.display(),
         report.tensors,
-        types.join(", "),
+        report.types_summary(),
         colibri::store::budget::format_size(report.bytes_out as u64),
         colibri::store::budget::format_size(report.bytes_in as u64),
         t0.elapsed().as_secs_f64()

@@ -769,11 +769,6 @@ pub fn run(args: SynthArgs) -> Result<()> {
             for w in &report.warnings {
                 eprintln!("coli: warning: {w}");
             }
-            let types: Vec<String> = report
-                .types
-                .iter()
-                .map(|(t, n)| format!("{n} {t}"))
-                .collect();
             let size = std::fs::metadata(&args.out)
                 .with_context(|| format!("reading {}", args.out.display()))?
                 .len();
@@ -783,7 +778,7 @@ pub fn run(args: SynthArgs) -> Result<()> {
                 format_size(size),
                 args.seed,
                 report.tensors,
-                types.join(", "),
+                report.types_summary(),
                 format_size(report.bytes_out),
                 format_size(report.bytes_in),
                 match args.dtype {
