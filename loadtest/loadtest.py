@@ -184,9 +184,13 @@ def one_request(client, scenario, req):
         rec["itl_s"] = [b - a for a, b in zip(token_times, token_times[1:])]
         rec["completion_tokens"] = usage.completion_tokens if usage else None
         rec["prompt_tokens"] = usage.prompt_tokens if usage else None
+        # Streamed chunks that carried text or a tool call: the token count of a server that
+        # sends no usage (one token per chunk there).
+        rec["content_chunks"] = len(token_times)
+        generated = usage.completion_tokens if usage else len(token_times)
         # A tool call arrives whole in one delta: no per-token timing to speak of.
-        if usage and usage.completion_tokens > 1 and token_times and scenario != "tools":
-            rec["decode_tok_s"] = (usage.completion_tokens - 1) / max(end - token_times[0], 1e-9)
+        if generated > 1 and token_times and scenario != "tools":
+            rec["decode_tok_s"] = (generated - 1) / max(end - token_times[0], 1e-9)
         rec["finish_reason"] = finish
         # A constrained answer cut by max_tokens cannot be complete: counted, not judged.
         bad = None if finish == "length" and scenario in ("tools", "json") else check(scenario, "".join(content), tool_calls)
@@ -276,7 +280,10 @@ def main():
     for r in records:
         if r["error"] is not None:
             errors[str(r["status"])] = errors.get(str(r["status"]), 0) + 1
-    generated = sum(r.get("completion_tokens") or 0 for r in ok)
+    # Usage when the server sent it, else the streamed chunks (counted in `without_usage`).
+    without_usage = [r for r in ok if r.get("completion_tokens") is None]
+    generated = sum(r["completion_tokens"] for r in ok if r.get("completion_tokens") is not None)
+    generated += sum(r.get("content_chunks", 0) for r in without_usage)
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     itl = [x for r in ok for x in r.get("itl_s", [])]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
@@ -298,6 +305,7 @@ def main():
         "error_samples": [r["error"] for r in records if r["error"]][:5],
         "wall_s": wall,
         "generated_tokens": generated,
+        "without_usage": len(without_usage),
         "aggregate_tok_s": generated / wall if wall > 0 else None,
         "per_stream_decode_tok_s": {"mean": statistics.mean(decode) if decode else None, **pct(decode)},
         "ttft_s": pct(ttft),

@@ -46,6 +46,10 @@ pub struct BenchReport {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub cold: bool,
+    /// Seconds from the start of the load to a model ready to run (headers, dense weights,
+    /// the resident experts).
+    pub load_seconds: f64,
+    /// Seconds of the prefill and the first sample (the load not included).
     pub ttft_seconds: f64,
     pub prefill_tok_per_s: f64,
     pub decode_tok_per_s: f64,
@@ -105,7 +109,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let cold = if args.cold { drop_page_cache() } else { false };
     let machine = crate::machine::bandwidths(args.remeasure)?;
+    let load_start = Instant::now();
     let loaded = args.model.load(false)?;
+    let load_seconds = load_start.elapsed().as_secs_f64();
     let model = loaded.model.as_ref();
     let info = model.info().clone();
     let vocab = info.vocab_size as u64;
@@ -185,6 +191,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         prompt_tokens: args.prompt_tokens,
         gen_tokens: args.gen_tokens,
         cold,
+        load_seconds,
         ttft_seconds: ttft,
         prefill_tok_per_s: args.prompt_tokens as f64 / prefill,
         decode_tok_per_s,

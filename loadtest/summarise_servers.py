@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Summarise loadtest/vs_llama_server.sh's runs.jsonl as a markdown table: per stream count and
+engine, the median over repetitions of aggregate tok/s, TTFT p50/p90 and ITL p50/p90, the
+ratio colibri ÷ llama-server of aggregate tok/s, and the load averages seen.
+
+    python3 loadtest/summarise_servers.py docs/bench/servers-X/runs.jsonl
+"""
+
+import json
+import statistics
+import sys
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(v, scale=1.0, digits=1):
+    return "–" if v is None else f"{v * scale:.{digits}f}"
+
+
+def main():
+    runs = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+    by = {}
+    for r in runs:
+        by.setdefault((r["streams"], r["engine"]), []).append(r)
+    print("| streams | engine | reps | aggregate tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | errors | load avg (1 min) |")
+    print("|---|---|---|---|---|---|---|---|")
+    ratios = {}
+    for streams in sorted({s for s, _ in by}):
+        agg = {}
+        for engine in ("colibri", "llama.cpp"):
+            rs = by.get((streams, engine), [])
+            if not rs:
+                continue
+            s = [r["summary"] for r in rs]
+            agg[engine] = median([x["aggregate_tok_s"] for x in s])
+            ttft50 = median([x["ttft_s"]["p50"] for x in s])
+            ttft90 = median([x["ttft_s"]["p90"] for x in s])
+            itl50 = median([x["itl_s"]["p50"] for x in s])
+            itl90 = median([x["itl_s"]["p90"] for x in s])
+            errors = sum(sum(x["errors_by_status"].values()) for x in s)
+            loads = ", ".join(r["loadavg_before"].split()[0] for r in rs)
+            print(f"| {streams} | {engine} | {len(rs)} | {fmt(agg[engine])} | {fmt(ttft50, 1000, 0)} / {fmt(ttft90, 1000, 0)} "
+                  f"| {fmt(itl50, 1000)} / {fmt(itl90, 1000)} | {errors} | {loads} |")
+        if agg.get("colibri") and agg.get("llama.cpp"):
+            ratios[streams] = agg["colibri"] / agg["llama.cpp"]
+    print()
+    for streams, ratio in ratios.items():
+        print(f"- {streams} streams: colibri ÷ llama-server aggregate tok/s = {ratio:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

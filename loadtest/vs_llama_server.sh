@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Many streams through one server: `coli serve` against llama.cpp's `llama-server` on the same
+# GGUF, same threads, as many slots as streams (continuous batching on both), with 1, 4 and 8
+# concurrent streaming clients (loadtest/loadtest.py, closed loop). Reports aggregate tok/s,
+# TTFT and inter-token latency percentiles per engine, one JSON line per run.
+#
+#   loadtest/vs_llama_server.sh GGUF LLAMA_SERVER [OUT_DIR]
+#
+# Environment: COLI (default target/release/coli), PYTHON (an interpreter with `openai`,
+# loadtest/requirements.txt), THREADS (2), STREAMS ("1 4 8"), REPS (2), GEN (64 generated tokens
+# per request, end-of-sequence ignored on both), ROUNDS (3 requests per client per run).
+# Repetitions interleave the engines; each server runs in its own autogroup at raised priority
+# where allowed (../shared/reference/peer-bench.md) and the load average is recorded beside
+# every number. Both read the file memory-mapped and fully resident (it is read into the page
+# cache first, and one warm-up round per server precedes the measured one). Loopback only.
+# Summarise with loadtest/summarise_servers.py OUT_DIR/runs.jsonl.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF=${1:?usage: vs_llama_server.sh GGUF LLAMA_SERVER [OUT_DIR]}
+LLAMA_SERVER=${2:?usage: vs_llama_server.sh GGUF LLAMA_SERVER [OUT_DIR]}
+OUT=${3:-docs/bench/servers-$(date +%Y%m%d-%H%M)}
+COLI=${COLI:-target/release/coli}
+PYTHON=${PYTHON:-python3}
+THREADS=${THREADS:-2}
+STREAMS=${STREAMS:-1 4 8}
+REPS=${REPS:-2}
+GEN=${GEN:-64}
+ROUNDS=${ROUNDS:-3}
+CTX=${CTX:-1024} # tokens of context per slot
+mkdir -p "$OUT"
+cat "$GGUF" >/dev/null
+
+boost() { setsid bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"; }
+
+# start_server ENGINE STREAMS LOG: starts the server in the background, sets PID and URL.
+start_server() {
+  local engine=$1 n=$2 log=$3
+  if [ "$engine" = colibri ]; then
+    boost "$COLI" serve --model "$GGUF" --mmap --host 127.0.0.1 --port 0 --threads "$THREADS" \
+      --slots "$n" --context "$CTX" --queue-limit 64 2>"$log" &
+  else
+    local port
+    port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    boost "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" \
+      --parallel "$n" -c $((CTX * n)) --cont-batching --no-webui >"$log" 2>&1 &
+    URL="http://127.0.0.1:$port"
+  fi
+  PID=$!
+  for _ in $(seq 1 1200); do
+    if [ "$engine" = colibri ]; then
+      URL=$(sed -n 's/^coli: listening on \(http:[^ ]*\)$/\1/p' "$log" | head -1)
+      if [ -n "$URL" ] && curl -sf "$URL/ready" >/dev/null 2>&1; then return 0; fi
+    elif curl -sf "$URL/health" >/dev/null 2>&1; then
+      return 0
+    fi
+    if ! kill -0 "$PID" 2>/dev/null; then
+      echo "vs_llama_server: $engine exited before it was ready; its log ($log):" >&2
+      tail -20 "$log" >&2
+      exit 1
+    fi
+    sleep 0.5 # polling readiness of a server, not synchronising a test
+  done
+  echo "vs_llama_server: $engine not ready after 10 minutes ($log)" >&2
+  exit 1
+}
+
+for rep in $(seq "$REPS"); do
+  for n in $STREAMS; do
+    for engine in colibri llama.cpp; do
+      tag="$engine-n$n-r$rep"
+      start_server "$engine" "$n" "$OUT/$tag.log"
+      # Warm-up round: page cache, expert cache, the servers' lazy allocations.
+      "$PYTHON" loadtest/loadtest.py --url "$URL" --users "$n" --requests "$n" \
+        --max-tokens 16 --ignore-eos >/dev/null || true
+      load=$(cut -d' ' -f1-3 /proc/loadavg)
+      "$PYTHON" loadtest/loadtest.py --url "$URL" --users "$n" --requests $((n * ROUNDS)) \
+        --max-tokens "$GEN" --ignore-eos --temperature 0.8 --out "$OUT/$tag.json" >/dev/null || true
+      load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+      kill -TERM "$PID"
+      wait "$PID" || true
+      echo "{\"rep\": $rep, \"streams\": $n, \"engine\": \"$engine\", \"threads\": $THREADS, \"loadavg_before\": \"$load\", \"loadavg_after\": \"$load_after\", \"summary\": $("$PYTHON" -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"]))' "$OUT/$tag.json")}" \
+        | tee -a "$OUT/runs.jsonl"
+    done
+  done
+done
+"$PYTHON" loadtest/summarise_servers.py "$OUT/runs.jsonl" | tee "$OUT/table.md"
