@@ -1,21 +1,9 @@
 //! `coli`: colibri's command line — the OpenAI-compatible server and the operator commands.
-
-mod bench;
-mod chat_client;
-mod config;
-mod convert;
-mod demo;
-mod engine_options;
-mod generate_cmd;
-mod info;
-mod kl;
-mod logits;
-mod machine;
-mod model_arg;
-mod serve;
-mod tool_calls;
+//! The commands themselves live in the `colibri_server` library (`src/lib.rs`); this file is
+//! only the argument parser and the dispatch.
 
 use clap::{Parser, Subcommand};
+use colibri_server::{bench, chat_client, config, convert, generate_cmd, info, kl, logits, serve};
 
 /// colibri: run huge Mixture-of-Experts models on the hardware you have.
 #[derive(Parser)]

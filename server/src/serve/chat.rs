@@ -31,14 +31,21 @@ const CHAT_ID_PREFIX: &str = "chatcmpl";
 /// Parse a JSON body, naming the field that is wrong.
 fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(ApiError::from)?;
-    let de = &mut serde_json::Deserializer::from_slice(&body);
+    parse_json(&body)
+}
+
+/// Parse a request body's bytes into a typed request (`T` is [`ChatCompletionRequest`] or
+/// [`CompletionRequest`]): a 400 naming the field that is wrong, or saying what follows the
+/// JSON value.
+pub fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
     let parsed = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let mut path = e.path().to_string();
         let mut inner = e.into_inner().to_string();
         if path == "." || path.is_empty() {
             // serde loses the path inside `#[serde(flatten)]` (the shared sampling fields):
             // find the culprit by reading them on their own.
-            if let Ok(v) = serde_json::from_slice::<Value>(&body) {
+            if let Ok(v) = serde_json::from_slice::<Value>(body) {
                 if let Err(e) = serde_path_to_error::deserialize::<_, SamplingFields>(v) {
                     path = e.path().to_string();
                     inner = e.into_inner().to_string();
@@ -377,7 +384,8 @@ fn new_id(prefix: &str) -> String {
 // ---------------------------------------------------------------------------------------
 
 /// How tools take part in a chat request.
-enum ToolMode {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolMode {
     /// No tools rendered, no parsing.
     Off,
     /// Tools rendered; calls parsed from the output if the model makes them.
@@ -386,8 +394,9 @@ enum ToolMode {
     Required(Option<String>),
 }
 
-/// Render the conversation for the template, checking roles and content.
-fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
+/// The conversation as the chat template reads it, checking roles and content: a 400 naming
+/// the message (and part) that is wrong.
+pub fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages", "`messages` is empty"));
     }
@@ -461,7 +470,9 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Value>, ApiError> {
     Ok(out)
 }
 
-fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
+/// How the request's tools take part ([`ToolMode`]), checking `tools` and `tool_choice`: a 400
+/// naming the field that is wrong.
+pub fn tool_mode(req: &ChatCompletionRequest) -> Result<ToolMode, ApiError> {
     let tools = req.tools.as_deref().unwrap_or(&[]);
     for (i, t) in tools.iter().enumerate() {
         if t.kind != "function" {

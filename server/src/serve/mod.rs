@@ -10,8 +10,8 @@
 //! connection and exits 0. A failed model load — an error or a panic — is reported as failed:
 //! the process exits 1, or with `stay_up_on_load_failure` keeps answering 503 with the error.
 
-mod chat;
-mod errors;
+pub mod chat;
+pub mod errors;
 mod formats;
 pub mod metrics;
 pub mod openai;
