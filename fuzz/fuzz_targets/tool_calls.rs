@@ -6,9 +6,7 @@
 //! never changes a result), no event is empty, and every call's arguments are a JSON object.
 #![no_main]
 
-use std::sync::Arc;
-
-use colibri_server::tool_calls::{ChatStream, Parsed, Syntax, ToolCall, ToolCallFormat, Tools};
+use colibri_server::tool_calls::{Syntax, ToolCallFormat};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
 
@@ -42,31 +40,11 @@ fn tools() -> Vec<Value> {
     ]
 }
 
-type Read = (Option<String>, String, Vec<ToolCall>);
+type Read = colibri_server::tool_calls::StreamRead;
 
 fn read(syntax: Syntax, prompt: &str, with_tools: bool, pieces: &[&str]) -> Read {
-    let tools = with_tools.then(|| (Arc::new(Tools::new(&tools())), "call_x"));
-    let mut s = ChatStream::new(syntax, prompt, tools);
-    let mut events = Vec::new();
-    for p in pieces {
-        events.extend(s.push(p));
-    }
-    events.extend(s.finish());
-    let (mut reasoning, mut content, mut calls) = (None::<String>, String::new(), Vec::new());
-    for e in events {
-        match e {
-            Parsed::Reasoning(t) => {
-                assert!(!t.is_empty(), "an empty reasoning event");
-                reasoning.get_or_insert_with(String::new).push_str(&t)
-            }
-            Parsed::Content(t) => {
-                assert!(!t.is_empty(), "an empty content event");
-                content.push_str(&t)
-            }
-            Parsed::Call(c) => calls.push(c),
-        }
-    }
-    (reasoning, content, calls)
+    let tools = with_tools.then(tools);
+    colibri_server::tool_calls::read_stream(syntax, prompt, tools.as_deref(), pieces)
 }
 
 fuzz_target!(|data: &[u8]| {

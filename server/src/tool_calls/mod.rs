@@ -539,6 +539,43 @@ impl ChatStream {
     }
 }
 
+/// What a whole generation reads as: its reasoning (if any), its content and its calls.
+pub type StreamRead = (Option<String>, String, Vec<ToolCall>);
+
+/// Read `pieces`, generated after `prompt`, through a [`ChatStream`] with the request's
+/// `tools` (`None`: calls are not read), joining the events; a piece boundary must never
+/// change the result (the tests and the fuzz target compare chunkings). Panics on an empty
+/// event, which the stream must never emit.
+pub fn read_stream(
+    syntax: Syntax,
+    prompt: &str,
+    tools: Option<&[serde_json::Value]>,
+    pieces: &[&str],
+) -> StreamRead {
+    let tools = tools.map(|t| (Arc::new(Tools::new(t)), "call_x"));
+    let mut s = ChatStream::new(syntax, prompt, tools);
+    let mut events = Vec::new();
+    for p in pieces {
+        events.extend(s.push(p));
+    }
+    events.extend(s.finish());
+    let (mut reasoning, mut content, mut calls) = (None::<String>, String::new(), Vec::new());
+    for e in events {
+        match e {
+            Parsed::Reasoning(t) => {
+                assert!(!t.is_empty(), "an empty reasoning event");
+                reasoning.get_or_insert_with(String::new).push_str(&t)
+            }
+            Parsed::Content(t) => {
+                assert!(!t.is_empty(), "an empty content event");
+                content.push_str(&t)
+            }
+            Parsed::Call(c) => calls.push(c),
+        }
+    }
+    (reasoning, content, calls)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

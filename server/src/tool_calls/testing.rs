@@ -3,14 +3,13 @@
 //! a grammar driven token by token over a fixture tokenizer.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use colibri::format::chat_template::ChatTemplate;
 use colibri::format::tokenizer::Tokenizer;
 use colibri::runtime::grammar::{Grammar, GrammarVocab};
 use serde_json::Value;
 
-use super::{ChatStream, Parsed, Syntax, ToolCall, ToolCallFormat, Tools};
+use super::{Syntax, ToolCall, ToolCallFormat};
 
 /// Every way of cutting `text` into two pieces at char boundaries, plus one char at a time.
 pub(crate) fn splits(text: &str) -> Vec<Vec<&str>> {
@@ -29,7 +28,7 @@ pub(crate) fn splits(text: &str) -> Vec<Vec<&str>> {
 }
 
 /// What a reader made of a text: (reasoning, content, calls).
-pub(crate) type Read = (Option<String>, String, Vec<ToolCall>);
+pub(crate) type Read = super::StreamRead;
 
 /// The syntax of `format` with reasoning read.
 pub(crate) fn syntax(format: ToolCallFormat) -> Syntax {
@@ -42,28 +41,7 @@ pub(crate) fn syntax(format: ToolCallFormat) -> Syntax {
 /// Read `pieces`, generated after `prompt`, with the request's `tools` (`None`: calls are not
 /// read). No event is empty.
 pub(crate) fn read(syntax: Syntax, prompt: &str, tools: Option<&[Value]>, pieces: &[&str]) -> Read {
-    let tools = tools.map(|t| (Arc::new(Tools::new(t)), "call_x"));
-    let mut s = ChatStream::new(syntax, prompt, tools);
-    let mut events = Vec::new();
-    for p in pieces {
-        events.extend(s.push(p));
-    }
-    events.extend(s.finish());
-    let (mut reasoning, mut content, mut calls) = (None::<String>, String::new(), Vec::new());
-    for e in events {
-        match e {
-            Parsed::Reasoning(t) => {
-                assert!(!t.is_empty(), "an empty reasoning event");
-                reasoning.get_or_insert_with(String::new).push_str(&t)
-            }
-            Parsed::Content(t) => {
-                assert!(!t.is_empty(), "an empty content event");
-                content.push_str(&t)
-            }
-            Parsed::Call(c) => calls.push(c),
-        }
-    }
-    (reasoning, content, calls)
+    super::read_stream(syntax, prompt, tools, pieces)
 }
 
 /// A call with this id, name and arguments (JSON text, compared as written).
