@@ -10,8 +10,9 @@
 # history; `warm` = the second run, with the pins the first one learned), and llama.cpp
 # (memory-mapped, which cannot be capped; `cold` after dropping the page cache, `warm` right
 # after). Prefill PROMPT tokens, decode GEN. TTFT for both = load + prefill of the first
-# prompt (llama.cpp without its warm-up eval). One JSON line per run; needs root for
-# /proc/sys/vm/drop_caches.
+# prompt (llama.cpp without its warm-up eval). A run longer than TIMEOUT seconds (default 1200)
+# is stopped and reported as `"timed_out": true` with the seconds it ran. One JSON line per run;
+# needs root for /proc/sys/vm/drop_caches.
 set -euo pipefail
 W=$1; PY=$2
 COLI=${COLI:-target/release/coli}
@@ -23,6 +24,7 @@ PROMPT=${PROMPT:-32}
 GEN=${GEN:-32}
 REPS=${REPS:-1}
 RAM_FRACTION=${RAM_FRACTION:-0.6}
+TIMEOUT=${TIMEOUT:-1200}
 mkdir -p "$W"
 F="$W/big-$TYPE.gguf"
 if [ ! -f "$F" ]; then
@@ -37,7 +39,20 @@ if [ "$size" -lt $((ram * 13 / 10)) ]; then
   exit 1
 fi
 budget=$(python3 -c "print(int($ram * $RAM_FRACTION))")
-boost() { setsid bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"; }
+boost() { setsid timeout "$TIMEOUT" bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"; }
+# Runs "$@"; prints its JSON report, or a timed-out record with the seconds it ran.
+report() {
+  local t0 out rc
+  t0=$(date +%s.%N)
+  rc=0; out=$(boost "$@") || rc=$?
+  if [ "$rc" = 124 ]; then
+    echo "{\"timed_out\": true, \"seconds\": $(echo "$(date +%s.%N) - $t0" | bc)}"
+  elif [ "$rc" != 0 ]; then
+    echo "{\"failed\": $rc}"
+  else
+    echo "$out"
+  fi
+}
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 state=$(mktemp -d)
 meta="\"file_bytes\": $size, \"ram_bytes\": $ram, \"type\": \"$TYPE\", \"threads\": $THREADS"
@@ -46,14 +61,14 @@ for rep in $(seq "$REPS"); do
   for run in cold warm; do
     [ "$run" = cold ] && drop
     load=$(cut -d' ' -f1-3 /proc/loadavg)
-    c=$(COLI_STATE_DIR="$state" boost $COLI bench -m "$F" --ram "$budget" --direct-io \
+    c=$(COLI_STATE_DIR="$state" report $COLI bench -m "$F" --ram "$budget" --direct-io \
       --threads "$THREADS" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --json 2>/dev/null)
     echo "{\"rep\": $rep, $meta, \"engine\": \"colibri --ram $budget --direct-io\", \"run\": \"$run\", \"loadavg\": \"$load\", \"report\": $c}"
   done
   for run in cold warm; do
     [ "$run" = cold ] && drop
     load=$(cut -d' ' -f1-3 /proc/loadavg)
-    l=$(boost "$PY" engine/benches/llama_cpp_speed.py "$F" --threads "$THREADS" \
+    l=$(report "$PY" engine/benches/llama_cpp_speed.py "$F" --threads "$THREADS" \
       --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --no-warmup)
     echo "{\"rep\": $rep, $meta, \"engine\": \"llama.cpp mmap\", \"run\": \"$run\", \"loadavg\": \"$load\", \"report\": $l}"
   done
