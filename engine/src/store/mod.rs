@@ -141,6 +141,35 @@ impl Lease {
         self
     }
 
+    /// Every expert that is ready now (waiting for one if none is), or `None` when all have
+    /// been handed out: a caller computes each batch in one step while later reads land.
+    pub fn next_ready(&mut self) -> Option<Result<Vec<(usize, Arc<Expert>)>>> {
+        let mut batch: Vec<(usize, Arc<Expert>)> = self.ready.by_ref().collect();
+        if batch.is_empty() {
+            match self.next_expert()? {
+                Ok(e) => batch.push(e),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        while self.pending > 0 {
+            let Some(arrivals) = self.arrivals.as_ref() else {
+                break;
+            };
+            match arrivals.try_recv() {
+                Ok(Ok(e)) => {
+                    self.pending -= 1;
+                    batch.push(e);
+                }
+                Ok(Err(e)) => {
+                    self.pending -= 1;
+                    return Some(Err(e));
+                }
+                Err(_) => break,
+            }
+        }
+        Some(Ok(batch))
+    }
+
     /// The next ready expert (blocking until one arrives), or `None` when all were handed out.
     /// A failed read is returned as an error.
     pub fn next_expert(&mut self) -> Option<Result<(usize, Arc<Expert>)>> {

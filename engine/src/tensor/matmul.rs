@@ -133,6 +133,62 @@ pub fn matmul_pair(x: &[f32], a: &WeightView<'_>, b: &WeightView<'_>) -> (Vec<f3
     (matmul_new(x, a), matmul_new(x, b))
 }
 
+/// One set of activation rows and the weights applied to it, each with its output, for
+/// [`matmul_groups`].
+pub type MatmulGroup<'a, 'w> = (&'a [f32], Vec<(&'a WeightView<'w>, &'a mut [f32])>);
+
+/// Products of several activation sets, each with its own weights (every expert of a MoE
+/// layer): where all the weights are block-quantized with one activation format and one row
+/// length they run in one parallel step (see [`qmatmul_groups`](super::qmatmul::qmatmul_groups));
+/// otherwise product by product. Every result is the one [`matmul`] gives.
+pub fn matmul_groups(groups: &mut [MatmulGroup<'_, '_>]) {
+    let cols = groups
+        .iter()
+        .flat_map(|g| g.1.iter())
+        .map(|(w, _)| w.cols)
+        .next();
+    let quantized = groups
+        .iter()
+        .flat_map(|g| g.1.iter())
+        .all(|(w, _)| matches!(w.data, WeightData::Quant(..)) && Some(w.cols) == cols);
+    match cols {
+        Some(k_dim) if quantized => {
+            let xs: Vec<&[f32]> = groups.iter().map(|g| g.0).collect();
+            let mut mats: Vec<Vec<super::qmatmul::QMat<'_>>> = groups
+                .iter_mut()
+                .map(|(_, ws)| {
+                    ws.iter_mut()
+                        .map(|(w, out)| {
+                            let WeightData::Quant(ty, bytes) = w.data else {
+                                unreachable!("checked above")
+                            };
+                            super::qmatmul::QMat {
+                                ty,
+                                bytes,
+                                n: w.rows,
+                                out: &mut **out,
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut qgroups: Vec<super::qmatmul::QGroup<'_, '_, '_>> = xs
+                .into_iter()
+                .zip(mats.iter_mut())
+                .map(|(x, mats)| super::qmatmul::QGroup { x, mats })
+                .collect();
+            super::qmatmul::qmatmul_groups(k_dim, &mut qgroups);
+        }
+        _ => {
+            for (x, ws) in groups.iter_mut() {
+                for (w, out) in ws.iter_mut() {
+                    matmul(x, w, out);
+                }
+            }
+        }
+    }
+}
+
 /// [`matmul`] into a new vector.
 pub fn matmul_new(x: &[f32], w: &WeightView<'_>) -> Vec<f32> {
     let m = x.len() / w.cols;

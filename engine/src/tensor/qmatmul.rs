@@ -593,15 +593,47 @@ pub struct QMat<'a> {
 /// quantized once and every matrix's rows are shared out in one parallel step. Each output
 /// element is computed exactly as [`qmatmul`] computes it.
 pub fn qmatmul_multi(x: &[f32], k_dim: usize, mats: &mut [QMat<'_>]) {
-    assert!(
-        k_dim > 0 && x.len().is_multiple_of(k_dim),
-        "qmatmul: x is not a whole number of rows"
-    );
-    let m = x.len() / k_dim;
-    let format = mats.first().and_then(|q| act_format(q.ty));
-    if mats.len() > 1 && (format.is_none() || mats.iter().any(|q| act_format(q.ty) != format)) {
-        for q in mats.iter_mut() {
-            qmatmul_multi(x, k_dim, std::slice::from_mut(q));
+    qmatmul_groups(k_dim, &mut [QGroup { x, mats }]);
+}
+
+/// Activation rows and the quantized matrices that multiply them, for [`qmatmul_groups`].
+pub struct QGroup<'x, 'm, 'q> {
+    /// `m × k_dim` activations.
+    pub x: &'x [f32],
+    /// The matrices applied to `x`, each with its `m × n` output.
+    pub mats: &'m mut [QMat<'q>],
+}
+
+/// Products of several activation sets, each with its own matrices (the gate and up of every
+/// expert of a MoE layer): each set is quantized once and all the matrices' rows are shared
+/// out in one parallel step, so a layer's experts cost one hand-off between threads instead of
+/// one per expert. Each output element is computed exactly as [`qmatmul`] computes it (the
+/// same activation rows grouped the same way against the same weight row), so grouping never
+/// changes a bit. Matrices whose activation formats differ run one by one.
+pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
+    assert!(k_dim > 0, "qmatmul: zero-length rows");
+    for g in groups.iter() {
+        assert!(
+            g.x.len().is_multiple_of(k_dim),
+            "qmatmul: x is not a whole number of rows"
+        );
+    }
+    let mut formats = groups
+        .iter()
+        .flat_map(|g| g.mats.iter())
+        .map(|q| act_format(q.ty));
+    let format = formats.next().flatten();
+    if !formats.all(|f| f == format) {
+        for g in groups.iter_mut() {
+            for q in g.mats.iter_mut() {
+                qmatmul_groups(
+                    k_dim,
+                    &mut [QGroup {
+                        x: g.x,
+                        mats: std::slice::from_mut(q),
+                    }],
+                );
+            }
         }
         return;
     }
@@ -612,52 +644,67 @@ pub fn qmatmul_multi(x: &[f32], k_dim: usize, mats: &mut [QMat<'_>]) {
         row_bytes: usize,
         out: OutPtr,
         first_task: usize,
+        group: usize,
     }
-    let mut jobs = Vec::with_capacity(mats.len());
+    let mut jobs = Vec::new();
     let mut tasks = 0;
     let mut work = 0;
-    for q in mats.iter_mut() {
-        assert_eq!(q.out.len(), m * q.n, "qmatmul: output has the wrong size");
-        let row_bytes = q.ty.row_bytes(k_dim).expect("row length checked at load");
-        assert_eq!(
-            q.bytes.len(),
-            q.n * row_bytes,
-            "qmatmul: weight bytes do not match the shape"
-        );
-        jobs.push(Job {
-            ty: q.ty,
-            bytes: q.bytes,
-            n: q.n,
-            row_bytes,
-            out: OutPtr(q.out.as_mut_ptr()),
-            first_task: tasks,
-        });
-        tasks += q.n.div_ceil(ROWS_PER_TASK);
-        work += m * q.n * k_dim;
+    for (gi, g) in groups.iter_mut().enumerate() {
+        let m = g.x.len() / k_dim;
+        for q in g.mats.iter_mut() {
+            assert_eq!(q.out.len(), m * q.n, "qmatmul: output has the wrong size");
+            let row_bytes = q.ty.row_bytes(k_dim).expect("row length checked at load");
+            assert_eq!(
+                q.bytes.len(),
+                q.n * row_bytes,
+                "qmatmul: weight bytes do not match the shape"
+            );
+            jobs.push(Job {
+                ty: q.ty,
+                bytes: q.bytes,
+                n: q.n,
+                row_bytes,
+                out: OutPtr(q.out.as_mut_ptr()),
+                first_task: tasks,
+                group: gi,
+            });
+            tasks += q.n.div_ceil(ROWS_PER_TASK);
+            work += m * q.n * k_dim;
+        }
     }
+    if jobs.is_empty() {
+        return;
+    }
+    let xs: Vec<&[f32]> = groups.iter().map(|g| g.x).collect();
     let isa = Isa::detect();
     let job_of = |t: usize| {
-        let job = jobs
-            .iter()
-            .rev()
-            .find(|j| j.first_task <= t)
-            .expect("task 0 is in job 0");
-        (job, t - job.first_task)
+        // Jobs are in task order: the last one starting at or before `t` owns it.
+        let at = jobs.partition_point(|j| j.first_task <= t) - 1;
+        (&jobs[at], t - jobs[at].first_task)
     };
     match format {
         Some(format) => {
-            let acts = QuantizedActs::quantize(format, x, k_dim);
-            let act_rows: Vec<ActRow<'_>> = (0..m).map(|i| acts.row(i)).collect();
+            let acts: Vec<QuantizedActs> = xs
+                .iter()
+                .map(|x| QuantizedActs::quantize(format, x, k_dim))
+                .collect();
+            let act_rows: Vec<Vec<ActRow<'_>>> = xs
+                .iter()
+                .zip(&acts)
+                .map(|(x, a)| (0..x.len() / k_dim).map(|i| a.row(i)).collect())
+                .collect();
             // Activation rows are taken in chunks that stay in L1 while every weight row of
             // the task passes over them (otherwise each weight row re-streams all of them).
             let chunk = (X_CHUNK_BYTES / k_dim).max(1).div_ceil(ROW_GROUP) * ROW_GROUP;
             let run = |t: usize| {
                 let (job, t) = job_of(t);
                 let (ty, n) = (job.ty, job.n);
+                let act_rows = &act_rows[job.group];
+                let m = act_rows.len();
                 let w_row = |j: usize| &job.bytes[j * job.row_bytes..(j + 1) * job.row_bytes];
                 // SAFETY: every index i*n + j written has i < m and j < n, so it is inside the
-                // job's output, and each (i, j) is written by exactly one task (the one owning
-                // row j of this job).
+                // job's output (asserted `m × n` above), and each (i, j) is written by exactly
+                // one task (the one owning row j of this job).
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
                 let mut i0 = 0;
@@ -688,6 +735,8 @@ pub fn qmatmul_multi(x: &[f32], k_dim: usize, mats: &mut [QMat<'_>]) {
             let run = |t: usize| {
                 let (job, t) = job_of(t);
                 let (ty, n) = (job.ty, job.n);
+                let x = xs[job.group];
+                let m = x.len() / k_dim;
                 // SAFETY: as above.
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
@@ -2275,6 +2324,97 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ya), bits(&sa), "{ta}/{tb}: first");
             assert_eq!(bits(&yb), bits(&sb), "{ta}/{tb}: second");
+        }
+    }
+
+    /// One parallel step over several activation sets (a MoE layer's experts, each with its own
+    /// rows: 1, 3, 4, 9 and 17 of them, so every row-group tail is hit) changes no bit of any
+    /// product, for every block format (integer and dequantized paths), with mixed formats,
+    /// and on 1 or 3 threads.
+    #[test]
+    fn groups_equal_separate_products() {
+        let k = 256;
+        let ms = [1usize, 3, 4, 9, 17];
+        let n = 37;
+        let mut cases: Vec<Vec<QuantType>> = QuantType::ALL
+            .into_iter()
+            .filter(|t| t.row_bytes(k).is_ok())
+            .map(|t| vec![t; ms.len()])
+            .collect();
+        cases.push(vec![
+            QuantType::Q4_K,
+            QuantType::Q8_0,
+            QuantType::Q4_K,
+            QuantType::MXFP4,
+            QuantType::Q6_K,
+        ]);
+        for tys in cases {
+            let xs: Vec<Vec<f32>> = ms
+                .iter()
+                .enumerate()
+                .map(|(g, &m)| values(m * k, 100 + g as u64))
+                .collect();
+            // Two matrices per group (gate and up), of the group's type.
+            let ws: Vec<[Vec<u8>; 2]> = tys
+                .iter()
+                .enumerate()
+                .map(|(g, &ty)| {
+                    [0u64, 1].map(|h| quantized(ty, &values(n * k, 200 + 2 * g as u64 + h), k))
+                })
+                .collect();
+            let mut alone = Vec::new();
+            for (g, &ty) in tys.iter().enumerate() {
+                for w in &ws[g] {
+                    let mut out = vec![0.0f32; ms[g] * n];
+                    qmatmul(&xs[g], ty, w, n, k, &mut out);
+                    alone.push(out);
+                }
+            }
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut outs: Vec<Vec<f32>> =
+                    alone.iter().map(|o| vec![f32::NAN; o.len()]).collect();
+                pool.install(|| {
+                    let mut mats: Vec<Vec<QMat<'_>>> = Vec::new();
+                    let mut rest = outs.as_mut_slice();
+                    for (g, &ty) in tys.iter().enumerate() {
+                        let (two, tail) = rest.split_at_mut(2);
+                        rest = tail;
+                        let [a, b] = two else { unreachable!() };
+                        mats.push(vec![
+                            QMat {
+                                ty,
+                                bytes: &ws[g][0],
+                                n,
+                                out: a,
+                            },
+                            QMat {
+                                ty,
+                                bytes: &ws[g][1],
+                                n,
+                                out: b,
+                            },
+                        ]);
+                    }
+                    let mut groups: Vec<QGroup<'_, '_, '_>> = xs
+                        .iter()
+                        .zip(mats.iter_mut())
+                        .map(|(x, mats)| QGroup { x, mats })
+                        .collect();
+                    qmatmul_groups(k, &mut groups);
+                });
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for (i, (got, want)) in outs.iter().zip(&alone).enumerate() {
+                    assert_eq!(
+                        bits(got),
+                        bits(want),
+                        "{tys:?}, {threads} threads: product {i}"
+                    );
+                }
+            }
         }
     }
 
