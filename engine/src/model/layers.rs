@@ -1077,12 +1077,7 @@ impl MoeBlock {
             // Every expert ready at once runs in one parallel step (all of a resident layer's;
             // a streamed layer's in the batches its reads complete in).
             while let Some(batch) = lease.next_ready() {
-                let mut cpu: Vec<(
-                    usize,
-                    Arc<crate::store::Expert>,
-                    Vec<(usize, usize)>,
-                    Vec<f32>,
-                )> = Vec::new();
+                let mut cpu: Vec<DeviceExpertWork> = Vec::new();
                 for item in batch? {
                     let (e, expert) = item;
                     let mut rows: Vec<(usize, usize)> = Vec::new();
@@ -1178,8 +1173,8 @@ impl MoeBlock {
     }
 }
 
-/// An expert for the device thread of [`MoeBlock::forward_routes`]: its id, matrices, the
-/// (row, slot) pairs it serves and their input rows.
+/// An expert's work in [`MoeBlock::forward_routes`] (for the device thread or the CPU step):
+/// its id, matrices, the (row, slot) pairs it serves and their input rows.
 type DeviceExpertWork = (
     usize,
     Arc<crate::store::Expert>,

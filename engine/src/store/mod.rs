@@ -103,6 +103,9 @@ pub struct Lease {
     wait_ns: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
+/// Experts handed out together by [`Lease::next_ready`]: ids and matrices.
+pub type ReadyExperts = Vec<(usize, Arc<Expert>)>;
+
 /// An expert delivered to a lease: its id and matrices, or the read error.
 pub type Arrival = Result<(usize, Arc<Expert>)>;
 
@@ -143,7 +146,7 @@ impl Lease {
 
     /// Every expert that is ready now (waiting for one if none is), or `None` when all have
     /// been handed out: a caller computes each batch in one step while later reads land.
-    pub fn next_ready(&mut self) -> Option<Result<Vec<(usize, Arc<Expert>)>>> {
+    pub fn next_ready(&mut self) -> Option<Result<ReadyExperts>> {
         let mut batch: Vec<(usize, Arc<Expert>)> = self.ready.by_ref().collect();
         if batch.is_empty() {
             match self.next_expert()? {

@@ -166,7 +166,7 @@ pub fn matmul_groups(groups: &mut [MatmulGroup<'_, '_>]) {
                                 ty,
                                 bytes,
                                 n: w.rows,
-                                out: &mut **out,
+                                out,
                             }
                         })
                         .collect()
