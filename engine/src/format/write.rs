@@ -599,15 +599,17 @@ mod tests {
             assert_eq!(names(&state), ["history.json"]);
         }
         std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
-        // Failures no capability overrides. (1) The temporary's name is taken by a directory
-        // (open for writing fails with EISDIR): the error names it, the old file stays.
-        let blocker = tmp_path(&path);
-        std::fs::create_dir(&blocker).unwrap();
+        // Failures no capability overrides. (1) The temporary is held by a live writer (a
+        // temporary's name taken by a directory would not do: as this process's own unlocked
+        // leftover it is cleared and the write succeeds): the error names it, the old file
+        // stays.
+        let (tmp, held) = create_tmp(&path).unwrap();
         let err = write_atomic(&path, b"new").unwrap_err().to_string();
         assert!(err.contains("history.json"), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), b"old");
-        std::fs::remove_dir(&blocker).unwrap();
-        // (2) The state directory's parent is a regular file (ENOTDIR).
+        drop(held);
+        std::fs::remove_file(&tmp).unwrap(); // the other writer's, gone with it
+                                             // (2) The state directory's parent is a regular file (ENOTDIR).
         let file = dir.path().join("not-a-dir");
         std::fs::write(&file, b"x").unwrap();
         let under = file.join("history.json");
