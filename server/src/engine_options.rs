@@ -306,6 +306,7 @@ impl EngineOptions {
             direct_io: self.direct_io,
             policy: self.cache_policy,
             device: None,
+            wrap_reader: None,
         }
     }
 }

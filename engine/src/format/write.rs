@@ -574,6 +574,54 @@ mod tests {
     }
 
     #[test]
+    fn a_state_write_that_is_refused_names_the_path_and_keeps_the_old_file() {
+        // What usage history (`write_atomic`) and KV files (`AtomicFile`) meet when the state
+        // directory is read-only (EACCES).
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        let path = state.join("history.json");
+        write_atomic(&path, b"old").unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o555)).unwrap();
+        // Root (CAP_DAC_OVERRIDE, as in many containers) writes into a 0555 directory anyway:
+        // probe, and if so test the same promise with failures root cannot override.
+        let probe = state.join("probe");
+        let root = std::fs::write(&probe, b"x").is_ok();
+        let _ = std::fs::remove_file(&probe);
+        if !root {
+            let err = write_atomic(&path, b"new").unwrap_err().to_string();
+            assert!(err.contains("history.json"), "{err}");
+            assert!(err.contains(&state.display().to_string()), "{err}");
+            let err = AtomicFile::create(&path).err().unwrap().to_string();
+            assert!(err.contains("history.json"), "{err}");
+            assert_eq!(std::fs::read(&path).unwrap(), b"old");
+            assert_eq!(names(&state), ["history.json"]);
+        }
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // Failures no capability overrides. (1) The temporary is held by a live writer (a
+        // temporary's name taken by a directory would not do: as this process's own unlocked
+        // leftover it is cleared and the write succeeds): the error names it, the old file
+        // stays.
+        let (tmp, held) = create_tmp(&path).unwrap();
+        let err = write_atomic(&path, b"new").unwrap_err().to_string();
+        assert!(err.contains("history.json"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        drop(held);
+        std::fs::remove_file(&tmp).unwrap(); // the other writer's, gone with it
+                                             // (2) The state directory's parent is a regular file (ENOTDIR).
+        let file = dir.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        let under = file.join("history.json");
+        let err = write_atomic(&under, b"new").unwrap_err().to_string();
+        assert!(
+            err.contains("not-a-dir") && err.contains("history.json"),
+            "{err}"
+        );
+        assert_eq!(names(&state), ["history.json"]);
+    }
+
+    #[test]
     fn an_atomic_file_appears_only_on_commit() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("kv");

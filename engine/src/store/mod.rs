@@ -10,6 +10,7 @@
 //! (RAM budget, disk streaming, cache and prefetch) implements the same trait.
 
 pub mod budget;
+pub mod fault;
 pub mod history;
 pub mod mirror;
 pub mod reader;
@@ -425,6 +426,9 @@ pub struct StoreOptions {
     /// The device whose memory holds the hottest experts above the RAM cache (the VRAM
     /// tier, [`vram`]), with what is left of its budget after the dense matrices.
     pub device: Option<crate::tensor::device::DevicePlacement>,
+    /// Wraps each drive's reader (under the retry and length check), for fault injection in
+    /// tests ([`fault::WrapReader`]); `None` in normal runs.
+    pub wrap_reader: Option<fault::WrapReader>,
 }
 
 /// Expert cache eviction policy.

@@ -17,6 +17,15 @@
 //!
 //! [`open_reader`] picks the reader from [`ReaderOptions`]: io-uring when a ring can be
 //! created and works, the pool otherwise.
+//!
+//! **Retry and length check.** The expert store reads through a [`CheckedReader`] on top of
+//! everything else (the mirror set included): it is the one place a read is retried. A request
+//! that fails (an `EIO`, a file cut short, a mirror and then the primary failing) or that
+//! comes back with a buffer of the wrong length is re-issued once ([`READ_RETRIES`]); if that
+//! fails too, the error is returned as is, naming the file and byte offset, and the store
+//! hands it to the model (a clean `Error`, never a panic or wrong bytes). A transient fault
+//! therefore costs one extra read and changes no result; a persistent one costs one extra
+//! read before the error.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -61,6 +70,122 @@ pub trait RangeReader: Send + Sync {
     /// Bytes served per drive (directory), where the reader spreads reads over several.
     fn drive_bytes(&self) -> Vec<(std::path::PathBuf, u64)> {
         Vec::new()
+    }
+}
+
+/// How many times [`CheckedReader`] re-issues a failed request.
+pub const READ_RETRIES: u32 = 1;
+
+/// A [`RangeReader`] over `inner` (whose files are `paths`) that checks every buffer has the
+/// length of its range and re-issues a failed or short request up to [`READ_RETRIES`] times
+/// (see the module comment). Errors name the file and byte offset.
+pub struct CheckedReader {
+    inner: Arc<dyn RangeReader>,
+    paths: Arc<Vec<PathBuf>>,
+}
+
+impl CheckedReader {
+    /// Check and retry the reads of `inner`, which reads `paths`.
+    pub fn new(inner: Arc<dyn RangeReader>, paths: &[PathBuf]) -> CheckedReader {
+        CheckedReader {
+            inner,
+            paths: Arc::new(paths.to_vec()),
+        }
+    }
+}
+
+/// Submit `ranges` to `inner`, check the buffers, and re-issue on failure while `retries` last.
+fn submit_checked(
+    inner: Arc<dyn RangeReader>,
+    paths: Arc<Vec<PathBuf>>,
+    ranges: Vec<ByteRange>,
+    retries: u32,
+    done: ReadDone,
+) {
+    let again = (retries > 0).then(|| (inner.clone(), ranges.clone()));
+    let checked_paths = paths.clone();
+    let expected: Vec<ByteRange> = ranges.clone();
+    inner.submit(
+        ranges,
+        Box::new(move |result| {
+            let result = result.and_then(|bufs| check_buffers(&checked_paths, &expected, bufs));
+            match (result, again) {
+                (Err(e), Some((inner, ranges))) => {
+                    tracing::warn!("{e}; reading it again");
+                    submit_checked(inner, paths, ranges, retries - 1, done)
+                }
+                (result, _) => done(result),
+            }
+        }),
+    );
+}
+
+/// `bufs` if there is one per range, each of its range's length; else an error naming the
+/// file and offset of the first range that does not match.
+fn check_buffers(
+    paths: &[PathBuf],
+    ranges: &[ByteRange],
+    bufs: Vec<Storage>,
+) -> Result<Vec<Storage>> {
+    let name = |file: usize| {
+        paths
+            .get(file)
+            .cloned()
+            .unwrap_or_else(|| PathBuf::from(format!("<checkpoint file {file}>")))
+    };
+    if bufs.len() != ranges.len() {
+        let first = ranges.first().map_or(0, |r| r.file);
+        return Err(Error::io(
+            name(first),
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the reader returned {} buffers for {} ranges (first at offset {})",
+                    bufs.len(),
+                    ranges.len(),
+                    ranges.first().map_or(0, |r| r.offset)
+                ),
+            ),
+        ));
+    }
+    if let Some((r, b)) = ranges
+        .iter()
+        .zip(&bufs)
+        .find(|(r, b)| b.bytes().len() != r.len)
+    {
+        return Err(Error::io(
+            name(r.file),
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "reading {} bytes at offset {}: a short read of {} bytes",
+                    r.len,
+                    r.offset,
+                    b.bytes().len()
+                ),
+            ),
+        ));
+    }
+    Ok(bufs)
+}
+
+impl RangeReader for CheckedReader {
+    fn submit(&self, ranges: Vec<ByteRange>, done: ReadDone) {
+        submit_checked(
+            self.inner.clone(),
+            self.paths.clone(),
+            ranges,
+            READ_RETRIES,
+            done,
+        )
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn drive_bytes(&self) -> Vec<(PathBuf, u64)> {
+        self.inner.drive_bytes()
     }
 }
 

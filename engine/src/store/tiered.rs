@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 use super::history::{self, UsageHistory};
 use super::mirror::MirroredReader;
-use super::reader::{open_reader, ByteRange, RangeReader, ReaderOptions};
+use super::reader::{open_reader, ByteRange, CheckedReader, RangeReader, ReaderOptions};
 use super::{
     Arrival, CachePolicy, Expert, ExpertNames, ExpertStore, Lease, StoreOptions, StoreSnapshot,
 };
@@ -151,7 +151,9 @@ pub struct TieredStore {
     warnings: Vec<String>,
 }
 
-/// The reader for the primary files, behind the mirror drives if any.
+/// The reader for the primary files, behind the mirror drives if any, under the one retry
+/// and length check ([`CheckedReader`]). Each drive's reader is wrapped by
+/// [`StoreOptions::wrap_reader`] when set (fault injection in tests).
 fn make_reader(
     dir: &std::path::Path,
     paths: &[PathBuf],
@@ -163,10 +165,16 @@ fn make_reader(
         threads,
         direct_io: opts.direct_io,
     };
+    let wrap = |drive: usize, files: &[PathBuf], r: Arc<dyn RangeReader>| match &opts.wrap_reader {
+        Some(w) => w.wrap(drive, files, r),
+        None => r,
+    };
     let (primary, mut warnings) = open_reader(paths, &ropts)?;
+    let primary = wrap(0, paths, primary);
     if opts.mirrors.is_empty() {
-        return Ok((primary, warnings));
+        return Ok((Arc::new(CheckedReader::new(primary, paths)), warnings));
     }
+    let drive = std::sync::atomic::AtomicUsize::new(1);
     let (mirrored, more) = MirroredReader::open(
         dir,
         paths,
@@ -177,11 +185,14 @@ fn make_reader(
             for w in w {
                 tracing::warn!("{w}");
             }
-            Ok(r)
+            Ok(wrap(drive.fetch_add(1, Ordering::Relaxed), files, r))
         },
     )?;
     warnings.extend(more);
-    Ok((Arc::new(mirrored), warnings))
+    Ok((
+        Arc::new(CheckedReader::new(Arc::new(mirrored), paths)),
+        warnings,
+    ))
 }
 
 /// The usage history being recorded, where it is saved, and the thread that saves it in the
