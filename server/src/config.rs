@@ -108,6 +108,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("prefix_cache_dir", Shape::Text),
     ("tool_call_format", Shape::Text),
     ("reasoning_format", Shape::Text),
+    ("plain_text_messages", Shape::Bool),
 ];
 
 /// The effective configuration of `coli serve`.
@@ -183,6 +184,11 @@ pub struct ServeConfig {
     /// How reasoning is read: `auto` (the tool-call format's own: `<think>`, harmony's
     /// analysis channel, Inkling's thinking blocks) or `none` (thoughts stay in the content).
     pub reasoning_format: ReasoningFormat,
+    /// Encode the text of a chat request (message content of every role, names, tool-call
+    /// arguments, tool results, tool definitions) as plain text, so that special-token text
+    /// in it (`<|im_end|>`) never becomes a control token; only the chat template's own
+    /// markup does. `false` tokenizes the rendered prompt as one string, as before.
+    pub plain_text_messages: bool,
     /// The engine options (top-level keys of the file, like the others).
     pub engine: EngineOptions,
 }
@@ -217,6 +223,7 @@ impl Default for ServeConfig {
             prefix_cache_dir: None,
             tool_call_format: ToolCallFormat::Auto,
             reasoning_format: ReasoningFormat::Auto,
+            plain_text_messages: true,
             engine: EngineOptions::default(),
         }
     }
@@ -253,6 +260,7 @@ impl fmt::Debug for ServeConfig {
             .field("prefix_cache_dir", &self.prefix_cache_dir)
             .field("tool_call_format", &self.tool_call_format)
             .field("reasoning_format", &self.reasoning_format)
+            .field("plain_text_messages", &self.plain_text_messages)
             .field("engine", &self.engine)
             .finish()
     }

@@ -1145,6 +1145,34 @@ mod tests {
     }
 
     #[test]
+    fn gguf_control_token_text_encodes_as_plain_text_when_asked() {
+        let meta = with(
+            with(
+                gpt2_metadata(),
+                KEY_TOKENS,
+                Some(strings(&["a", "b", "ab", "Ġ", "<s>", "<", "s", ">"])),
+            ),
+            KEY_TOKEN_TYPE,
+            Some(GgufValue::Array(GgufArray::I32(vec![
+                1, 1, 1, 1, 3, 1, 1, 1,
+            ]))),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_from_gguf(&open(&dir, &meta)).unwrap();
+        assert_eq!(tok.special_token_texts(), ["<s>".to_string()]);
+        // The control token's text matches in markup, and is split as text when plain.
+        assert_eq!(tok.encode("a<s>b", false).unwrap(), vec![0, 4, 1]);
+        assert_eq!(tok.encode_plain("a<s>b").unwrap(), vec![0, 5, 6, 7, 1]);
+        use crate::format::chat_template::PromptPart;
+        let parts = [
+            PromptPart::Markup("<s>a".into()),
+            PromptPart::Plain("<s>".into()),
+            PromptPart::Markup("b<s>".into()),
+        ];
+        assert_eq!(tok.encode_parts(&parts).unwrap(), vec![4, 0, 5, 6, 7, 1, 4]);
+    }
+
+    #[test]
     fn unknown_pre_type_names_the_key_and_the_choices() {
         let meta = gpt2_with_string(KEY_PRE, "nonesuch");
         let msg = build_err(&meta);

@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::models::TrainerWrapper;
@@ -12,6 +13,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::AddedToken;
 
 use crate::error::{Error, Result};
+use crate::format::chat_template::PromptPart;
 
 /// The replacement character a byte-level decoder emits for an incomplete UTF-8 sequence.
 const REPLACEMENT: char = '\u{FFFD}';
@@ -24,6 +26,10 @@ const MAX_HELD_TOKENS: usize = 4;
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     origin: PathBuf,
+    /// A copy of `inner` that encodes special-token text as ordinary text, made on first use.
+    plain: Arc<OnceLock<tokenizers::Tokenizer>>,
+    /// The special-token texts [`Tokenizer::special_token_texts`] reports, found on first use.
+    specials: Arc<OnceLock<Vec<String>>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -71,10 +77,7 @@ impl Tokenizer {
                 ));
             }
         };
-        Ok(Tokenizer {
-            inner,
-            origin: path.to_path_buf(),
-        })
+        Ok(Tokenizer::from_inner(inner, path))
     }
 
     /// Wrap an already built `tokenizers` tokenizer; `origin` is what error messages name.
@@ -82,7 +85,32 @@ impl Tokenizer {
         Tokenizer {
             inner,
             origin: origin.into(),
+            plain: Arc::default(),
+            specials: Arc::default(),
         }
+    }
+
+    /// A tokenizer around `inner` (a variant of this one, e.g. with some special tokens made
+    /// non-special so that decoding keeps them) that still treats this tokenizer's special
+    /// tokens as special-token text: [`Tokenizer::encode_plain`] and
+    /// [`Tokenizer::special_token_texts`] are this tokenizer's.
+    pub fn variant(&self, inner: tokenizers::Tokenizer) -> Tokenizer {
+        self.plain_inner();
+        self.special_token_texts();
+        Tokenizer {
+            inner,
+            origin: self.origin.clone(),
+            plain: self.plain.clone(),
+            specials: self.specials.clone(),
+        }
+    }
+
+    fn plain_inner(&self) -> &tokenizers::Tokenizer {
+        self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        })
     }
 
     /// The wrapped `tokenizers` tokenizer.
@@ -105,6 +133,51 @@ impl Tokenizer {
             ))
         })?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Encode `text` as ordinary text: special-token text in it is split like any other text
+    /// instead of becoming the special token (`tokenizers`' `encode_special_tokens`).
+    /// Non-special added tokens still match, as in [`Tokenizer::encode`].
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self.plain_inner().encode(text, false).map_err(|e| {
+            Error::Invalid(format!(
+                "{}: cannot encode text: {e}",
+                self.origin.display()
+            ))
+        })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Encode a rendered prompt: markup with [`Tokenizer::encode`] (special tokens match),
+    /// request text with [`Tokenizer::encode_plain`], concatenated. No special tokens are
+    /// added around the whole.
+    pub fn encode_parts(&self, parts: &[PromptPart]) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for part in parts {
+            match part {
+                PromptPart::Markup(s) => ids.extend(self.encode(s, false)?),
+                PromptPart::Plain(s) => ids.extend(self.encode_plain(s)?),
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The texts of the special added tokens (control tokens such as `<|im_end|>`): what
+    /// [`ChatTemplate::render_parts`](crate::format::chat_template::ChatTemplate::render_parts)
+    /// keeps from becoming tokens when it appears in request text.
+    pub fn special_token_texts(&self) -> &[String] {
+        self.specials.get_or_init(|| {
+            let mut texts: Vec<String> = self
+                .inner
+                .get_added_tokens_decoder()
+                .into_values()
+                .filter(|t| t.special && !t.content.is_empty())
+                .map(|t| t.content)
+                .collect();
+            texts.sort();
+            texts.dedup();
+            texts
+        })
     }
 
     /// Decode token ids to text, dropping special tokens when `skip_special_tokens`.
@@ -196,10 +269,7 @@ pub fn train_byte_level_bpe(
     inner
         .train(&mut trainer, corpus.iter())
         .map_err(|e| Error::Invalid(format!("byte-level BPE training failed: {e}")))?;
-    Ok(Tokenizer {
-        inner,
-        origin: PathBuf::from("<trained byte-level BPE>"),
-    })
+    Ok(Tokenizer::from_inner(inner, "<trained byte-level BPE>"))
 }
 
 /// Incremental detokenizer for streamed output.

@@ -641,9 +641,22 @@ async fn chat_inner(
             "`chat_template_kwargs` must be an object",
         ));
     }
-    let text = template
-        .render(&messages, true, tools_json.as_deref(), kwargs.as_ref())
+    // Special-token text inside the request stays text (`plain_text_messages`).
+    let specials: &[String] = if state.config.plain_text_messages {
+        tokenizer.special_token_texts()
+    } else {
+        &[]
+    };
+    let mut rendered = template
+        .render_parts(
+            &messages,
+            true,
+            tools_json.as_deref(),
+            kwargs.as_ref(),
+            specials,
+        )
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    let text = rendered.text();
     let mut warnings = Vec::new();
     if let Some(tools) = &tools_json {
         // A template that ignores `tools` renders the same prompt without them (one that
@@ -683,9 +696,10 @@ async fn chat_inner(
     let mut text = text;
     if let Some(closer) = grammar.as_ref().and(serving.syntax.thought_closer(&text)) {
         text.push_str(&closer);
+        rendered.push_markup(&closer);
     }
     let prompt = tokenizer
-        .encode(&text, false)
+        .encode_parts(&rendered.parts)
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let param = if req.max_completion_tokens.is_some() {

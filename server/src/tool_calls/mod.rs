@@ -418,7 +418,7 @@ pub fn keep_tags_as_text(
         .parse()
         .map_err(|e| anyhow::anyhow!("{e}"))
         .context("rebuilding the tokenizer with tool-call tags as text")?;
-    Ok(Some(Tokenizer::from_inner(inner, tokenizer.origin())))
+    Ok(Some(tokenizer.variant(inner)))
 }
 
 /// What a reader gives: reasoning, content and whole calls, in order.
