@@ -284,6 +284,10 @@ def main():
     without_usage = [r for r in ok if r.get("completion_tokens") is None]
     generated = sum(r["completion_tokens"] for r in ok if r.get("completion_tokens") is not None)
     generated += sum(r.get("content_chunks", 0) for r in without_usage)
+    # Every token a server generated for a request it answered, including answers the content
+    # check refused (a synthetic model's tokens can decode to no text): the throughput figure
+    # for comparing servers, which the content check must not skew.
+    answered_tokens = sum(r["completion_tokens"] for r in records if r.get("completion_tokens") is not None)
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     itl = [x for r in ok for x in r.get("itl_s", [])]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
@@ -307,6 +311,8 @@ def main():
         "generated_tokens": generated,
         "without_usage": len(without_usage),
         "aggregate_tok_s": generated / wall if wall > 0 else None,
+        "answered_tokens": answered_tokens,
+        "aggregate_answered_tok_s": answered_tokens / wall if wall > 0 else None,
         "per_stream_decode_tok_s": {"mean": statistics.mean(decode) if decode else None, **pct(decode)},
         "ttft_s": pct(ttft),
         "itl_s": pct(itl),

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Summarise loadtest/vs_llama_server.sh's runs.jsonl as a markdown table: per stream count and
-engine, the median over repetitions of aggregate tok/s, TTFT p50/p90 and ITL p50/p90, the
-ratio colibri ÷ llama-server of aggregate tok/s, and the load averages seen.
+engine, the median over repetitions of aggregate tok/s (every token of every answered request,
+`aggregate_answered_tok_s`, where the run has it: answers the content check refused still cost
+the server their tokens), TTFT p50/p90 and ITL p50/p90, the ratio colibri ÷ llama-server of
+aggregate tok/s, and the load averages seen.
 
     python3 loadtest/summarise_servers.py docs/bench/servers-X/runs.jsonl
 """
@@ -35,7 +37,7 @@ def main():
             if not rs:
                 continue
             s = [r["summary"] for r in rs]
-            agg[engine] = median([x["aggregate_tok_s"] for x in s])
+            agg[engine] = median([x.get("aggregate_answered_tok_s", x["aggregate_tok_s"]) for x in s])
             ttft50 = median([x["ttft_s"]["p50"] for x in s])
             ttft90 = median([x["ttft_s"]["p90"] for x in s])
             itl50 = median([x["itl_s"]["p50"] for x in s])

@@ -30,22 +30,33 @@ CTX=${CTX:-1024} # tokens of context per slot
 mkdir -p "$OUT"
 cat "$GGUF" >/dev/null
 
-boost() { setsid bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"; }
+# serve PIDFILE CMD...: CMD in its own session and autogroup at raised priority, its PID (after
+# exec, the server's own) in PIDFILE. `setsid` forks where it must, so `$!` is not the server.
+serve() {
+  local pidfile=$1
+  shift
+  setsid bash -c 'echo $$ > "$0"; echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' "$pidfile" "$@"
+}
 
 # start_server ENGINE STREAMS LOG: starts the server in the background, sets PID and URL.
 start_server() {
   local engine=$1 n=$2 log=$3
+  rm -f "$OUT/pid"
   if [ "$engine" = colibri ]; then
-    boost "$COLI" serve --model "$GGUF" --mmap --host 127.0.0.1 --port 0 --threads "$THREADS" \
+    serve "$OUT/pid" "$COLI" serve --model "$GGUF" --mmap --host 127.0.0.1 --port 0 --threads "$THREADS" \
       --slots "$n" --context "$CTX" --queue-limit 64 2>"$log" &
   else
     local port
     port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    boost "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" \
+    serve "$OUT/pid" "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" -t "$THREADS" -tb "$THREADS" \
       --parallel "$n" -c $((CTX * n)) --cont-batching --no-webui >"$log" 2>&1 &
     URL="http://127.0.0.1:$port"
   fi
-  PID=$!
+  for _ in $(seq 1 100); do
+    [ -s "$OUT/pid" ] && break
+    sleep 0.1 # waiting for the forked session to write its PID, not synchronising a test
+  done
+  PID=$(cat "$OUT/pid")
   for _ in $(seq 1 1200); do
     if [ "$engine" = colibri ]; then
       URL=$(sed -n 's/^coli: listening on \(http:[^ ]*\)$/\1/p' "$log" | head -1)
@@ -77,7 +88,13 @@ for rep in $(seq "$REPS"); do
         --max-tokens "$GEN" --ignore-eos --temperature 0.8 --out "$OUT/$tag.json" >/dev/null || true
       load_after=$(cut -d' ' -f1-3 /proc/loadavg)
       kill -TERM "$PID"
-      wait "$PID" || true
+      # The server is not this shell's child: wait for it to exit (it drains, then stops);
+      # after a minute, kill it.
+      for _ in $(seq 1 300); do
+        kill -0 "$PID" 2>/dev/null || break
+        sleep 0.2 # polling a process's exit, not synchronising a test
+      done
+      kill -KILL "$PID" 2>/dev/null || true
       echo "{\"rep\": $rep, \"streams\": $n, \"engine\": \"$engine\", \"threads\": $THREADS, \"loadavg_before\": \"$load\", \"loadavg_after\": \"$load_after\", \"summary\": $("$PYTHON" -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"]))' "$OUT/$tag.json")}" \
         | tee -a "$OUT/runs.jsonl"
     done

@@ -32,13 +32,14 @@ if [ ! -f "$F" ]; then
     --experts "$EXPERTS" --top-k 8 --moe-intermediate 1024 --vocab 32000 \
     --format gguf --type "$TYPE" --out "$F" >&2
 fi
-ram=$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)
+ram=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 1024 )) # bytes (awk's %d stops at 2^31)
 size=$(stat -c %s "$F")
 if [ "$size" -lt $((ram * 13 / 10)) ]; then
   echo "larger_than_ram: $F is $size bytes, under 1.3× RAM ($ram bytes); raise LAYERS or EXPERTS" >&2
   exit 1
 fi
 budget=$(python3 -c "print(int($ram * $RAM_FRACTION))")
+ONLY=${ONLY:-both} # colibri, llama.cpp or both
 boost() { setsid timeout "$TIMEOUT" bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"; }
 # Runs "$@"; prints its JSON report, or a timed-out record with the seconds it ran.
 report() {
@@ -58,14 +59,14 @@ state=$(mktemp -d)
 meta="\"file_bytes\": $size, \"ram_bytes\": $ram, \"type\": \"$TYPE\", \"threads\": $THREADS"
 for rep in $(seq "$REPS"); do
   rm -rf "${state:?}"/*
-  for run in cold warm; do
+  [ "$ONLY" = llama.cpp ] || for run in cold warm; do
     [ "$run" = cold ] && drop
     load=$(cut -d' ' -f1-3 /proc/loadavg)
     c=$(COLI_STATE_DIR="$state" report $COLI bench -m "$F" --ram "$budget" --direct-io \
       --threads "$THREADS" --prompt-tokens "$PROMPT" --gen-tokens "$GEN" --json 2>/dev/null)
     echo "{\"rep\": $rep, $meta, \"engine\": \"colibri --ram $budget --direct-io\", \"run\": \"$run\", \"loadavg\": \"$load\", \"report\": $c}"
   done
-  for run in cold warm; do
+  [ "$ONLY" = colibri ] || for run in cold warm; do
     [ "$run" = cold ] && drop
     load=$(cut -d' ' -f1-3 /proc/loadavg)
     l=$(report "$PY" engine/benches/llama_cpp_speed.py "$F" --threads "$THREADS" \
