@@ -541,6 +541,10 @@ pub struct ServeFlags {
     /// How reasoning is read: auto (the format's own) or none (left in the content).
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub reasoning_format: Option<ReasoningFormat>,
+    /// Encode chat request text as plain text, so special-token text typed in a message never
+    /// becomes a control token [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub plain_text_messages: Option<bool>,
 }
 
 /// The arguments of `coli config`.
@@ -957,6 +961,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(prefix_cache_dir, "--prefix-cache-dir");
     opt!(tool_call_format, "--tool-call-format");
     opt!(reasoning_format, "--reasoning-format");
+    opt!(plain_text_messages, "--plain-text-messages");
     out.extend(flags.engine.values()?);
     Ok(out)
 }
@@ -1284,6 +1289,8 @@ mod tests {
             "qwen3_coder",
             "--reasoning-format",
             "none",
+            "--plain-text-messages",
+            "false",
         ])
         .unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -1316,6 +1323,7 @@ mod tests {
         assert_eq!(c.prefix_cache_dir, Some(PathBuf::from("/state/prefix")));
         assert_eq!(c.tool_call_format, ToolCallFormat::Qwen3Coder);
         assert_eq!(c.reasoning_format, ReasoningFormat::None);
+        assert!(!c.plain_text_messages);
         assert_eq!(loaded.sources["mirrors"], Source::Flag("--mirror".into()));
         assert_eq!(loaded.sources["api_keys"], Source::Flag("--api-key".into()));
         assert_eq!(
