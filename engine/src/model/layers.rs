@@ -702,16 +702,29 @@ pub fn expert_ffn(
     bias: Option<ExpertBias<'_>>,
 ) -> Vec<f32> {
     let (mut g, mut u) = tensor_matmul_pair(x, &expert.gate, &expert.up);
-    if let Some(b) = bias {
-        add_row_bias(&mut g, b.gate);
-        add_row_bias(&mut u, b.up);
-    }
-    let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g, u)).collect();
+    let h = gated(&mut g, &mut u, bias, act);
     let mut y = tensor_matmul(&h, &expert.down);
     if let Some(b) = bias {
         add_row_bias(&mut y, b.down);
     }
     y
+}
+
+/// An expert's hidden rows from its gate and up outputs: their biases if any, then `act`.
+fn gated(
+    g: &mut [f32],
+    u: &mut [f32],
+    bias: Option<ExpertBias<'_>>,
+    act: GluActivation,
+) -> Vec<f32> {
+    if let Some(b) = bias {
+        add_row_bias(g, b.gate);
+        add_row_bias(u, b.up);
+    }
+    g.iter()
+        .zip(u.iter())
+        .map(|(&g, &u)| act.apply(g, u))
+        .collect()
 }
 
 /// One expert's share of a MoE layer for [`experts_ffn`]: its matrices, its input rows
@@ -765,16 +778,7 @@ pub fn experts_ffn(work: &[ExpertWork<'_>], act: GluActivation) -> Vec<Vec<f32>>
     let hs: Vec<Vec<f32>> = work
         .iter()
         .zip(gs.iter_mut().zip(us.iter_mut()))
-        .map(|((_, _, b), (g, u))| {
-            if let Some(b) = b {
-                add_row_bias(g, b.gate);
-                add_row_bias(u, b.up);
-            }
-            g.iter()
-                .zip(u.iter())
-                .map(|(&g, &u)| act.apply(g, u))
-                .collect()
-        })
+        .map(|(&(_, _, b), (g, u))| gated(g, u, b, act))
         .collect();
     let mut ys: Vec<Vec<f32>> = hs
         .iter()
