@@ -105,32 +105,12 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
 /// activation format share the activation quantization and one parallel step; every result is
 /// the one [`matmul`] gives.
 pub fn matmul_pair(x: &[f32], a: &WeightView<'_>, b: &WeightView<'_>) -> (Vec<f32>, Vec<f32>) {
-    if let (WeightData::Quant(ta, ba), WeightData::Quant(tb, bb)) = (a.data, b.data) {
-        if a.cols == b.cols {
-            let m = x.len() / a.cols;
-            let (mut ya, mut yb) = (vec![0.0; m * a.rows], vec![0.0; m * b.rows]);
-            super::qmatmul::qmatmul_multi(
-                x,
-                a.cols,
-                &mut [
-                    super::qmatmul::QMat {
-                        ty: ta,
-                        bytes: ba,
-                        n: a.rows,
-                        out: &mut ya,
-                    },
-                    super::qmatmul::QMat {
-                        ty: tb,
-                        bytes: bb,
-                        n: b.rows,
-                        out: &mut yb,
-                    },
-                ],
-            );
-            return (ya, yb);
-        }
-    }
-    (matmul_new(x, a), matmul_new(x, b))
+    let (mut ya, mut yb) = (
+        vec![0.0; x.len() / a.cols * a.rows],
+        vec![0.0; x.len() / b.cols * b.rows],
+    );
+    matmul_groups(&mut [(x, vec![(a, ya.as_mut_slice()), (b, yb.as_mut_slice())])]);
+    (ya, yb)
 }
 
 /// One set of activation rows and the weights applied to it, each with its output, for
