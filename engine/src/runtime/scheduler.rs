@@ -92,8 +92,25 @@ pub enum Failure {
     ShuttingDown,
     /// The request itself is wrong (the message says how).
     Invalid(String),
+    /// The model's files could not be read while running it (an I/O error, a short read or a
+    /// file cut short, after the store's retry and any mirror): the fault is the storage's,
+    /// not the request's, and may pass; the message names the file and offset.
+    Storage(String),
     /// The engine failed while running it.
     Engine(String),
+}
+
+impl Failure {
+    /// The failure of the requests running in a step that returned `e`: a read error of the
+    /// model's files is [`Failure::Storage`], anything else [`Failure::Engine`].
+    pub fn of_step(e: &crate::Error) -> Failure {
+        match e {
+            crate::Error::Io { .. } | crate::Error::Corrupt { .. } => {
+                Failure::Storage(e.to_string())
+            }
+            _ => Failure::Engine(e.to_string()),
+        }
+    }
 }
 
 impl std::fmt::Display for Failure {
@@ -102,6 +119,7 @@ impl std::fmt::Display for Failure {
             Failure::QueueTimeout => write!(f, "timed out waiting for a free slot"),
             Failure::ShuttingDown => write!(f, "the server is shutting down"),
             Failure::Invalid(m) => write!(f, "{m}"),
+            Failure::Storage(m) => write!(f, "reading the model failed: {m}"),
             Failure::Engine(m) => write!(f, "engine error: {m}"),
         }
     }
@@ -416,14 +434,14 @@ impl Engine {
             self.admit();
             if self.slots.iter().any(|s| s.running.is_some()) {
                 let result = std::panic::catch_unwind(AssertUnwindSafe(|| self.step()));
-                let error = match result {
+                let failure = match result {
                     Ok(Ok(())) => None,
-                    Ok(Err(e)) => Some(e.to_string()),
-                    Err(panic) => Some(panic_message(&panic)),
+                    Ok(Err(e)) => Some(Failure::of_step(&e)),
+                    Err(panic) => Some(Failure::Engine(panic_message(&panic))),
                 };
-                if let Some(e) = error {
-                    tracing::error!("engine step failed: {e}");
-                    self.fail_running(Failure::Engine(e));
+                if let Some(f) = failure {
+                    tracing::error!("engine step failed: {f}");
+                    self.fail_running(f);
                 }
                 self.unsaved = true;
                 if self.last_save.elapsed() >= self.config.history_save_interval {

@@ -117,6 +117,13 @@ pub fn failure_error(f: Failure) -> ApiError {
             "the server is shutting down",
         ),
         Failure::Invalid(m) => ApiError::new(StatusCode::BAD_REQUEST, m),
+        // The storage failed, not the request or the engine: another try (here once the
+        // drive recovers, or on another replica) may succeed.
+        Failure::Storage(m) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("reading the model's files failed: {m}; retry later"),
+        )
+        .retry_after(5),
         Failure::Engine(m) => ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("engine error: {m}"),
