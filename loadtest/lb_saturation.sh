@@ -43,16 +43,8 @@ RUN=$(mktemp -d /tmp/lb-saturation.XXXXXX)
 chmod 755 "$RUN" # nginx workers (nobody when started as root) look up their temp paths here
 PIDS=()
 SAMPLER=""
-cleanup() {
-  [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null || true
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  rm -rf "$RUN"
-}
+. loadtest/common.sh
 trap cleanup EXIT
-
-boosted() { # run "$@" in its own autogroup at nice -10 (where allowed)
-  setsid -w bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"
-}
 
 # nginx from Debian's packages.
 if ! command -v nginx >/dev/null 2>&1; then
@@ -72,25 +64,15 @@ if [ ! -f "$MODEL/config.json" ]; then
     --moe-intermediate 640 --vocab 734 --out "$MODEL" >&2
 fi
 
-start_server() { # name -> sets URL_<name>, PID_<name>
-  local name=$1 log="$OUT/serve-$1.log"
-  setsid bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ \
-    "$RUN/coli" serve --model "$MODEL" --host 127.0.0.1 --port 0 "${SERVE_FLAGS[@]}" 2>"$log" &
-  local pid=$!
-  PIDS+=("$pid")
-  eval "PID_$name=$pid"
+start_server() { # name -> sets PID_<name>
+  start_coli "$OUT/serve-$1.log" "$MODEL" "${SERVE_FLAGS[@]}"
+  eval "PID_$1=$SERVED_PID"
 }
-wait_ready() { # name
-  local name=$1 log="$OUT/serve-$1.log" pid url=""
-  eval "pid=\$PID_$name"
-  for _ in $(seq 1 600); do
-    url=$(sed -n 's/^coli: listening on \(http:[^ ]*\)$/\1/p' "$log" | head -1)
-    if [ -n "$url" ] && curl -sf "$url/ready" >/dev/null 2>&1; then break; fi
-    if ! kill -0 "$pid" 2>/dev/null; then cat "$log" >&2; exit 1; fi
-    sleep 0.5 # polling readiness, not synchronising a test
-  done
-  curl -sf "$url/ready" >/dev/null || { echo "lb_saturation: server $name not ready" >&2; exit 1; }
-  eval "URL_$name=$url"
+wait_ready() { # name -> sets URL_<name>
+  local pid
+  eval "pid=\$PID_$1"
+  wait_coli_ready "$OUT/serve-$1.log" "$pid"
+  eval "URL_$1=$SERVED_URL"
 }
 start_server a
 start_server b

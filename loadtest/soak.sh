@@ -49,16 +49,8 @@ OUT=$(cd "$OUT" && pwd)
 RUN=$(mktemp -d /tmp/soak.XXXXXX)
 PIDS=()
 SAMPLER=""
-cleanup() {
-  [ -n "$SAMPLER" ] && kill "$SAMPLER" 2>/dev/null || true
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  rm -rf "$RUN"
-}
+. loadtest/common.sh
 trap cleanup EXIT
-
-boosted() { # run "$@" in its own autogroup at nice -10 (where allowed)
-  setsid -w bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ "$@"
-}
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
@@ -80,18 +72,10 @@ if [ ! -f "$MODEL/config.json" ]; then
 fi
 
 log="$OUT/serve.log"
-setsid bash -c 'echo -10 > /proc/self/autogroup 2>/dev/null; exec "$@"' _ \
-  "$RUN/coli" serve --model "$MODEL" --host 127.0.0.1 --port 0 "${SERVE_FLAGS[@]}" 2>"$log" &
-SERVER=$!
-PIDS+=("$SERVER")
-URL=""
-for _ in $(seq 1 600); do
-  URL=$(sed -n 's/^coli: listening on \(http:[^ ]*\)$/\1/p' "$log" | head -1)
-  if [ -n "$URL" ] && curl -sf "$URL/ready" >/dev/null 2>&1; then break; fi
-  kill -0 "$SERVER" 2>/dev/null || { cat "$log" >&2; exit 1; }
-  sleep 0.5 # polling readiness, not synchronising a test
-done
-curl -sf "$URL/ready" >/dev/null || { echo "soak: server not ready" >&2; exit 1; }
+start_coli "$log" "$MODEL" "${SERVE_FLAGS[@]}"
+SERVER=$SERVED_PID
+wait_coli_ready "$log" "$SERVER"
+URL=$SERVED_URL
 MODEL_ID=$(curl -sf "$URL/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 echo "server: $URL (pid $SERVER), model $MODEL_ID" >&2
 

@@ -7,7 +7,7 @@
 //! place (the server's open descriptor sees it), then its bytes are written back in place.
 
 mod support;
-use support::{http, wait_for, Served};
+use support::{http, http_with_head, wait_for, Served};
 
 use std::path::Path;
 use std::process::Command;
@@ -20,31 +20,18 @@ fn coli() -> Command {
 
 /// A greedy completion request: (status, body, the `Retry-After` header if any).
 fn complete(port: u16, prompt: &str) -> (u16, serde_json::Value, Option<String>) {
-    use std::io::{Read, Write};
     let body = serde_json::json!({
         "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": true,
     })
     .to_string();
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(120)))
-        .unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let (status, head, body) =
+        http_with_head(port, "POST", "/v1/completions", &body).expect("the server answers");
     let retry_after = head.lines().find_map(|l| {
         let (k, v) = l.split_once(':')?;
         k.eq_ignore_ascii_case("retry-after")
             .then(|| v.trim().to_string())
     });
-    let json = serde_json::from_str(body).unwrap_or(serde_json::Value::String(body.into()));
+    let json = serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));
     (status, json, retry_after)
 }
 

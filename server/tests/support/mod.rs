@@ -44,6 +44,16 @@ pub fn coli(args: &[&str]) -> Output {
 /// One HTTP/1.1 request to `127.0.0.1:port` on a new connection (JSON body, `Connection:
 /// close`, 120 s read timeout): (status, body), or `None` if it could not be sent or read.
 pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, String)> {
+    http_with_head(port, method, path, body).map(|(status, _, body)| (status, body))
+}
+
+/// [`http`], also giving the response's status line and headers as they came.
+pub fn http_with_head(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Option<(u16, String, String)> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(120))).ok()?;
     write!(
@@ -56,8 +66,8 @@ pub fn http(port: u16, method: &str, path: &str, body: &str) -> Option<(u16, Str
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
     let status = text.split_whitespace().nth(1)?.parse().ok()?;
-    let (_, body) = text.split_once("\r\n\r\n")?;
-    Some((status, body.to_string()))
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    Some((status, head.to_string(), body.to_string()))
 }
 
 /// Poll `f` until it gives a value; fail after `secs` seconds, saying what was awaited.
