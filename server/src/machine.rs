@@ -1,5 +1,5 @@
 //! This machine's bandwidths, measured once and cached in the cache directory: memory read
-//! bandwidth (all compute threads summing a large buffer) and disk read bandwidth (O_DIRECT
+//! bandwidth (every core summing a large buffer) and disk read bandwidth (O_DIRECT
 //! sequential reads of a scratch file, 4 MiB blocks, 4 in flight).
 
 use std::io::Write;
@@ -36,8 +36,17 @@ pub fn bandwidths(remeasure: bool) -> Result<Bandwidths> {
     );
     let dir = path.parent().unwrap().to_path_buf();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let memory = memory_bandwidth();
-    let (disk, source) = disk_bandwidth(&dir)?;
+    // On a pool of its own with every core: measuring on the global compute pool would create
+    // that pool before the command could size it to `--threads`.
+    let measure = || (memory_bandwidth(), disk_bandwidth(&dir));
+    let (memory, disk) = match rayon::ThreadPoolBuilder::new()
+        .num_threads(colibri::tensor::threads::default_threads())
+        .build()
+    {
+        Ok(pool) => pool.install(measure),
+        Err(_) => measure(),
+    };
+    let (disk, source) = disk?;
     let b = Bandwidths {
         disk_gb_per_s: disk,
         memory_gb_per_s: memory,
@@ -51,7 +60,7 @@ pub fn bandwidths(remeasure: bool) -> Result<Bandwidths> {
     Ok(b)
 }
 
-/// GB/s summing a 1 GiB buffer on all compute threads (best of 3 passes).
+/// GB/s summing a 1 GiB buffer on every thread of the current pool (best of 3 passes).
 fn memory_bandwidth() -> f64 {
     let n = (1usize << 30) / 8;
     let buf: Vec<u64> = (0..n as u64)

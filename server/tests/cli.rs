@@ -410,6 +410,33 @@ fn bench_reports_streaming_under_a_small_budget() {
 }
 
 #[test]
+fn bench_measures_the_machine_then_runs_on_the_threads_asked_for() {
+    // No cached measurement: bench measures memory and disk bandwidth on every core first,
+    // which must not leave the compute pool at that size (it once failed with "the global
+    // thread pool has already been initialized").
+    let cache = tempfile::tempdir().unwrap();
+    let dir = fixture("olmoe");
+    let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+        .args(["bench", "--model", dir.to_str().unwrap(), "--threads", "1"])
+        .args([
+            "--mmap",
+            "--prompt-tokens",
+            "4",
+            "--gen-tokens",
+            "2",
+            "--json",
+        ])
+        .env("COLI_CACHE_DIR", cache.path())
+        .env("COLI_STATE_DIR", cache.path().join("state"))
+        .output()
+        .unwrap();
+    let r: serde_json::Value = serde_json::from_str(&ok_stdout(&out)).unwrap();
+    assert_eq!(r["threads"].as_u64(), Some(1), "{r}");
+    assert!(r["memory_gb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert!(cache.path().join("machine.json").exists());
+}
+
+#[test]
 fn convert_then_kl_measures_the_quantization_loss() {
     let tmp = tempfile::tempdir().unwrap();
     let fx = fixture("qwen3_moe");

@@ -16,7 +16,7 @@
 //! returns to the nearest checkpoint at or before the asked length, and the caller recomputes
 //! the tokens between (which gives the same bits: prefill and decode share one order).
 
-use half::bf16;
+use half::{bf16, f16};
 
 /// Precision of a cache buffer (`--kv-dtype`; latent attention's cache may be kept in bf16).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -28,14 +28,32 @@ pub enum KvDType {
     F32,
     /// bfloat16: half the bytes, values rounded when stored.
     Bf16,
+    /// IEEE half precision: not an option, but how grouped-query attention keeps its keys and
+    /// values when it runs at llama.cpp's f16 precision (GGUF files): the values are rounded
+    /// to f16 before they are cached, so storing them as f16 is exact and halves the bytes
+    /// attention reads.
+    #[serde(skip)]
+    #[cfg_attr(feature = "clap", value(skip))]
+    F16,
 }
 
-/// A cache buffer: f32 values, or bf16 values (rounded to nearest even when stored; every
-/// reader sees the stored values, so prefill and decode agree bit for bit).
+impl KvDType {
+    /// Bytes of one value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDType::F32 => 4,
+            KvDType::Bf16 | KvDType::F16 => 2,
+        }
+    }
+}
+
+/// A cache buffer: f32 values, or bf16 or f16 values (rounded to nearest even when stored;
+/// every reader sees the stored values, so prefill and decode agree bit for bit).
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvBuf {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    F16(Vec<f16>),
 }
 
 impl Default for KvBuf {
@@ -50,6 +68,7 @@ impl KvBuf {
         match dtype {
             KvDType::F32 => KvBuf::F32(Vec::new()),
             KvDType::Bf16 => KvBuf::Bf16(Vec::new()),
+            KvDType::F16 => KvBuf::F16(Vec::new()),
         }
     }
 
@@ -58,6 +77,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(_) => KvDType::F32,
             KvBuf::Bf16(_) => KvDType::Bf16,
+            KvBuf::F16(_) => KvDType::F16,
         }
     }
 
@@ -66,6 +86,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => v.len(),
             KvBuf::Bf16(v) => v.len(),
+            KvBuf::F16(v) => v.len(),
         }
     }
 
@@ -79,6 +100,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => 4 * v.len(),
             KvBuf::Bf16(v) => 2 * v.len(),
+            KvBuf::F16(v) => 2 * v.len(),
         }
     }
 
@@ -87,6 +109,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => v.extend_from_slice(x),
             KvBuf::Bf16(v) => v.extend(x.iter().map(|&f| bf16::from_f32(f))),
+            KvBuf::F16(v) => v.extend(x.iter().map(|&f| f16::from_f32(f))),
         }
     }
 
@@ -95,6 +118,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => v.truncate(n),
             KvBuf::Bf16(v) => v.truncate(n),
+            KvBuf::F16(v) => v.truncate(n),
         }
     }
 
@@ -108,6 +132,7 @@ impl KvBuf {
         match self {
             KvBuf::F32(v) => crate::tensor::WeightData::F32(&v[range]),
             KvBuf::Bf16(v) => crate::tensor::WeightData::BF16(&v[range]),
+            KvBuf::F16(v) => crate::tensor::WeightData::F16(&v[range]),
         }
     }
 
@@ -120,14 +145,20 @@ impl KvBuf {
                     *o = x.to_f32();
                 }
             }
+            KvBuf::F16(v) => {
+                for (o, x) in out.iter_mut().zip(&v[range]) {
+                    *o = x.to_f32();
+                }
+            }
         }
     }
 
-    /// Every value as f32 (exact for both precisions).
+    /// Every value as f32 (exact for every precision).
     pub fn to_f32_vec(&self) -> Vec<f32> {
         match self {
             KvBuf::F32(v) => v.clone(),
             KvBuf::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            KvBuf::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
         }
     }
 
@@ -137,7 +168,7 @@ impl KvBuf {
     pub fn f32(&self) -> &Vec<f32> {
         match self {
             KvBuf::F32(v) => v,
-            KvBuf::Bf16(_) => panic!("this attention kind keeps an f32 cache"),
+            KvBuf::Bf16(_) | KvBuf::F16(_) => panic!("this attention kind keeps an f32 cache"),
         }
     }
 
@@ -145,7 +176,7 @@ impl KvBuf {
     pub fn f32_mut(&mut self) -> &mut Vec<f32> {
         match self {
             KvBuf::F32(v) => v,
-            KvBuf::Bf16(_) => panic!("this attention kind keeps an f32 cache"),
+            KvBuf::Bf16(_) | KvBuf::F16(_) => panic!("this attention kind keeps an f32 cache"),
         }
     }
 }

@@ -9,12 +9,13 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::cache::LayerKv;
+use super::cache::{KvBuf, KvDType, LayerKv};
 use crate::format::config::{RopeKind, RopeParams};
 use crate::format::safetensors::Checkpoint;
 use crate::store::ExpertStore;
+use crate::tensor::attention::{group_scores, group_weighted_values, round_to_f16, KvRows};
 use crate::tensor::device::place_dense;
-use crate::tensor::kernels::{add_weighted_rows, dot_strided, Isa};
+use crate::tensor::kernels::Isa;
 use crate::tensor::matmul::{matmul_groups, tensor_matmul, tensor_matmul_pair, MatmulGroup};
 use crate::tensor::Tensor;
 use crate::Result;
@@ -351,6 +352,16 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// The precision its cache keeps keys and values in: f16 when they are rounded to f16
+    /// before they are cached ([`Attention::kv_f16`]; exact, half the bytes), else f32.
+    pub fn kv_dtype(&self) -> KvDType {
+        if self.kv_f16 {
+            KvDType::F16
+        } else {
+            KvDType::F32
+        }
+    }
+
     /// Attend `x` (`[T, D]`, tokens at positions `start..`) and append its keys and values to
     /// `kv`. Returns `[T, D]`.
     pub fn forward(&self, x: &[f32], start: usize, kv: &mut LayerKv) -> Vec<f32> {
@@ -480,11 +491,13 @@ pub struct RelBias<'a> {
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
 /// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
 /// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
-/// (llama.cpp's f16 KV path). Each (token, head) is computed by one task in a fixed order: its
-/// scores by [`dot_strided`] (each the canonical [`dot`] of the query and one key), the softmax
-/// over its row, then [`add_weighted_rows`] (every output element summing `p_j · v_j` in
-/// ascending key order) — so a token's result never depends on the tokens beside it, the
-/// threads, or how a prompt was split into calls.
+/// (llama.cpp's f16 KV path). One task per (token, key/value head) takes the query heads that
+/// share that key/value head together ([`group_scores`], [`group_weighted_values`]: each cached
+/// row read once for all of them), and computes for each head, in a fixed order, what it would
+/// alone: its scores (each the canonical [`dot`](crate::tensor::kernels::dot) of the query and
+/// one key), the softmax over its row, then the probability-weighted value sum in ascending key
+/// order — so a token's result never depends on the tokens beside it, the threads, or how a
+/// prompt was split into calls.
 pub fn attend(
     q: &[f32],
     kv: &LayerKv,
@@ -502,46 +515,64 @@ pub fn attend(
         bias,
     } = shape;
     let isa = Isa::detect();
-    let (keys, values) = (kv.k.f32(), kv.v.f32());
     let group = heads / kv_heads;
     let kv_dim = kv_heads * head_dim;
+    let (keys, values) = (kv_rows(&kv.k), kv_rows(&kv.v));
     let mut out = vec![0.0f32; q.len()];
+    // Task `idx` = (token t, key/value head g): query heads g·group .. (g + 1)·group of token
+    // t, whose outputs are one contiguous run of `out`.
     let work = |(idx, o): (usize, &mut [f32])| {
-        let (t, hh) = (idx / heads, idx % heads);
+        let (t, g) = (idx / kv_heads, idx % kv_heads);
         let pos = start + t;
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let qv = &q[idx * head_dim..(idx + 1) * head_dim];
-        // This head's keys and values from key `first` on: row j at (j − first) · kv_dim.
-        let from = first * kv_dim + (hh / group) * head_dim;
-        let mut scores = vec![0.0f32; pos + 1 - first];
-        dot_strided(isa, qv, &keys[from..], kv_dim, &mut scores);
-        for (s, j) in scores.iter_mut().zip(first..) {
-            *s *= scale;
+        let n = pos + 1 - first;
+        let q0 = (t * heads + g * group) * head_dim;
+        let qg = &q[q0..q0 + group * head_dim];
+        // This group's keys and values from key `first` on: row j at (j − first) · kv_dim.
+        let from = first * kv_dim + g * head_dim;
+        let mut scores = vec![0.0f32; group * n];
+        group_scores(isa, qg, head_dim, keys.from(from), kv_dim, n, &mut scores);
+        for (r, row) in scores.chunks_mut(n.max(1)).take(group).enumerate() {
+            let hh = g * group + r;
+            let at = t * heads + hh;
+            for s in row.iter_mut() {
+                *s *= scale;
+            }
             if let Some(b) = bias {
-                if pos - j < b.extent {
-                    *s += b.profiles[idx * b.extent + pos - j];
+                for (s, j) in row.iter_mut().zip(first..) {
+                    if pos - j < b.extent {
+                        *s += b.profiles[at * b.extent + pos - j];
+                    }
                 }
             }
-        }
-        match sinks {
-            Some(Sinks::PerHead(sinks)) => softmax_with_sink(&mut scores, sinks[hh]),
-            Some(Sinks::PerToken(sinks)) => softmax_with_sink(&mut scores, sinks[idx]),
-            None => softmax_inplace(&mut scores),
+            match sinks {
+                Some(Sinks::PerHead(sinks)) => softmax_with_sink(row, sinks[hh]),
+                Some(Sinks::PerToken(sinks)) => softmax_with_sink(row, sinks[at]),
+                None => softmax_inplace(row),
+            }
         }
         if probs_f16 {
             // llama.cpp multiplies its f16 values by probabilities converted to f16.
-            for p in scores.iter_mut() {
-                *p = half::f16::from_f32(*p).to_f32();
-            }
+            round_to_f16(&mut scores);
         }
-        add_weighted_rows(isa, &scores, &values[from..], kv_dim, o);
+        group_weighted_values(isa, &scores, n, values.from(from), kv_dim, head_dim, o);
     };
+    let tasks_out = group * head_dim;
     if q.len() * (start + q.len() / (heads * head_dim)) < 1 << 16 {
-        out.chunks_mut(head_dim).enumerate().for_each(work);
+        out.chunks_mut(tasks_out).enumerate().for_each(work);
     } else {
-        out.par_chunks_mut(head_dim).enumerate().for_each(work);
+        out.par_chunks_mut(tasks_out).enumerate().for_each(work);
     }
     out
+}
+
+/// A key or value buffer of grouped-query attention as the attention kernels read it.
+fn kv_rows(buf: &KvBuf) -> KvRows<'_> {
+    match buf {
+        KvBuf::F32(v) => KvRows::F32(v),
+        KvBuf::F16(v) => KvRows::F16(v),
+        KvBuf::Bf16(_) => panic!("grouped-query attention keeps an f32 or f16 cache"),
+    }
 }
 
 /// Softmax in place over `x` and one more logit, `sink`, which is left out of the result:
@@ -1597,6 +1628,8 @@ mod attend_tests {
             (6, 1, 72, 1000, None),
             (4, 2, 128, 600, Some(100)),
             (9, 3, 64, 40, None),
+            (14, 2, 64, 300, None),
+            (10, 2, 32, 90, Some(33)),
         ] {
             let t_len = 3;
             let start = keys - t_len;
@@ -1629,6 +1662,20 @@ mod attend_tests {
                     bits(&want),
                     "{heads}/{kv_heads}×{hd}, {keys} keys, variant {variant}"
                 );
+                // An f16 cache gives the bits of an f32 cache holding the same (f16) values.
+                let mut kv16 = LayerKv::with_dtype(KvDType::F16);
+                kv16.k.extend(kv.k.f32());
+                kv16.v.extend(kv.v.f32());
+                let mut kv32 = LayerKv::with_dtype(KvDType::F32);
+                kv32.k.extend(&kv16.k.to_f32_vec());
+                kv32.v.extend(&kv16.v.to_f32_vec());
+                for probs_f16 in [false, true] {
+                    assert_eq!(
+                        bits(&attend(&q, &kv16, shape, start, probs_f16)),
+                        bits(&attend(&q, &kv32, shape, start, probs_f16)),
+                        "{heads}/{kv_heads}×{hd}, {keys} keys, variant {variant}: f16 cache"
+                    );
+                }
                 if variant == 2 {
                     continue; // the bias profiles are laid out per call
                 }

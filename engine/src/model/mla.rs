@@ -336,7 +336,7 @@ impl Mla {
         };
         let width = match self.kv_dtype {
             super::cache::KvDType::F32 => 4,
-            super::cache::KvDType::Bf16 => 2,
+            super::cache::KvDType::Bf16 | super::cache::KvDType::F16 => 2,
         };
         (self.kv_lora + self.rope_dim) * width + 4 * index
     }

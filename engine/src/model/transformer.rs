@@ -104,8 +104,8 @@ impl SelfAttention {
     pub fn cache_bytes_per_token(&self) -> (usize, usize) {
         match self {
             SelfAttention::Gqa(a) => {
-                let n = 4 * 2 * a.kv_heads * a.head_dim;
-                (n, n)
+                let n = 2 * a.kv_heads * a.head_dim;
+                (a.kv_dtype().bytes() * n, 4 * n)
             }
             SelfAttention::Mla(m) => (
                 m.cache_bytes_per_token(),
@@ -518,8 +518,10 @@ impl CausalLm for Transformer {
     fn new_cache(&self, max_len: usize) -> KvCache {
         let mut cache = KvCache::new(self.blocks.len(), max_len);
         for (layer, block) in cache.layers.iter_mut().zip(&self.blocks) {
-            if let SelfAttention::Mla(m) = &block.attn {
-                *layer = super::cache::LayerKv::with_dtype(m.kv_dtype);
+            match &block.attn {
+                SelfAttention::Mla(m) => *layer = super::cache::LayerKv::with_dtype(m.kv_dtype),
+                SelfAttention::Gqa(a) => *layer = super::cache::LayerKv::with_dtype(a.kv_dtype()),
+                _ => {}
             }
             layer.state = vec![0.0; block.state_len()];
         }

@@ -408,8 +408,8 @@ pub fn check_model(path: &Path, conv: &Conversation, model: &dyn CausalLm) -> Re
 pub fn restore(path: &Path, fingerprint: &str, model: &dyn CausalLm) -> Result<Conversation> {
     let mut conv = load(path, fingerprint)?;
     check_model(path, &conv, model)?;
-    // Buffers the model keeps in bf16 were written widened to f32: narrow them back (exact
-    // for values that were bf16; anything else means the file was saved another way).
+    // Buffers the model keeps in bf16 or f16 were written widened to f32: narrow them back
+    // (exact for values of that precision; anything else means the file was saved another way).
     let fresh = model.new_cache(0);
     for (l, (layer, want)) in conv.cache.layers.iter_mut().zip(&fresh.layers).enumerate() {
         for (i, (buf, w)) in [&mut layer.k, &mut layer.v, &mut layer.aux]
@@ -417,23 +417,30 @@ pub fn restore(path: &Path, fingerprint: &str, model: &dyn CausalLm) -> Result<C
             .zip([&want.k, &want.v, &want.aux])
             .enumerate()
         {
-            if w.dtype() == KvDType::Bf16 {
-                let values = buf.to_f32_vec();
-                let narrow: Vec<half::bf16> =
-                    values.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                if narrow
-                    .iter()
-                    .zip(&values)
-                    .any(|(n, x)| n.to_f32().to_bits() != x.to_bits())
-                {
-                    return Err(Error::Invalid(format!(
-                        "{}: layer {l}: the saved `{}` buffer is not a bf16 cache, but this model keeps one (--kv-dtype bf16); {FIX}",
-                        path.display(),
-                        BUFFERS[i]
-                    )));
-                }
-                *buf = KvBuf::Bf16(narrow);
+            let dtype = w.dtype();
+            if dtype == KvDType::F32 {
+                continue;
             }
+            let values = buf.to_f32_vec();
+            let mut narrow = KvBuf::new(dtype);
+            narrow.extend(&values);
+            if narrow
+                .to_f32_vec()
+                .iter()
+                .zip(&values)
+                .any(|(n, x)| n.to_bits() != x.to_bits())
+            {
+                let why = match dtype {
+                    KvDType::Bf16 => "a bf16 cache, but this model keeps one (--kv-dtype bf16)",
+                    _ => "an f16 cache, but this model keeps one (its attention runs at f16 precision, as for GGUF files)",
+                };
+                return Err(Error::Invalid(format!(
+                    "{}: layer {l}: the saved `{}` buffer is not {why}; {FIX}",
+                    path.display(),
+                    BUFFERS[i]
+                )));
+            }
+            *buf = narrow;
         }
     }
     Ok(conv)

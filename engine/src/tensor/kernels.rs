@@ -67,6 +67,18 @@ pub(crate) fn avx2_fma_f16c() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// Whether the 512-bit kernels may run (AVX-512 F and BW detected, `COLI_ISA` not set to
+/// `avx2` or `scalar`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| {
+        std::env::var("COLI_ISA").is_err()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+    })
+}
+
 /// Element types a weight row can hold, convertible to f32 exactly.
 pub trait WeightElem: Copy + Default + Send + Sync {
     fn to_f32(self) -> f32;

@@ -5,6 +5,7 @@
 //! checkpoint file or an owned, aligned buffer; kernels never know which. Kernels take typed
 //! views ([`WeightView`]) and never know about files.
 
+pub mod attention;
 pub mod device;
 pub mod kernels;
 pub mod matmul;

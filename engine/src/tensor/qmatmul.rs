@@ -551,17 +551,8 @@ fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R
     x.map(|x| dot_ref(ty, w, x))
 }
 
-/// Whether the 512-bit kernels may run (AVX-512 F and BW detected, `COLI_ISA` not set to
-/// `avx2` or `scalar`).
 #[cfg(target_arch = "x86_64")]
-fn avx512() -> bool {
-    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *YES.get_or_init(|| {
-        std::env::var("COLI_ISA").is_err()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-    })
-}
+use super::kernels::avx512;
 
 /// Whether the VNNI byte-product kernels may run (AVX-512 VNNI and VL detected, and the
 /// 512-bit kernels allowed).

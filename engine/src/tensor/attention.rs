@@ -1,0 +1,552 @@
+//! Attention's kernels over one head group: the query heads that share a key/value head
+//! (grouped-query attention) are scored and weighted together, so each cached key and value
+//! row is read from memory once for all of them, whether the cache holds f32 or f16 values.
+//!
+//! The arithmetic is that of one head at a time: every score is the canonical [`dot`] of its
+//! query and key (32 lanes, fused multiply-adds, the fixed fold), and every output element sums
+//! `p_j · v_j` (a rounded product, then a rounded sum) in ascending key order, as
+//! [`add_weighted_rows_scalar`] spells out. So a group gives each head the bits it gets alone,
+//! and the scalar loops here are the reference the SIMD paths are tested against bit for bit.
+//!
+//! Paths: AVX-512 (F, with F16C for f16 rows) for head dimensions that are a multiple of 32
+//! — scores of sixteen keys at a time, their 32-lane sums folded together in the canonical
+//! tree (the same additions, done across keys) —, otherwise the AVX2 kernels of
+//! [`kernels`](super::kernels) one head at a time, or the scalar reference.
+
+use half::f16;
+
+use super::kernels::{add_weighted_rows, add_weighted_rows_scalar, dot, dot_strided, Isa};
+use super::WeightData;
+
+/// One head group's cached key or value rows: row `j` of the group's head starts at
+/// `j · stride` (the rows of the other key/value heads lie in between).
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl<'a> KvRows<'a> {
+    /// The rows from value `at` on.
+    pub fn from(self, at: usize) -> KvRows<'a> {
+        match self {
+            KvRows::F32(v) => KvRows::F32(&v[at..]),
+            KvRows::F16(v) => KvRows::F16(&v[at..]),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            KvRows::F32(v) => v.len(),
+            KvRows::F16(v) => v.len(),
+        }
+    }
+
+    /// Row `j`'s first `width` values, as a kernel operand.
+    fn row(&self, j: usize, stride: usize, width: usize) -> WeightData<'_> {
+        let at = j * stride;
+        match self {
+            KvRows::F32(v) => WeightData::F32(&v[at..at + width]),
+            KvRows::F16(v) => WeightData::F16(&v[at..at + width]),
+        }
+    }
+}
+
+/// `out[r·n + j] = dot(q_r, key_j)` for every query `q_r` (the rows of `q`, `hd` values each)
+/// and key `j < n`: each score the canonical [`dot`].
+pub fn group_scores(
+    isa: Isa,
+    q: &[f32],
+    hd: usize,
+    keys: KvRows<'_>,
+    stride: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let rows = q.len() / hd;
+    assert!(
+        hd > 0 && q.len() == rows * hd,
+        "group_scores: q is not whole rows of {hd}"
+    );
+    assert_eq!(out.len(), rows * n, "group_scores: out is not {rows} × {n}");
+    assert!(
+        n == 0 || (n - 1) * stride + hd <= keys.len(),
+        "group_scores: {n} keys of {hd} at stride {stride} in {} values",
+        keys.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && hd.is_multiple_of(32) && avx512::usable(keys) {
+        // SAFETY: AVX-512 F (and F16C, AVX2 and FMA) were detected by `usable`; the bounds
+        // were checked above and `hd` is a multiple of 32.
+        unsafe { avx512::group_scores(q, hd, keys, stride, n, out) };
+        return;
+    }
+    for (r, o) in out.chunks_mut(n.max(1)).take(rows).enumerate() {
+        let qr = &q[r * hd..(r + 1) * hd];
+        match keys {
+            KvRows::F32(k) if n > 0 => dot_strided(isa, qr, k, stride, &mut o[..n]),
+            _ => {
+                for (j, s) in o.iter_mut().take(n).enumerate() {
+                    *s = dot(isa, qr, keys.row(j, stride, hd));
+                }
+            }
+        }
+    }
+}
+
+/// `out_r[e] += p[r·n + j] · value_j[e]` for `j = 0, 1, …, n − 1` in that order, for every
+/// output row `out_r` (`hd` values each) and element `e`: each product rounded, then added.
+pub fn group_weighted_values(
+    isa: Isa,
+    p: &[f32],
+    n: usize,
+    values: KvRows<'_>,
+    stride: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    let rows = out.len() / hd;
+    assert!(
+        hd > 0 && out.len() == rows * hd,
+        "group_weighted_values: out is not rows of {hd}"
+    );
+    assert_eq!(
+        p.len(),
+        rows * n,
+        "group_weighted_values: p is not {rows} × {n}"
+    );
+    assert!(
+        n == 0 || (n - 1) * stride + hd <= values.len(),
+        "group_weighted_values: {n} rows of {hd} at stride {stride} in {} values",
+        values.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && hd.is_multiple_of(32) && avx512::usable(values) {
+        // SAFETY: as in `group_scores`.
+        unsafe { avx512::group_weighted_values(p, n, values, stride, hd, out) };
+        return;
+    }
+    for (r, o) in out.chunks_mut(hd).enumerate() {
+        let pr = &p[r * n..(r + 1) * n];
+        match values {
+            KvRows::F32(v) => add_weighted_rows(isa, pr, v, stride, o),
+            KvRows::F16(v) => weighted_rows_scalar_f16(pr, v, stride, o),
+        }
+    }
+}
+
+/// [`add_weighted_rows_scalar`] over f16 rows (each value widened exactly).
+fn weighted_rows_scalar_f16(p: &[f32], m: &[f16], stride: usize, out: &mut [f32]) {
+    let d = out.len();
+    for (j, &pj) in p.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(&m[j * stride..j * stride + d]) {
+            *o += pj * v.to_f32();
+        }
+    }
+}
+
+/// Round every value to the nearest f16 (ties to even) and back, in place.
+pub fn round_to_f16(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels::avx2_fma_f16c() {
+        // SAFETY: F16C and AVX were just detected.
+        unsafe { avx2_round_to_f16(x) };
+        return;
+    }
+    for v in x.iter_mut() {
+        *v = f16::from_f32(*v).to_f32();
+    }
+}
+
+/// [`round_to_f16`] eight values at a time (`vcvtps2ph` rounds to nearest even, as
+/// `f16::from_f32` does).
+///
+/// # Safety
+/// The CPU must have AVX and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn avx2_round_to_f16(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: `c` is 8 f32, loaded and stored unaligned; AVX and F16C by the contract.
+        unsafe {
+            let v = _mm256_loadu_ps(c.as_ptr());
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm256_storeu_ps(c.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    for v in chunks.into_remainder() {
+        *v = f16::from_f32(*v).to_f32();
+    }
+}
+
+/// The scalar reference of [`group_scores`] (tests).
+pub fn group_scores_reference(
+    q: &[f32],
+    hd: usize,
+    keys: KvRows<'_>,
+    stride: usize,
+    n: usize,
+) -> Vec<f32> {
+    let rows = q.len() / hd;
+    let mut out = vec![0.0; rows * n];
+    for r in 0..rows {
+        for j in 0..n {
+            out[r * n + j] = dot(
+                Isa::Scalar,
+                &q[r * hd..(r + 1) * hd],
+                keys.row(j, stride, hd),
+            );
+        }
+    }
+    out
+}
+
+/// The scalar reference of [`group_weighted_values`] (tests).
+pub fn group_weighted_values_reference(
+    p: &[f32],
+    n: usize,
+    values: KvRows<'_>,
+    stride: usize,
+    out: &mut [f32],
+    hd: usize,
+) {
+    for (r, o) in out.chunks_mut(hd).enumerate() {
+        let pr = &p[r * n..(r + 1) * n];
+        match values {
+            KvRows::F32(v) => add_weighted_rows_scalar(pr, v, stride, o),
+            KvRows::F16(v) => weighted_rows_scalar_f16(pr, v, stride, o),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // register blocks read best as index loops
+mod avx512 {
+    //! 512-bit paths. Scores: for a block of sixteen keys, each (query, key) pair's 32 lanes
+    //! are summed over the head dimension in two registers (lanes 0-15 and 16-31, fused
+    //! multiply-adds from zero, chunk after chunk), then `l += l+16` makes one register per
+    //! key, and the remaining steps of the canonical fold (`l += l+8`, `+4`, `+2`, `+1`) are
+    //! done for the sixteen keys together by shuffles that pair exactly the lanes the fold
+    //! pairs. Weighted values: up to four output rows × 64 elements held in registers while
+    //! every value row passes, `acc + p·v` as two rounded operations.
+
+    use std::arch::x86_64::*;
+
+    use super::KvRows;
+
+    /// Query rows handled together (each key row loaded once for all of them).
+    const ROWS: usize = 4;
+    /// Keys scored, then folded, together.
+    const KEYS: usize = 16;
+
+    /// Whether the 512-bit kernels may run on `rows`: AVX-512 F (the 512-bit steps), and AVX2,
+    /// FMA and F16C (the kernels' other instructions and f16 widening), not overridden by
+    /// `COLI_ISA`.
+    pub fn usable(_rows: KvRows<'_>) -> bool {
+        super::super::kernels::avx512() && super::super::kernels::avx2_fma_f16c()
+    }
+
+    /// Sixteen consecutive values of a row, as f32.
+    ///
+    /// # Safety
+    /// Sixteen values must be readable at `p + at`; AVX-512 F and F16C.
+    #[inline(always)]
+    unsafe fn load16(rows: KvRows<'_>, at: usize) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match rows {
+                KvRows::F32(v) => _mm512_loadu_ps(v.as_ptr().add(at)),
+                KvRows::F16(v) => {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i))
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F, AVX2, FMA and F16C; `hd % 32 == 0`; `q` is whole rows of `hd`, `out` is
+    /// `rows × n`, and `(n − 1)·stride + hd ≤ keys.len()`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn group_scores(
+        q: &[f32],
+        hd: usize,
+        keys: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let rows = q.len() / hd;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + ROWS).min(rows);
+            // SAFETY: the caller's contract, for rows r0..r1.
+            unsafe {
+                match r1 - r0 {
+                    4 => scores_rows::<4>(q, r0, hd, keys, stride, n, out),
+                    3 => scores_rows::<3>(q, r0, hd, keys, stride, n, out),
+                    2 => scores_rows::<2>(q, r0, hd, keys, stride, n, out),
+                    _ => scores_rows::<1>(q, r0, hd, keys, stride, n, out),
+                }
+            }
+            r0 = r1;
+        }
+    }
+
+    /// Scores of query rows `r0..r0 + R` against every key.
+    ///
+    /// # Safety
+    /// As [`group_scores`], and `r0 + R ≤ rows`.
+    #[inline(always)]
+    unsafe fn scores_rows<const R: usize>(
+        q: &[f32],
+        r0: usize,
+        hd: usize,
+        keys: KvRows<'_>,
+        stride: usize,
+        n: usize,
+        out: &mut [f32],
+    ) {
+        let qp: [*const f32; R] = std::array::from_fn(|r| q[(r0 + r) * hd..].as_ptr());
+        let mut j0 = 0;
+        while j0 < n {
+            let kn = KEYS.min(n - j0);
+            // SAFETY: register-only.
+            let mut sums = [[unsafe { _mm512_setzero_ps() }; KEYS]; R];
+            for kk in 0..kn {
+                let at = (j0 + kk) * stride;
+                // SAFETY: key j0 + kk < n: its hd values at `at` are inside `keys`; query row
+                // r0 + r < rows has hd values at qp[r]; hd is a multiple of 32.
+                unsafe {
+                    let mut lo = [_mm512_setzero_ps(); R];
+                    let mut hi = [_mm512_setzero_ps(); R];
+                    let mut c = 0;
+                    while c < hd {
+                        let kl = load16(keys, at + c);
+                        let kh = load16(keys, at + c + 16);
+                        for r in 0..R {
+                            lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp[r].add(c)), kl, lo[r]);
+                            hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp[r].add(c + 16)), kh, hi[r]);
+                        }
+                        c += 32;
+                    }
+                    for r in 0..R {
+                        // l += l+16
+                        sums[r][kk] = _mm512_add_ps(lo[r], hi[r]);
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: register-only (the features are the caller's contract).
+                let folded = unsafe { fold16(&sums[r]) };
+                let row = &mut out[(r0 + r) * n + j0..(r0 + r) * n + j0 + kn];
+                row.copy_from_slice(&folded[..kn]);
+            }
+            j0 += kn;
+        }
+    }
+
+    /// The canonical fold's last four steps (`l += l+8`, `+4`, `+2`, `+1`) of sixteen
+    /// 16-lane sums at once: entry `k` of the result is sum `k` folded.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn fold16(s: &[__m512; KEYS]) -> [f32; KEYS] {
+        // SAFETY: register-only operations on the caller's AVX-512 F; the final store is to a
+        // 16-f32 array.
+        unsafe {
+            // l += l+8: quarters (0, 1) + (2, 3) of keys 2i and 2i+1, side by side.
+            let mut u = [_mm512_setzero_ps(); 8];
+            for i in 0..8 {
+                let (a, b) = (s[2 * i], s[2 * i + 1]);
+                let x = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+                let y = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+                u[i] = _mm512_add_ps(x, y); // [k2i (8) | k2i+1 (8)]
+            }
+            // l += l+4: quarter 0 + 1 and 2 + 3 of u[2i], u[2i+1].
+            let mut v = [_mm512_setzero_ps(); 4];
+            for i in 0..4 {
+                let (a, b) = (u[2 * i], u[2 * i + 1]);
+                let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+                let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+                v[i] = _mm512_add_ps(x, y); // [k4i | k4i+1 | k4i+2 | k4i+3] (4 each)
+            }
+            // l += l+2, within each 128-bit quarter.
+            let mut w = [_mm512_setzero_ps(); 2];
+            for i in 0..2 {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                let x = _mm512_shuffle_ps::<0b01_00_01_00>(a, b);
+                let y = _mm512_shuffle_ps::<0b11_10_11_10>(a, b);
+                // quarter L: [k8i+L (2) | k8i+4+L (2)]
+                w[i] = _mm512_add_ps(x, y);
+            }
+            // l += l+1: quarter L holds keys L, L+4, L+8, L+12.
+            let x = _mm512_shuffle_ps::<0b10_00_10_00>(w[0], w[1]);
+            let y = _mm512_shuffle_ps::<0b11_01_11_01>(w[0], w[1]);
+            let z = _mm512_add_ps(x, y);
+            // Key k sits at 4·(k % 4) + k / 4.
+            let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+            let mut out = [0.0f32; KEYS];
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(order, z));
+            out
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F, AVX2, FMA and F16C; `hd % 32 == 0`; `out` is whole rows of `hd`, `p` is
+    /// `rows × n`, and `(n − 1)·stride + hd ≤ values.len()`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn group_weighted_values(
+        p: &[f32],
+        n: usize,
+        values: KvRows<'_>,
+        stride: usize,
+        hd: usize,
+        out: &mut [f32],
+    ) {
+        let rows = out.len() / hd;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r1 = (r0 + ROWS).min(rows);
+            let mut e0 = 0;
+            while e0 < hd {
+                // 64 elements at a time, or the last 32.
+                let wide = hd - e0 >= 64;
+                // SAFETY: the caller's contract, for rows r0..r1 and elements e0..e0 + 32·V
+                // (within hd, which is a multiple of 32).
+                unsafe {
+                    match (r1 - r0, wide) {
+                        (4, true) => weighted::<4, 4>(p, n, values, stride, hd, out, r0, e0),
+                        (3, true) => weighted::<3, 4>(p, n, values, stride, hd, out, r0, e0),
+                        (2, true) => weighted::<2, 4>(p, n, values, stride, hd, out, r0, e0),
+                        (_, true) => weighted::<1, 4>(p, n, values, stride, hd, out, r0, e0),
+                        (4, false) => weighted::<4, 2>(p, n, values, stride, hd, out, r0, e0),
+                        (3, false) => weighted::<3, 2>(p, n, values, stride, hd, out, r0, e0),
+                        (2, false) => weighted::<2, 2>(p, n, values, stride, hd, out, r0, e0),
+                        (_, false) => weighted::<1, 2>(p, n, values, stride, hd, out, r0, e0),
+                    }
+                }
+                e0 += if wide { 64 } else { 32 };
+            }
+            r0 = r1;
+        }
+    }
+
+    /// Output rows `r0..r0 + R`, elements `e0..e0 + 16·V`, over every value row in order.
+    ///
+    /// # Safety
+    /// As [`group_weighted_values`], and `r0 + R ≤ rows`, `e0 + 16·V ≤ hd`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn weighted<const R: usize, const V: usize>(
+        p: &[f32],
+        n: usize,
+        values: KvRows<'_>,
+        stride: usize,
+        hd: usize,
+        out: &mut [f32],
+        r0: usize,
+        e0: usize,
+    ) {
+        // SAFETY: out rows r0 + r < rows hold hd values, elements e0 + 16g + 16 ≤ hd; value
+        // row j < n holds hd values at j·stride, inside `values`; p row r0 + r holds n values.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
+            for r in 0..R {
+                for g in 0..V {
+                    acc[r][g] = _mm512_loadu_ps(out.as_ptr().add((r0 + r) * hd + e0 + 16 * g));
+                }
+            }
+            let pp: [*const f32; R] = std::array::from_fn(|r| p.as_ptr().add((r0 + r) * n));
+            for j in 0..n {
+                let at = j * stride + e0;
+                let mut v = [_mm512_setzero_ps(); V];
+                for g in 0..V {
+                    v[g] = load16(values, at + 16 * g);
+                }
+                for r in 0..R {
+                    let pj = _mm512_set1_ps(*pp[r].add(j));
+                    for g in 0..V {
+                        acc[r][g] = _mm512_add_ps(acc[r][g], _mm512_mul_ps(pj, v[g]));
+                    }
+                }
+            }
+            for r in 0..R {
+                for g in 0..V {
+                    _mm512_storeu_ps(out.as_mut_ptr().add((r0 + r) * hd + e0 + 16 * g), acc[r][g]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::test_values::xorshift;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Every path against the scalar reference, for f32 and f16 rows, group sizes 1-9, head
+    /// dims with and without a 32-multiple, key counts around the 16-key blocks, strided rows
+    /// (the group's head is the middle one of three), and with negative zeros in the keys.
+    #[test]
+    fn group_kernels_give_the_scalar_reference_bits() {
+        for &hd in &[8usize, 32, 40, 64, 96, 128] {
+            for &rows in &[1usize, 2, 3, 4, 5, 8, 9] {
+                for &n in &[0usize, 1, 15, 16, 17, 33, 70] {
+                    let stride = 3 * hd;
+                    let seed = (hd * 131 + rows * 17 + n) as u32;
+                    let q = xorshift(rows * hd, seed);
+                    let mut k32 = xorshift(n.max(1) * stride, seed + 1);
+                    for x in k32.iter_mut().step_by(7) {
+                        *x = -0.0;
+                    }
+                    let k16: Vec<f16> = k32.iter().map(|&x| f16::from_f32(x)).collect();
+                    let p = xorshift(rows * n, seed + 2);
+                    let init = xorshift(rows * hd, seed + 3);
+                    for rows_kind in [KvRows::F32(&k32[hd..]), KvRows::F16(&k16[hd..])] {
+                        let want = group_scores_reference(&q, hd, rows_kind, stride, n);
+                        let mut want_v = init.clone();
+                        group_weighted_values_reference(&p, n, rows_kind, stride, &mut want_v, hd);
+                        for isa in [Isa::Scalar, Isa::best_available()] {
+                            let what = format!("hd {hd} rows {rows} n {n} {rows_kind:?} {isa:?}");
+                            let mut got = vec![f32::NAN; rows * n];
+                            group_scores(isa, &q, hd, rows_kind, stride, n, &mut got);
+                            assert_eq!(bits(&got), bits(&want), "scores, {what}");
+                            let mut got_v = init.clone();
+                            group_weighted_values(isa, &p, n, rows_kind, stride, hd, &mut got_v);
+                            assert_eq!(bits(&got_v), bits(&want_v), "values, {what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rounding_to_f16_is_ties_to_even_as_half_does() {
+        let mut x = xorshift(1000, 3);
+        x.extend([
+            65520.0,
+            -65519.0,
+            1e-8,
+            -6.1e-5,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            2.0f32.powi(-24) * 1.5,
+            1.0 + 2.0f32.powi(-11),
+        ]);
+        let want: Vec<u32> = x
+            .iter()
+            .map(|&v| f16::from_f32(v).to_f32().to_bits())
+            .collect();
+        round_to_f16(&mut x);
+        assert_eq!(bits(&x), want);
+    }
+}
