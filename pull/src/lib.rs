@@ -335,7 +335,7 @@ pub fn pull(opts: &Options) -> Result<Summary> {
     };
     let next = AtomicUsize::new(0);
     let shared = Mutex::new((receipt, Vec::<anyhow::Error>::new()));
-    let stats = Mutex::new((0usize, 0u64, 0usize, 0usize, 0usize)); // downloaded, bytes, resumed, refetched, adopted
+    let counts = Mutex::new(Counts::default());
     std::thread::scope(|s| {
         for _ in 0..opts.jobs.clamp(1, todo.len().max(1)) {
             s.spawn(|| loop {
@@ -346,17 +346,7 @@ pub fn pull(opts: &Options) -> Result<Summary> {
                 let Some(file) = todo.get(i) else { return };
                 match job.land(file) {
                     Ok(landed) => {
-                        {
-                            let mut st = stats.lock().unwrap();
-                            if landed.adopted {
-                                st.4 += 1;
-                            } else {
-                                st.0 += 1;
-                            }
-                            st.1 += landed.transferred;
-                            st.2 += usize::from(landed.resumed_from > 0);
-                            st.3 += usize::from(landed.refetched);
-                        }
+                        counts.lock().unwrap().add(&landed);
                         let mut sh = shared.lock().unwrap();
                         let (receipt, errors) = &mut *sh;
                         receipt.files.retain(|e| e.path != file.path);
@@ -407,7 +397,13 @@ pub fn pull(opts: &Options) -> Result<Summary> {
     receipt.save(dir)?;
     // Parts of other versions of the files, and the staging folder, are no longer needed.
     let _ = std::fs::remove_dir_all(&staging);
-    let (downloaded, transferred, resumed, refetched, adopted) = *stats.lock().unwrap();
+    let Counts {
+        downloaded,
+        transferred,
+        resumed,
+        refetched,
+        adopted,
+    } = counts.into_inner().unwrap();
     Ok(Summary {
         spec: opts.spec.to_string(),
         commit,
@@ -422,6 +418,29 @@ pub fn pull(opts: &Options) -> Result<Summary> {
         up_to_date: false,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// What the workers did, added up.
+#[derive(Default)]
+struct Counts {
+    downloaded: usize,
+    transferred: u64,
+    resumed: usize,
+    refetched: usize,
+    adopted: usize,
+}
+
+impl Counts {
+    fn add(&mut self, landed: &fetch::Landed) {
+        if landed.adopted {
+            self.adopted += 1;
+        } else {
+            self.downloaded += 1;
+        }
+        self.transferred += landed.transferred;
+        self.resumed += usize::from(landed.resumed_from > 0);
+        self.refetched += usize::from(landed.refetched);
+    }
 }
 
 /// Take `dir`'s advisory lock, waiting (with a message) while another pull holds it.

@@ -183,7 +183,7 @@ fn a_file_corrupted_every_time_is_an_error_naming_it() {
     assert_landed(&hub, &dir);
     for path in DEFAULT {
         let n = hub.transfers(path, before).len();
-        assert_eq!(n, usize::from(!receipt.file(path).is_some()), "{path}");
+        assert_eq!(n, usize::from(receipt.file(path).is_none()), "{path}");
     }
     assert_eq!(s.present, receipt.files.len());
 }
