@@ -181,6 +181,8 @@ impl Hub {
             let path = format!("{}/", endpoint.path());
             endpoint.set_path(&path);
         }
+        // reqwest's rustls takes the process's provider: ring (a no-op when one is set).
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = Client::builder()
             .user_agent(concat!("colibri/", env!("CARGO_PKG_VERSION"), " (coli pull)"))
             .redirect(reqwest::redirect::Policy::none())

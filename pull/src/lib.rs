@@ -84,8 +84,6 @@ pub struct PullArgs {
 
 /// Run `coli pull`.
 pub fn run(args: PullArgs) -> Result<()> {
-    // reqwest's rustls takes the process's provider: ring.
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let spec = RepoSpec::parse(&args.repo)?;
     let token = token(args.token_file.as_deref())?;
     let opts = Options {
@@ -154,7 +152,7 @@ pub struct Options {
 }
 
 /// What a pull did.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Summary {
     /// `ORG/NAME@REV`.
     pub spec: String,

@@ -287,7 +287,7 @@ fn missing_revisions_repositories_and_patterns_are_named() {
         ..options(&hub, &format!("{REPO}@{}", hub.commit()), &dir)
     };
     let s: Summary = pull(&o).unwrap();
-    assert_eq!(s.files, 4);
+    assert_eq!(s.files, 5); // config, generation_config, index, tokenizer, tokenizer_config
     assert!(!dir.join(BIG).exists());
     assert!(dir.join("model.safetensors.index.json").exists());
 }
