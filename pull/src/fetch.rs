@@ -15,7 +15,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use reqwest::StatusCode;
 use ring::digest::{Context as Digest, SHA1_FOR_LEGACY_USE_ONLY, SHA256};
 
-use crate::hub::{backoff, content_range, etag_value, header, is_hex, Check, Failure, Hub, RemoteFile};
+use crate::hub::{
+    backoff, content_range, etag_value, header, is_hex, Check, Failure, Hub, RemoteFile,
+};
 use crate::Progress;
 
 /// Consecutive failed attempts (without a byte of progress between them) before giving up.
@@ -95,7 +97,11 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// The hashes of a whole file on disk, with its bytes counted into `progress`.
-fn hash_file(path: &Path, file: &RemoteFile, progress: &Progress) -> Result<(String, Option<String>)> {
+fn hash_file(
+    path: &Path,
+    file: &RemoteFile,
+    progress: &Progress,
+) -> Result<(String, Option<String>)> {
     let mut f = File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut hashes = Hashes::new(file);
     let mut buf = vec![0u8; CHUNK];
@@ -115,9 +121,9 @@ fn hash_file(path: &Path, file: &RemoteFile, progress: &Progress) -> Result<(Str
 /// Whether the hashes are what the Hub says: `Err` says what came instead.
 fn verify(file: &RemoteFile, sha256: &str, git: Option<&str>) -> Result<(), String> {
     match &file.check {
-        Check::Sha256(want) if want != sha256 => {
-            Err(format!("SHA-256 mismatch: the Hub says {want}, the bytes hash to {sha256}"))
-        }
+        Check::Sha256(want) if want != sha256 => Err(format!(
+            "SHA-256 mismatch: the Hub says {want}, the bytes hash to {sha256}"
+        )),
         Check::GitBlob(want) if Some(want.as_str()) != git => Err(format!(
             "git blob id mismatch: the Hub says {want}, the bytes hash to {}",
             git.unwrap_or("?")
@@ -144,7 +150,11 @@ impl Job<'_> {
         let target = self.target(file);
         if let Ok(meta) = std::fs::metadata(&target) {
             if meta.is_dir() {
-                bail!("{} is a directory, where the file {} goes", target.display(), file.path);
+                bail!(
+                    "{} is a directory, where the file {} goes",
+                    target.display(),
+                    file.path
+                );
             }
             if meta.len() == file.size {
                 let (sha256, git) = hash_file(&target, file, self.progress)?;
@@ -163,7 +173,11 @@ impl Job<'_> {
                 ));
             }
             // Counted in the total as a download: take back what hashing it added.
-            self.progress.sub(if meta.len() == file.size { meta.len() } else { 0 });
+            self.progress.sub(if meta.len() == file.size {
+                meta.len()
+            } else {
+                0
+            });
         }
         let part = self.part(file);
         let mut refetched = false;
@@ -223,9 +237,13 @@ impl Job<'_> {
             .truncate(false)
             .open(part)
             .with_context(|| format!("opening {}", part.display()))?;
-        let mut len = f.metadata().with_context(|| format!("reading {}", part.display()))?.len();
+        let mut len = f
+            .metadata()
+            .with_context(|| format!("reading {}", part.display()))?
+            .len();
         if len > file.size {
-            f.set_len(0).with_context(|| format!("truncating {}", part.display()))?;
+            f.set_len(0)
+                .with_context(|| format!("truncating {}", part.display()))?;
             len = 0;
         }
         // The bytes already there are hashed first; the download continues after them.
@@ -245,7 +263,10 @@ impl Job<'_> {
         let mut failures = 0;
         while len < file.size {
             if self.cancel.load(Ordering::Relaxed) {
-                bail!("{}: stopped (another file failed); the part is kept", file.path);
+                bail!(
+                    "{}: stopped (another file failed); the part is kept",
+                    file.path
+                );
             }
             let before = len;
             let outcome = self.transfer(file, &mut f, &mut hashes, &mut len, &mut buf);
@@ -260,8 +281,10 @@ impl Job<'_> {
                     bail!("{}: {why}", file.path);
                 }
                 Err(Step::Restart(why)) => {
-                    self.progress.warn(&format!("{}: {why}; starting it over", file.path));
-                    f.set_len(0).with_context(|| format!("truncating {}", part.display()))?;
+                    self.progress
+                        .warn(&format!("{}: {why}; starting it over", file.path));
+                    f.set_len(0)
+                        .with_context(|| format!("truncating {}", part.display()))?;
                     self.progress.sub(len);
                     len = 0;
                     hashes = Hashes::new(file);
@@ -279,10 +302,8 @@ impl Job<'_> {
                             part.display()
                         )));
                     }
-                    self.progress.warn(&format!(
-                        "{}: {:#}; retrying from byte {len}",
-                        file.path, e
-                    ));
+                    self.progress
+                        .warn(&format!("{}: {:#}; retrying from byte {len}", file.path, e));
                     std::thread::sleep(backoff(failures));
                 }
             }
@@ -319,11 +340,14 @@ impl Job<'_> {
         let mut resp = download.response;
         let status = resp.status();
         if status == StatusCode::RANGE_NOT_SATISFIABLE {
-            return Err(Step::Restart(format!("the server refused the range from byte {len}")));
+            return Err(Step::Restart(format!(
+                "the server refused the range from byte {len}"
+            )));
         }
         if status == StatusCode::PARTIAL_CONTENT {
             match content_range(resp.headers()) {
-                Some((first, _, total)) if first == *len && total.is_none_or(|t| t == file.size) => {}
+                Some((first, _, total))
+                    if first == *len && total.is_none_or(|t| t == file.size) => {}
                 got => {
                     return Err(Step::Restart(format!(
                         "the server sent the range {got:?}, not bytes {len}- of {}",
@@ -401,7 +425,11 @@ impl Job<'_> {
     }
 
     /// The Hub's headers for the file must agree with the pinned commit and the tree's hash.
-    fn check_hub_headers(&self, file: &RemoteFile, headers: &reqwest::header::HeaderMap) -> Result<()> {
+    fn check_hub_headers(
+        &self,
+        file: &RemoteFile,
+        headers: &reqwest::header::HeaderMap,
+    ) -> Result<()> {
         if let Some(commit) = header(headers, "x-repo-commit") {
             if !commit.eq_ignore_ascii_case(self.commit) {
                 bail!(
@@ -414,7 +442,8 @@ impl Job<'_> {
         let linked = header(headers, "x-linked-etag");
         match (&file.check, linked) {
             (Check::Sha256(want), Some(etag))
-                if is_hex(etag_value(&etag), 64) && !etag_value(&etag).eq_ignore_ascii_case(want) =>
+                if is_hex(etag_value(&etag), 64)
+                    && !etag_value(&etag).eq_ignore_ascii_case(want) =>
             {
                 bail!(
                     "{}: the Hub's X-Linked-Etag {etag} is not the tree's SHA-256 {want}",
@@ -425,7 +454,10 @@ impl Job<'_> {
                 if let Some(etag) = header(headers, "etag") {
                     let v = etag_value(&etag);
                     if is_hex(v, 40) && !v.eq_ignore_ascii_case(want) {
-                        bail!("{}: the Hub's ETag {etag} is not the tree's git oid {want}", file.path);
+                        bail!(
+                            "{}: the Hub's ETag {etag} is not the tree's git oid {want}",
+                            file.path
+                        );
                     }
                 }
             }
@@ -477,14 +509,22 @@ mod tests {
         let mut h = Hashes::new(&file);
         h.update(b"hello\n");
         let (sha256, git) = h.finish();
-        assert_eq!(git.as_deref(), Some("ce013625030ba8dba906f756967f9e9ca394464a"));
+        assert_eq!(
+            git.as_deref(),
+            Some("ce013625030ba8dba906f756967f9e9ca394464a")
+        );
         // `printf 'hello\n' | sha256sum`
-        assert_eq!(sha256, "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03");
+        assert_eq!(
+            sha256,
+            "5891b5b522d5df086d0ff0b110fbd9d21bb4fc7163af34d08286a2e846f6be03"
+        );
         assert!(verify(&file, &sha256, git.as_deref()).is_ok());
         let lfs = RemoteFile {
             check: Check::Sha256("0".repeat(64)),
             ..file
         };
-        assert!(verify(&lfs, &sha256, None).unwrap_err().contains("SHA-256 mismatch"));
+        assert!(verify(&lfs, &sha256, None)
+            .unwrap_err()
+            .contains("SHA-256 mismatch"));
     }
 }

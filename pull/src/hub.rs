@@ -184,7 +184,11 @@ impl Hub {
         // reqwest's rustls takes the process's provider: ring (a no-op when one is set).
         let _ = rustls::crypto::ring::default_provider().install_default();
         let client = Client::builder()
-            .user_agent(concat!("colibri/", env!("CARGO_PKG_VERSION"), " (coli pull)"))
+            .user_agent(concat!(
+                "colibri/",
+                env!("CARGO_PKG_VERSION"),
+                " (coli pull)"
+            ))
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(30))
             // Per wait: sending a request, and each read of a body (a stalled transfer).
@@ -227,10 +231,7 @@ impl Hub {
     /// when `from` is given; no redirects followed.
     fn get(&self, url: &Url, from: Option<u64>) -> Result<Response, Failure> {
         let mut req = self.client.get(url.clone());
-        if let (Some(token), true) = (
-            &self.token,
-            url.origin() == self.endpoint.origin(),
-        ) {
+        if let (Some(token), true) = (&self.token, url.origin() == self.endpoint.origin()) {
             req = req.header(AUTHORIZATION, format!("Bearer {token}"));
         }
         if let Some(from) = from {
@@ -278,7 +279,9 @@ impl Hub {
         let mut body = Vec::new();
         resp.take(MAX_JSON + 1)
             .read_to_end(&mut body)
-            .map_err(|e| Failure::Transient(anyhow!(e).context(format!("reading {}", redact(url)))))?;
+            .map_err(|e| {
+                Failure::Transient(anyhow!(e).context(format!("reading {}", redact(url))))
+            })?;
         if body.len() as u64 > MAX_JSON {
             return Err(Failure::Fatal(anyhow!(
                 "{}: the answer is larger than {} MiB",
@@ -308,9 +311,9 @@ impl Hub {
                 .chain(["revision", revision]),
         );
         let (info, _): (Info, _) = self.get_json(&url, Subject::Revision(revision))?;
-        let sha = info.sha.ok_or_else(|| {
-            anyhow!("{}: the answer names no commit (`sha`)", redact(&url))
-        })?;
+        let sha = info
+            .sha
+            .ok_or_else(|| anyhow!("{}: the answer names no commit (`sha`)", redact(&url)))?;
         if !is_hex(&sha, 40) {
             bail!("{}: {sha:?} is not a commit id", redact(&url));
         }
@@ -363,13 +366,22 @@ impl Hub {
                 let (size, check) = match (e.lfs, e.oid) {
                     (Some(lfs), _) => {
                         if !is_hex(&lfs.oid, 64) {
-                            bail!("{}: {}: the LFS oid {:?} is not a SHA-256", redact(&url), e.path, lfs.oid);
+                            bail!(
+                                "{}: {}: the LFS oid {:?} is not a SHA-256",
+                                redact(&url),
+                                e.path,
+                                lfs.oid
+                            );
                         }
                         (lfs.size, Check::Sha256(lfs.oid.to_ascii_lowercase()))
                     }
                     (None, Some(oid)) => {
                         if !is_hex(&oid, 40) {
-                            bail!("{}: {}: the git oid {oid:?} is not a SHA-1", redact(&url), e.path);
+                            bail!(
+                                "{}: {}: the git oid {oid:?} is not a SHA-1",
+                                redact(&url),
+                                e.path
+                            );
                         }
                         (e.size, Check::GitBlob(oid.to_ascii_lowercase()))
                     }
@@ -411,13 +423,19 @@ impl Hub {
                     .get(LOCATION)
                     .and_then(|l| l.to_str().ok())
                     .ok_or_else(|| {
-                        Failure::Fatal(anyhow!("{}: HTTP {status} without a Location", redact(&url)))
+                        Failure::Fatal(anyhow!(
+                            "{}: HTTP {status} without a Location",
+                            redact(&url)
+                        ))
                     })?;
                 url = url.join(location).map_err(|e| {
                     Failure::Fatal(anyhow!("{}: bad redirect {location:?}: {e}", redact(&url)))
                 })?;
                 if !matches!(url.scheme(), "http" | "https") {
-                    return Err(Failure::Fatal(anyhow!("{path}: redirect to {}", redact(&url))));
+                    return Err(Failure::Fatal(anyhow!(
+                        "{path}: redirect to {}",
+                        redact(&url)
+                    )));
                 }
                 continue;
             }
@@ -462,9 +480,8 @@ impl Hub {
             Subject::Tree(commit) => format!("the files of {repo} at {commit}"),
             Subject::File(path, commit) => format!("{path} of {repo} at {commit}"),
         };
-        let gated = code == "GatedRepo"
-            || message.contains("gated")
-            || message.contains("restricted");
+        let gated =
+            code == "GatedRepo" || message.contains("gated") || message.contains("restricted");
         let error = match status.as_u16() {
             401 | 403 if gated => anyhow!(
                 "{repo} is a gated repository (HTTP {status}){said}: accept its terms at {page} \
@@ -582,10 +599,18 @@ mod tests {
     #[test]
     fn repo_specs() {
         let s = RepoSpec::parse("Qwen/Qwen3-30B-A3B").unwrap();
-        assert_eq!((s.repo.as_str(), s.revision.as_str()), ("Qwen/Qwen3-30B-A3B", "main"));
+        assert_eq!(
+            (s.repo.as_str(), s.revision.as_str()),
+            ("Qwen/Qwen3-30B-A3B", "main")
+        );
         let s = RepoSpec::parse("org/m.v1_x@refs/pr/3").unwrap();
-        assert_eq!((s.repo.as_str(), s.revision.as_str()), ("org/m.v1_x", "refs/pr/3"));
-        for bad in ["qwen", "a/b/c", "a/", "/b", "a/b@", "a/..", "a/b c", "a/b@x y", "-a/b", "a/b."] {
+        assert_eq!(
+            (s.repo.as_str(), s.revision.as_str()),
+            ("org/m.v1_x", "refs/pr/3")
+        );
+        for bad in [
+            "qwen", "a/b/c", "a/", "/b", "a/b@", "a/..", "a/b c", "a/b@x y", "-a/b", "a/b.",
+        ] {
             assert!(RepoSpec::parse(bad).is_err(), "{bad} accepted");
         }
     }
@@ -599,9 +624,19 @@ mod tests {
                 .chain(hub.repo_segments())
                 .chain(["revision", "refs/pr/1"]),
         );
-        assert_eq!(u.as_str(), "http://127.0.0.1:9/base/api/models/org/name/revision/refs%2Fpr%2F1");
-        let u = hub.url(hub.repo_segments().chain(["resolve", "abc"]).chain("a b/c#d.json".split('/')));
-        assert_eq!(u.as_str(), "http://127.0.0.1:9/base/org/name/resolve/abc/a%20b/c%23d.json");
+        assert_eq!(
+            u.as_str(),
+            "http://127.0.0.1:9/base/api/models/org/name/revision/refs%2Fpr%2F1"
+        );
+        let u = hub.url(
+            hub.repo_segments()
+                .chain(["resolve", "abc"])
+                .chain("a b/c#d.json".split('/')),
+        );
+        assert_eq!(
+            u.as_str(),
+            "http://127.0.0.1:9/base/org/name/resolve/abc/a%20b/c%23d.json"
+        );
     }
 
     #[test]

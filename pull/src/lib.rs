@@ -279,7 +279,8 @@ pub fn pull(opts: &Options) -> Result<Summary> {
                     Check::GitBlob(h) => e.git_oid.as_ref() == Some(h),
                 }
         });
-        let in_place = std::fs::metadata(dir.join(&f.path)).is_ok_and(|m| m.is_file() && m.len() == f.size);
+        let in_place =
+            std::fs::metadata(dir.join(&f.path)).is_ok_and(|m| m.is_file() && m.len() == f.size);
         match known {
             Some(e) if in_place => done.push(e.clone()),
             _ => todo.push(f),
@@ -381,7 +382,10 @@ pub fn pull(opts: &Options) -> Result<Summary> {
         let n = errors.len();
         let first = errors.into_iter().next().expect("an error");
         let more = if n > 1 {
-            format!(" ({} other downloads were stopped; their parts are kept)", n - 1)
+            format!(
+                " ({} other downloads were stopped; their parts are kept)",
+                n - 1
+            )
         } else {
             String::new()
         };
@@ -573,7 +577,11 @@ impl Progress {
             "{} ({}): {how}{}, {check} verified",
             file.path,
             format_size(file.size),
-            if landed.refetched { " (fetched again after a hash mismatch)" } else { "" },
+            if landed.refetched {
+                " (fetched again after a hash mismatch)"
+            } else {
+                ""
+            },
         ));
     }
 

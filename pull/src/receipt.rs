@@ -78,7 +78,10 @@ pub fn read_receipt(dir: &Path) -> Result<Option<Receipt>> {
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     if text.len() > 64 << 20 {
-        bail!("{}: larger than 64 MiB; not a receipt of coli pull", path.display());
+        bail!(
+            "{}: larger than 64 MiB; not a receipt of coli pull",
+            path.display()
+        );
     }
     let receipt: Receipt = serde_json::from_slice(&text).with_context(|| {
         format!(
@@ -123,6 +126,9 @@ mod tests {
         assert_eq!(read_receipt(dir.path()).unwrap(), Some(r));
         std::fs::write(dir.path().join(crate::RECEIPT), "{\"format\": 1}").unwrap();
         let e = format!("{:#}", read_receipt(dir.path()).unwrap_err());
-        assert!(e.contains("coli-pull.json") && e.contains("remove it"), "{e}");
+        assert!(
+            e.contains("coli-pull.json") && e.contains("remove it"),
+            "{e}"
+        );
     }
 }

@@ -77,7 +77,9 @@ pub fn select(files: &[RemoteFile], include: &[String], what: &str) -> Result<Ve
 /// What `coli serve` needs from a Hugging Face directory, or the repository's only GGUF file.
 fn default_selection(files: &[RemoteFile], what: &str) -> Result<Vec<RemoteFile>> {
     let top: Vec<&RemoteFile> = files.iter().filter(|f| !f.path.contains('/')).collect();
-    let has_index = top.iter().any(|f| f.path.ends_with(".safetensors.index.json"));
+    let has_index = top
+        .iter()
+        .any(|f| f.path.ends_with(".safetensors.index.json"));
     let weights = |f: &&RemoteFile| {
         f.path.ends_with(".safetensors")
             // Mistral's repositories carry the same weights twice: the Hugging Face shards an
@@ -116,7 +118,12 @@ fn default_selection(files: &[RemoteFile], what: &str) -> Result<Vec<RemoteFile>
 /// At most 30 names, comma-separated.
 fn listing<'a>(names: impl Iterator<Item = &'a str>) -> String {
     let names: Vec<&str> = names.collect();
-    let mut s = names.iter().take(30).copied().collect::<Vec<_>>().join(", ");
+    let mut s = names
+        .iter()
+        .take(30)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(", ");
     if names.len() > 30 {
         s.push_str(&format!(", … ({} in all)", names.len()));
     }
@@ -135,7 +142,9 @@ pub fn check_path(path: &str) -> Result<()> {
         || path.starts_with('/')
         || path.contains('\\')
         || path.chars().any(char::is_control)
-        || path.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+        || path
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
         || path == RECEIPT
         || path.split('/').next() == Some(STAGING);
     if bad {
@@ -209,16 +218,34 @@ mod tests {
     #[test]
     fn include_patterns() {
         let repo = files(&["a.json", "sub/b.json", "sub/c.bin", "d.bin"]);
-        assert_eq!(paths(select(&repo, &["*.json".into()], "r").unwrap()), ["a.json", "sub/b.json"]);
-        assert_eq!(paths(select(&repo, &["sub/".into()], "r").unwrap()), ["sub/b.json", "sub/c.bin"]);
-        let e = select(&repo, &["*.json".into(), "*.gguf".into()], "r").unwrap_err().to_string();
+        assert_eq!(
+            paths(select(&repo, &["*.json".into()], "r").unwrap()),
+            ["a.json", "sub/b.json"]
+        );
+        assert_eq!(
+            paths(select(&repo, &["sub/".into()], "r").unwrap()),
+            ["sub/b.json", "sub/c.bin"]
+        );
+        let e = select(&repo, &["*.json".into(), "*.gguf".into()], "r")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("\"*.gguf\" matches no file"), "{e}");
         assert!(select(&repo, &["[".into()], "r").is_err());
     }
 
     #[test]
     fn unsafe_paths_are_refused() {
-        for p in ["../x", "a/../../x", "/etc/passwd", "a//b", "./a", "a\\b", RECEIPT, ".coli-pull/x", ""] {
+        for p in [
+            "../x",
+            "a/../../x",
+            "/etc/passwd",
+            "a//b",
+            "./a",
+            "a\\b",
+            RECEIPT,
+            ".coli-pull/x",
+            "",
+        ] {
             assert!(check_path(p).is_err(), "{p:?} accepted");
         }
         check_path("sub/dir/model.safetensors").unwrap();

@@ -28,16 +28,31 @@ fn bytes(n: usize, seed: u64) -> Vec<u8> {
 /// A repository in the Hugging Face layout, with files the default selection leaves out.
 fn repo_files() -> Vec<HubFile> {
     vec![
-        HubFile::new(".gitattributes", b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n".to_vec()),
+        HubFile::new(
+            ".gitattributes",
+            b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n".to_vec(),
+        ),
         HubFile::new("README.md", b"# tiny\n".to_vec()),
         HubFile::new("config.json", br#"{"model_type": "llama"}"#.to_vec()),
-        HubFile::new("generation_config.json", br#"{"do_sample": false}"#.to_vec()),
+        HubFile::new(
+            "generation_config.json",
+            br#"{"do_sample": false}"#.to_vec(),
+        ),
         HubFile::new("model-00001-of-00002.safetensors", bytes(3 << 20, 1)),
-        HubFile::new("model-00002-of-00002.safetensors", bytes((2 << 20) + 12345, 2)),
-        HubFile::new("model.safetensors.index.json", br#"{"weight_map": {}}"#.to_vec()),
+        HubFile::new(
+            "model-00002-of-00002.safetensors",
+            bytes((2 << 20) + 12345, 2),
+        ),
+        HubFile::new(
+            "model.safetensors.index.json",
+            br#"{"weight_map": {}}"#.to_vec(),
+        ),
         HubFile::new("sub/extra.safetensors", bytes(1000, 3)),
         HubFile::new("tokenizer.json", bytes(70_000, 4)),
-        HubFile::new("tokenizer_config.json", br#"{"chat_template": "x"}"#.to_vec()),
+        HubFile::new(
+            "tokenizer_config.json",
+            br#"{"chat_template": "x"}"#.to_vec(),
+        ),
     ]
 }
 
@@ -79,7 +94,12 @@ fn assert_landed(hub: &FakeHub, dir: &Path) {
     for f in &receipt.files {
         assert_eq!(f.sha256, sha256(&hub.file(&f.path).bytes), "{}", f.path);
         assert_eq!(f.size, hub.file(&f.path).bytes.len() as u64);
-        assert_eq!(f.git_oid.is_some(), !f.path.ends_with(".safetensors"), "{}", f.path);
+        assert_eq!(
+            f.git_oid.is_some(),
+            !f.path.ends_with(".safetensors"),
+            "{}",
+            f.path
+        );
     }
     let mut entries: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
@@ -89,7 +109,10 @@ fn assert_landed(hub: &FakeHub, dir: &Path) {
     let mut expected: Vec<String> = DEFAULT.iter().map(|s| s.to_string()).collect();
     expected.push(RECEIPT.to_string());
     expected.sort();
-    assert_eq!(entries, expected, "the staging folder and parts are gone, nothing else written");
+    assert_eq!(
+        entries, expected,
+        "the staging folder and parts are gone, nothing else written"
+    );
 }
 
 #[test]
@@ -99,7 +122,10 @@ fn pulls_the_default_files_verified_with_a_receipt_then_is_a_no_op() {
     let dir = tmp.path().join("model");
     let s = pull(&options(&hub, REPO, &dir)).unwrap();
     assert_landed(&hub, &dir);
-    assert_eq!((s.files, s.downloaded, s.resumed, s.refetched, s.present), (7, 7, 0, 0, 0));
+    assert_eq!(
+        (s.files, s.downloaded, s.resumed, s.refetched, s.present),
+        (7, 7, 0, 0, 0)
+    );
     let log = hub.log();
     // The tree came in pages (3 entries a page) through the Link header.
     let pages = log.iter().filter(|l| l.path.contains("/tree/")).count();
@@ -108,7 +134,9 @@ fn pulls_the_default_files_verified_with_a_receipt_then_is_a_no_op() {
     assert_eq!(hub.transfers(BIG, 0).len(), 1);
     assert!(log.iter().any(|l| l.server == "hub" && l.status == 302));
     // Files outside the default selection were not fetched.
-    assert!(!log.iter().any(|l| l.path.ends_with("README.md") || l.path.contains("extra")));
+    assert!(!log
+        .iter()
+        .any(|l| l.path.ends_with("README.md") || l.path.contains("extra")));
 
     // Again: the complete receipt answers, the Hub is not asked.
     let before = hub.log().len();
@@ -121,7 +149,14 @@ fn pulls_the_default_files_verified_with_a_receipt_then_is_a_no_op() {
         ..options(&hub, REPO, &dir)
     })
     .unwrap();
-    assert_eq!((refreshed.downloaded, refreshed.present, refreshed.transferred), (0, 7, 0));
+    assert_eq!(
+        (
+            refreshed.downloaded,
+            refreshed.present,
+            refreshed.transferred
+        ),
+        (0, 7, 0)
+    );
     assert!(hub.transfers(BIG, before).is_empty());
 }
 
@@ -134,16 +169,27 @@ fn a_part_is_resumed_with_a_range_request() {
     let parts = dir.join(STAGING).join("parts");
     std::fs::create_dir_all(&parts).unwrap();
     let have = 1_234_567;
-    std::fs::write(parts.join(format!("{}.part", big.sha256)), &big.bytes[..have]).unwrap();
+    std::fs::write(
+        parts.join(format!("{}.part", big.sha256)),
+        &big.bytes[..have],
+    )
+    .unwrap();
     let s = pull(&options(&hub, REPO, &dir)).unwrap();
     assert_landed(&hub, &dir);
     assert_eq!(s.resumed, 1);
     let t = hub.transfers(BIG, 0);
     assert_eq!(t.len(), 1);
-    assert_eq!(t[0].range.as_deref(), Some(format!("bytes={have}-").as_str()));
+    assert_eq!(
+        t[0].range.as_deref(),
+        Some(format!("bytes={have}-").as_str())
+    );
     assert_eq!(t[0].status, 206);
     let total: u64 = DEFAULT.iter().map(|p| hub.file(p).bytes.len() as u64).sum();
-    assert_eq!(s.transferred, total - have as u64, "only the missing bytes came over the network");
+    assert_eq!(
+        s.transferred,
+        total - have as u64,
+        "only the missing bytes came over the network"
+    );
 }
 
 #[test]
@@ -170,8 +216,14 @@ fn a_file_corrupted_every_time_is_an_error_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     let e = format!("{:#}", pull(&options(&hub, REPO, &dir)).unwrap_err());
-    assert!(e.contains(BIG) && e.contains("SHA-256 mismatch") && e.contains("second time"), "{e}");
-    assert!(!dir.join(BIG).exists(), "an unverified file was put in place");
+    assert!(
+        e.contains(BIG) && e.contains("SHA-256 mismatch") && e.contains("second time"),
+        "{e}"
+    );
+    assert!(
+        !dir.join(BIG).exists(),
+        "an unverified file was put in place"
+    );
     assert_eq!(hub.transfers(BIG, 0).len(), 2);
     let receipt = read_receipt(&dir).unwrap().unwrap();
     assert!(!receipt.complete);
@@ -211,7 +263,11 @@ fn a_server_ignoring_ranges_gets_the_file_from_the_start() {
     let big = hub.file(BIG);
     let parts = dir.join(STAGING).join("parts");
     std::fs::create_dir_all(&parts).unwrap();
-    std::fs::write(parts.join(format!("{}.part", big.sha256)), &big.bytes[..1000]).unwrap();
+    std::fs::write(
+        parts.join(format!("{}.part", big.sha256)),
+        &big.bytes[..1000],
+    )
+    .unwrap();
     pull(&options(&hub, REPO, &dir)).unwrap();
     assert_landed(&hub, &dir);
     let t = hub.transfers(BIG, 0);
@@ -244,7 +300,10 @@ fn gated_repositories_need_the_token() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     let e = format!("{:#}", pull(&options(&hub, REPO, &dir)).unwrap_err());
-    assert!(e.contains("gated") && e.contains("HF_TOKEN") && e.contains("401"), "{e}");
+    assert!(
+        e.contains("gated") && e.contains("HF_TOKEN") && e.contains("401"),
+        "{e}"
+    );
     let wrong = Options {
         token: Some("hf_wrong".into()),
         ..options(&hub, REPO, &dir)
@@ -259,7 +318,10 @@ fn gated_repositories_need_the_token() {
     assert_landed(&hub, &dir);
     // The token went to the Hub, never to the CDN (which refuses requests that carry one).
     let log = hub.log();
-    assert!(log.iter().filter(|l| l.server == "cdn").all(|l| l.authorization.is_none()));
+    assert!(log
+        .iter()
+        .filter(|l| l.server == "cdn")
+        .all(|l| l.authorization.is_none()));
     assert!(log
         .iter()
         .filter(|l| l.server == "hub" && l.status < 400)
@@ -271,16 +333,31 @@ fn missing_revisions_repositories_and_patterns_are_named() {
     let hub = FakeHub::start(REPO, repo_files(), 100);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
-    let e = format!("{:#}", pull(&options(&hub, &format!("{REPO}@v9"), &dir)).unwrap_err());
-    assert!(e.contains("revision \"v9\"") && e.contains("not found"), "{e}");
-    let e = format!("{:#}", pull(&options(&hub, "test-org/other", &dir)).unwrap_err());
-    assert!(e.contains("test-org/other") && e.contains("not found"), "{e}");
+    let e = format!(
+        "{:#}",
+        pull(&options(&hub, &format!("{REPO}@v9"), &dir)).unwrap_err()
+    );
+    assert!(
+        e.contains("revision \"v9\"") && e.contains("not found"),
+        "{e}"
+    );
+    let e = format!(
+        "{:#}",
+        pull(&options(&hub, "test-org/other", &dir)).unwrap_err()
+    );
+    assert!(
+        e.contains("test-org/other") && e.contains("not found"),
+        "{e}"
+    );
     let o = Options {
         include: vec!["*.json".into(), "*.gguf".into()],
         ..options(&hub, REPO, &dir)
     };
     let e = format!("{:#}", pull(&o).unwrap_err());
-    assert!(e.contains("\"*.gguf\" matches no file") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("\"*.gguf\" matches no file") && e.contains("config.json"),
+        "{e}"
+    );
     // By commit, with patterns: only those files.
     let o = Options {
         include: vec!["*.json".into()],
@@ -301,15 +378,28 @@ fn too_little_space_is_refused_before_writing() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     let e = format!("{:#}", pull(&options(&hub, REPO, &dir)).unwrap_err());
-    assert!(e.contains("need") && e.contains("free") && e.contains("--include"), "{e}");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing written");
-    assert!(hub.log().iter().all(|l| !l.path.contains("/resolve/") && l.server == "hub"));
+    assert!(
+        e.contains("need") && e.contains("free") && e.contains("--include"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "nothing written"
+    );
+    assert!(hub
+        .log()
+        .iter()
+        .all(|l| !l.path.contains("/resolve/") && l.server == "hub"));
 }
 
 #[test]
 fn unsafe_paths_and_other_repositories_are_refused() {
     let hub = FakeHub::start(REPO, repo_files(), 100);
-    hub.faults(|f| f.extra_tree.push(("../escape.json".into(), 2, "1".repeat(40))));
+    hub.faults(|f| {
+        f.extra_tree
+            .push(("../escape.json".into(), 2, "1".repeat(40)))
+    });
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     let o = Options {
@@ -317,12 +407,18 @@ fn unsafe_paths_and_other_repositories_are_refused() {
         ..options(&hub, REPO, &dir)
     };
     let e = format!("{:#}", pull(&o).unwrap_err());
-    assert!(e.contains("../escape.json") && e.contains("not a safe relative path"), "{e}");
+    assert!(
+        e.contains("../escape.json") && e.contains("not a safe relative path"),
+        "{e}"
+    );
     assert!(!tmp.path().join("escape.json").exists());
 
     let other = tmp.path().join("other");
     let hub2 = FakeHub::start("test-org/second", repo_files(), 100);
     pull(&options(&hub2, "test-org/second", &other)).unwrap();
     let e = format!("{:#}", pull(&options(&hub, REPO, &other)).unwrap_err());
-    assert!(e.contains("holds test-org/second") && e.contains("another --to"), "{e}");
+    assert!(
+        e.contains("holds test-org/second") && e.contains("another --to"),
+        "{e}"
+    );
 }

@@ -55,7 +55,14 @@ fn pull_cmd(hub: &FakeHub, dir: &Path, home: &Path) -> Command {
         .env("HF_ENDPOINT", hub.endpoint())
         .env("HF_HOME", home)
         .env_remove("HF_TOKEN");
-    for proxy in ["http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"] {
+    for proxy in [
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+    ] {
         cmd.env_remove(proxy);
     }
     cmd
@@ -100,7 +107,10 @@ fn pull_killed_mid_file_resumes_and_the_model_serves_the_same_tokens() {
     synth(&original);
     let hub = FakeHub::start(REPO, FakeHub::files_of(&original), 100);
     let files = files_by_size(&hub, &original);
-    let shards = files.iter().filter(|(p, _)| p.ends_with(".safetensors")).count();
+    let shards = files
+        .iter()
+        .filter(|(p, _)| p.ends_with(".safetensors"))
+        .count();
     assert!(shards >= 3, "{files:?}");
     let (big, big_size) = files[0].clone();
     let big_file = hub.file(&big);
@@ -114,7 +124,9 @@ fn pull_killed_mid_file_resumes_and_the_model_serves_the_same_tokens() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let part = dir.join(".coli-pull/parts").join(format!("{}.part", big_file.sha256));
+    let part = dir
+        .join(".coli-pull/parts")
+        .join(format!("{}.part", big_file.sha256));
     // Every other file in place, the big one's part at the stall point.
     wait_for(120, "the other files and the stalled part", || {
         if let Some(status) = child.try_wait().unwrap() {
@@ -132,7 +144,10 @@ fn pull_killed_mid_file_resumes_and_the_model_serves_the_same_tokens() {
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     hub.release();
-    assert!(!dir.join(&big).exists(), "the unfinished file is not under its name");
+    assert!(
+        !dir.join(&big).exists(),
+        "the unfinished file is not under its name"
+    );
     let receipt = colibri_pull::read_receipt(&dir).unwrap().unwrap();
     assert!(!receipt.complete);
     assert!(receipt.file(&big).is_none());
@@ -147,10 +162,16 @@ fn pull_killed_mid_file_resumes_and_the_model_serves_the_same_tokens() {
     }
     let t = hub.transfers(&big, mark);
     assert_eq!(t.len(), 1, "{t:?}");
-    assert_eq!(t[0].range.as_deref(), Some(format!("bytes={stall_at}-").as_str()));
+    assert_eq!(
+        t[0].range.as_deref(),
+        Some(format!("bytes={stall_at}-").as_str())
+    );
     assert_eq!(t[0].status, 206);
     let err = stderr(&o);
-    assert!(err.contains("1 resumed") && err.contains("every file verified"), "{err}");
+    assert!(
+        err.contains("1 resumed") && err.contains("every file verified"),
+        "{err}"
+    );
     assert!(!part.exists());
     let receipt = colibri_pull::read_receipt(&dir).unwrap().unwrap();
     assert!(receipt.complete && receipt.commit == hub.commit());
@@ -170,7 +191,11 @@ fn pull_killed_mid_file_resumes_and_the_model_serves_the_same_tokens() {
     // A third run finds the complete receipt and asks the Hub nothing.
     let mark = hub.log().len();
     let o = pull_cmd(&hub, &dir, &home).output().unwrap();
-    assert!(o.status.success() && stderr(&o).contains("already complete"), "{}", stderr(&o));
+    assert!(
+        o.status.success() && stderr(&o).contains("already complete"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(hub.log().len(), mark);
 }
 
@@ -184,12 +209,20 @@ fn pull_detects_a_corrupted_file_and_fetches_it_again() {
     let victim = files[1].0.clone();
     hub.faults(|f| f.corrupt_once = vec![victim.clone(), "config.json".into()]);
     let dir = tmp.path().join("pulled");
-    let o = pull_cmd(&hub, &dir, &tmp.path().join("hf-home")).output().unwrap();
+    let o = pull_cmd(&hub, &dir, &tmp.path().join("hf-home"))
+        .output()
+        .unwrap();
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains(&format!("{victim}: SHA-256 mismatch")), "{err}");
+    assert!(
+        err.contains(&format!("{victim}: SHA-256 mismatch")),
+        "{err}"
+    );
     assert!(err.contains("config.json: git blob id mismatch"), "{err}");
-    assert!(err.contains("2 fetched again after a hash mismatch"), "{err}");
+    assert!(
+        err.contains("2 fetched again after a hash mismatch"),
+        "{err}"
+    );
     assert_eq!(hub.transfers(&victim, 0).len(), 2);
     for (path, _) in &files {
         assert_eq!(
@@ -214,7 +247,10 @@ fn pull_of_a_gated_repository_says_to_set_the_token() {
     let o = pull_cmd(&hub, &dir, &home).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
-    assert!(err.contains("gated repository") && err.contains("HF_TOKEN"), "{err}");
+    assert!(
+        err.contains("gated repository") && err.contains("HF_TOKEN"),
+        "{err}"
+    );
     // The token from a file, and from HF_TOKEN.
     let token_file = tmp.path().join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();

@@ -176,7 +176,12 @@ impl FakeHub {
                 if p.is_dir() {
                     stack.push(p);
                 } else {
-                    let rel = p.strip_prefix(dir).unwrap().to_str().unwrap().replace('\\', "/");
+                    let rel = p
+                        .strip_prefix(dir)
+                        .unwrap()
+                        .to_str()
+                        .unwrap()
+                        .replace('\\', "/");
                     out.push(HubFile::new(&rel, std::fs::read(&p).unwrap()));
                 }
             }
@@ -197,7 +202,12 @@ impl FakeHub {
 
     /// The file at `path`.
     pub fn file(&self, path: &str) -> HubFile {
-        self.state.files.iter().find(|f| f.path == path).unwrap().clone()
+        self.state
+            .files
+            .iter()
+            .find(|f| f.path == path)
+            .unwrap()
+            .clone()
     }
 
     /// Change the faults.
@@ -220,7 +230,9 @@ impl FakeHub {
                 if f.lfs {
                     l.server == "cdn" && l.path == format!("/cdn/{}", f.sha256)
                 } else {
-                    l.server == "hub" && l.path.starts_with(&resolve) && l.path.ends_with(&format!("/{}", f.path))
+                    l.server == "hub"
+                        && l.path.starts_with(&resolve)
+                        && l.path.ends_with(&format!("/{}", f.path))
                 }
             })
             .cloned()
@@ -298,7 +310,12 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn respond(conn: &mut TcpStream, status: u16, headers: &[(String, String)], body: &[u8]) -> std::io::Result<()> {
+fn respond(
+    conn: &mut TcpStream,
+    status: u16,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> std::io::Result<()> {
     let reason = match status {
         200 => "OK",
         206 => "Partial Content",
@@ -310,7 +327,10 @@ fn respond(conn: &mut TcpStream, status: u16, headers: &[(String, String)], body
         416 => "Range Not Satisfiable",
         _ => "Status",
     };
-    let mut head = format!("HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut head = format!(
+        "HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -335,7 +355,9 @@ fn error(conn: &mut TcpStream, status: u16, code: &str, message: &str) -> std::i
 }
 
 fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::Result<()> {
-    let Some(req) = read_request(&conn) else { return Ok(()) };
+    let Some(req) = read_request(&conn) else {
+        return Ok(());
+    };
     if state.shutdown.load(Ordering::Relaxed) {
         return Ok(());
     }
@@ -371,7 +393,15 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
             }
             Some(a) if a != format!("Bearer {TOKEN}") => {
                 log(403);
-                return error(&mut conn, 403, "GatedRepo", &format!("Access to model {} is restricted and you are not in the authorized list.", state.repo));
+                return error(
+                    &mut conn,
+                    403,
+                    "GatedRepo",
+                    &format!(
+                        "Access to model {} is restricted and you are not in the authorized list.",
+                        state.repo
+                    ),
+                );
             }
             Some(_) => {}
         }
@@ -381,7 +411,12 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
         if let Some(rev) = rest.strip_prefix("revision/") {
             if rev != "main" && rev != state.commit {
                 log(404);
-                return error(&mut conn, 404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
+                return error(
+                    &mut conn,
+                    404,
+                    "RevisionNotFound",
+                    &format!("Invalid rev id: {rev}"),
+                );
             }
             log(200);
             let body = serde_json::json!({
@@ -392,22 +427,41 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
                 "gated": if gated { serde_json::json!("manual") } else { serde_json::json!(false) },
                 "siblings": state.files.iter().map(|f| serde_json::json!({"rfilename": f.path})).collect::<Vec<_>>(),
             });
-            return respond(&mut conn, 200, &[("Content-Type".into(), "application/json".into())], body.to_string().as_bytes());
+            return respond(
+                &mut conn,
+                200,
+                &[("Content-Type".into(), "application/json".into())],
+                body.to_string().as_bytes(),
+            );
         }
         if let Some(rev) = rest.strip_prefix("tree/") {
             if rev != "main" && rev != state.commit {
                 log(404);
-                return error(&mut conn, 404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
+                return error(
+                    &mut conn,
+                    404,
+                    "RevisionNotFound",
+                    &format!("Invalid rev id: {rev}"),
+                );
             }
             let faults = state.faults.lock().unwrap();
             let mut entries: Vec<serde_json::Value> = Vec::new();
             let mut dirs: Vec<String> = Vec::new();
             for f in &state.files {
-                let size = faults.tree_size.get(&f.path).copied().unwrap_or(f.bytes.len() as u64);
+                let size = faults
+                    .tree_size
+                    .get(&f.path)
+                    .copied()
+                    .unwrap_or(f.bytes.len() as u64);
                 let mut e = serde_json::json!({"type": "file", "oid": f.git_oid, "size": size, "path": f.path});
                 if f.lfs {
-                    e["oid"] = serde_json::json!(hex(digest(&SHA1_FOR_LEGACY_USE_ONLY, f.sha256.as_bytes()).as_ref()));
-                    e["lfs"] = serde_json::json!({"oid": f.sha256, "size": size, "pointerSize": 134});
+                    e["oid"] = serde_json::json!(hex(digest(
+                        &SHA1_FOR_LEGACY_USE_ONLY,
+                        f.sha256.as_bytes()
+                    )
+                    .as_ref()));
+                    e["lfs"] =
+                        serde_json::json!({"oid": f.sha256, "size": size, "pointerSize": 134});
                 }
                 if let Some((d, _)) = f.path.rsplit_once('/') {
                     if !dirs.contains(&d.to_string()) {
@@ -418,7 +472,9 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
                 entries.push(e);
             }
             for (path, size, oid) in &faults.extra_tree {
-                entries.push(serde_json::json!({"type": "file", "oid": oid, "size": size, "path": path}));
+                entries.push(
+                    serde_json::json!({"type": "file", "oid": oid, "size": size, "path": path}),
+                );
             }
             drop(faults);
             let cursor: usize = req
@@ -427,7 +483,12 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
                 .find_map(|kv| kv.strip_prefix("cursor="))
                 .and_then(|c| c.parse().ok())
                 .unwrap_or(0);
-            let page: Vec<_> = entries.iter().skip(cursor).take(state.page_size).cloned().collect();
+            let page: Vec<_> = entries
+                .iter()
+                .skip(cursor)
+                .take(state.page_size)
+                .cloned()
+                .collect();
             let mut headers = vec![("Content-Type".to_string(), "application/json".to_string())];
             if cursor + state.page_size < entries.len() {
                 headers.push((
@@ -441,7 +502,12 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
                 ));
             }
             log(200);
-            return respond(&mut conn, 200, &headers, serde_json::Value::Array(page).to_string().as_bytes());
+            return respond(
+                &mut conn,
+                200,
+                &headers,
+                serde_json::Value::Array(page).to_string().as_bytes(),
+            );
         }
         log(404);
         return error(&mut conn, 404, "", "not an API route of this fake hub");
@@ -454,11 +520,21 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
     let (rev, path) = rest.split_once('/').unwrap_or((rest, ""));
     if rev != "main" && rev != state.commit {
         log(404);
-        return error(&mut conn, 404, "RevisionNotFound", &format!("Invalid rev id: {rev}"));
+        return error(
+            &mut conn,
+            404,
+            "RevisionNotFound",
+            &format!("Invalid rev id: {rev}"),
+        );
     }
     let Some(f) = state.files.iter().find(|f| f.path == path) else {
         log(404);
-        return error(&mut conn, 404, "EntryNotFound", &format!("{path} does not exist on \"{rev}\""));
+        return error(
+            &mut conn,
+            404,
+            "EntryNotFound",
+            &format!("{path} does not exist on \"{rev}\""),
+        );
     };
     let common = vec![("X-Repo-Commit".to_string(), state.commit.clone())];
     if f.lfs {
@@ -469,7 +545,10 @@ fn serve(state: &State, server: &'static str, mut conn: TcpStream) -> std::io::R
         headers.push(("ETag".into(), format!("\"{}\"", f.sha256)));
         headers.push((
             "Location".into(),
-            format!("http://127.0.0.1:{}/cdn/{}?sig=presigned-secret", state.cdn_port, f.sha256),
+            format!(
+                "http://127.0.0.1:{}/cdn/{}?sig=presigned-secret",
+                state.cdn_port, f.sha256
+            ),
         ));
         return respond(&mut conn, 302, &headers, b"");
     }
@@ -500,7 +579,12 @@ fn send_bytes(
                 _ => {
                     drop(faults);
                     log(416);
-                    return respond(conn, 416, &[("Content-Range".into(), format!("bytes */{len}"))], b"");
+                    return respond(
+                        conn,
+                        416,
+                        &[("Content-Range".into(), format!("bytes */{len}"))],
+                        b"",
+                    );
                 }
             }
         }
