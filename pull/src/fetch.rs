@@ -295,15 +295,14 @@ impl Job<'_> {
                     if failures >= MAX_FAILURES {
                         return Err(e.context(format!(
                             "{}: giving up after {failures} attempts in a row without progress \
-                             ({} of {} bytes are kept in {}; rerun to resume)",
+                             ({len} of {} bytes are kept in {}; rerun to resume)",
                             file.path,
-                            len,
                             file.size,
                             part.display()
                         )));
                     }
                     self.progress
-                        .warn(&format!("{}: {:#}; retrying from byte {len}", file.path, e));
+                        .warn(&format!("{}: {e:#}; retrying from byte {len}", file.path));
                     std::thread::sleep(backoff(failures));
                 }
             }
