@@ -367,12 +367,35 @@ def check_workload(docs: list[dict], *, existing: set[str] = frozenset()) -> dic
 
     # Model and mirrors, read-only.
     model = effective("model")
+    init_containers = pod.get("initContainers", [])
+    pullers = [i for i in init_containers if i.get("args", [])[:1] == ["pull"]]
     if "/models" in mounts:
         assert mounts["/models"].get("readOnly"), "/models must be read-only"
         model_volume = volumes[mounts["/models"]["name"]]
-        if "persistentVolumeClaim" in model_volume:
+        if "persistentVolumeClaim" in model_volume and not pullers:
             assert model_volume["persistentVolumeClaim"].get("readOnly")
         assert model and model.startswith("/models/"), f"model {model!r} is not on the model volume"
+
+    # Init containers: as locked down as the server; only `coli pull` writes the model volume,
+    # into the directory the server reads.
+    for init in init_containers:
+        isc = init.get("securityContext", {})
+        assert isc.get("runAsNonRoot") or psc_of(pod).get("runAsNonRoot"), init["name"]
+        assert isc.get("runAsUser", psc_of(pod).get("runAsUser")) == 10001, init["name"]
+        assert isc["readOnlyRootFilesystem"] is True and isc["allowPrivilegeEscalation"] is False
+        assert isc["capabilities"]["drop"] == ["ALL"]
+        for m in init.get("volumeMounts", []):
+            assert m["name"] in volumes, f"init container {init['name']}: no volume {m['name']}"
+            if m["mountPath"] == "/models" and init not in pullers:
+                assert m.get("readOnly"), f"init container {init['name']} writes the model volume"
+    for init in pullers:
+        assert init["command"] == ["coli"], "the pull bypasses the images' serve wrapper"
+        args = init["args"]
+        target = args[args.index("--to") + 1]
+        assert target == model, f"the pull fills {target}, the server reads {model}"
+        init_mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+        assert init_mounts["/models"]["name"] == mounts["/models"]["name"]
+        assert not init_mounts["/models"].get("readOnly")
     mirrors = effective("mirrors", [])
     if isinstance(mirrors, str):
         mirrors = [m for m in mirrors.split(",") if m]
@@ -456,6 +479,10 @@ def check_workload(docs: list[dict], *, existing: set[str] = frozenset()) -> dic
         "volumes": volumes,
         "effective": effective,
     }
+
+
+def psc_of(pod: dict) -> dict:
+    return pod.get("securityContext", {})
 
 
 def memory_mib(quantity: str) -> float:
@@ -736,6 +763,15 @@ BAD_VALUES = {
     "tiny RAM budget": ({"resources": {"limits": {"memory": "256Mi"}}}, "raise resources.limits.memory"),
     "key with a comma": ({"apiKeys": {"keys": ["a,b"]}}, "must not contain a comma"),
     "model claim without a name": ({"modelVolume": {"enabled": True, "type": "pvc"}}, "needs modelVolume.pvc.claimName"),
+    "pull without a model volume": ({"modelPull": {"enabled": True, "repo": "a/b"}}, "modelPull needs modelVolume.enabled"),
+    "pull of no repository": (
+        {"modelVolume": {"enabled": True}, "modelPull": {"enabled": True, "repo": "just-a-name"}},
+        "modelPull.repo must be ORG/NAME",
+    ),
+    "pull outside /models": (
+        {"modelVolume": {"enabled": True}, "modelPull": {"enabled": True, "repo": "a/b", "dir": "../etc"}},
+        "modelPull.dir must be one directory name",
+    ),
 }
 
 
@@ -745,6 +781,79 @@ def test_chart_refuses(case):
     with pytest.raises(helm_python.HelmError) as e:
         render(values)
     assert message in str(e.value)
+
+
+def pull_values(**pull) -> dict:
+    return {
+        "modelVolume": {"enabled": True, "type": "pvc", "pvc": {"claimName": "models"}},
+        "modelPull": {"enabled": True, "repo": "Qwen/Qwen3-30B-A3B"} | pull,
+    }
+
+
+def test_model_pull_init_container():
+    """`modelPull` adds an init container that runs `coli pull` as the non-root user into the
+    model volume (writable for it alone), with the token from the Secret; the server reads the
+    directory it fills, read-only; without `modelPull` there is no init container and the
+    claim is read-only."""
+    values = pull_values(revision="v1.0", include=["*.json", "model-*.safetensors"], tokenSecret={"name": "hf-token", "key": "tok"}, endpoint="https://hf-mirror.example")
+    docs = manifests(template_stream(render(values)))
+    facts = check_workload(docs, existing={"models"})
+    pod, c = facts["pod"], facts["container"]
+    [init] = pod["initContainers"]
+    assert init["name"] == "model-pull" and init["image"] == c["image"]
+    assert init["command"] == ["coli"]
+    assert init["args"] == [
+        "pull", "Qwen/Qwen3-30B-A3B@v1.0", "--to", "/models/Qwen3-30B-A3B", "--jobs", "4",
+        "--include", "*.json", "--include", "model-*.safetensors",
+    ]
+    env = {e["name"]: e for e in init["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "tok"}
+    assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.example"
+    assert env["HF_HOME"]["value"].startswith("/tmp/")
+    assert init["securityContext"] == c["securityContext"]
+    mounts = {m["mountPath"]: m for m in init["volumeMounts"]}
+    assert set(mounts) == {"/models", "/tmp"} and not mounts["/models"].get("readOnly")
+    assert facts["mounts"]["/models"]["readOnly"] is True
+    assert facts["volumes"]["models"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": False}
+    assert facts["profile"]["model"] == "/models/Qwen3-30B-A3B"
+    for version in K8S_VERSIONS:
+        for doc in docs:
+            validate_schema(doc, version)
+
+    # Defaults: main, the default selection, no token; `dir` and `config.model` chosen.
+    docs = manifests(template_stream(render(pull_values(dir="qwen3") | {"config": {"model": "/models/qwen3"}})))
+    facts = check_workload(docs, existing={"models"})
+    [init] = facts["pod"]["initContainers"]
+    assert init["args"] == ["pull", "Qwen/Qwen3-30B-A3B@main", "--to", "/models/qwen3", "--jobs", "4"]
+    assert "HF_TOKEN" not in {e["name"] for e in init["env"]}
+    # hostPath volumes too.
+    hostpath = pull_values() | {"modelVolume": {"enabled": True, "type": "hostPath"}}
+    facts = check_workload(manifests(template_stream(render(hostpath))))
+    assert "hostPath" in facts["volumes"]["models"]
+    # Off: no init container, the claim read-only.
+    docs = manifests(template_stream(render({"modelVolume": pull_values()["modelVolume"], "config": {"model": "/models/m"}})))
+    facts = check_workload(docs, existing={"models"})
+    assert "initContainers" not in facts["pod"]
+    assert facts["volumes"]["models"]["persistentVolumeClaim"]["readOnly"] is True
+
+
+def test_model_pull_arguments_parse(tmp_path):
+    """The init container's command line is one the `coli` binary accepts: run against a port
+    nothing listens on, it fails to connect (exit 1), not on its arguments (clap's exit 2)."""
+    binary = coli_binary()
+    if binary is None:
+        pytest.skip("no coli binary built (cargo build -p colibri-server)")
+    values = pull_values(include=["*.json"], tokenSecret={"name": "hf-token"})
+    [init] = one(manifests(template_stream(render(values))), "Deployment")["spec"]["template"]["spec"]["initContainers"]
+    args = [a.replace("/models/", f"{tmp_path}/") for a in init["args"]]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    run = subprocess.run([str(binary), *args], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "Qwen/Qwen3-30B-A3B@main" in run.stderr and f"127.0.0.1:{port}" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,9 @@ enum Command {
     Synth(colibri_synth::SynthArgs),
     /// Chat with a server (or with a model started in-process) from the terminal.
     Chat(chat_client::ChatArgs),
+    /// Download a Hugging Face model repository into a directory (resumable, parallel,
+    /// verified against the Hub's hashes) for `serve --model DIR`.
+    Pull(colibri_pull::PullArgs),
 }
 
 fn main() {
@@ -66,6 +69,7 @@ fn main() {
         Command::Convert(a) => convert::run(a),
         Command::Kl(a) => kl::run(a),
         Command::Chat(a) => chat_client::run(a),
+        Command::Pull(a) => colibri_pull::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");

@@ -209,3 +209,19 @@ terminationGracePeriodSeconds: explicit, or preStop sleep + drain_secs + 10.
 {{- add (int64 .Values.lifecycle.preStopSleepSeconds) $drain 10 }}
 {{- end }}
 {{- end }}
+
+{{/*
+The directory `modelPull` fills: /models/DIR, DIR defaulting to the repository's NAME.
+Checks the values it is built from.
+*/}}
+{{- define "colibri.modelPullDir" -}}
+{{- $p := .Values.modelPull }}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$" (toString $p.repo)) }}
+{{- fail (printf "modelPull.repo must be ORG/NAME, found %q" (toString $p.repo)) }}
+{{- end }}
+{{- $dir := $p.dir | default (last (splitList "/" $p.repo)) }}
+{{- if or (not (regexMatch "^[A-Za-z0-9._-]+$" $dir)) (eq $dir ".") (eq $dir "..") }}
+{{- fail (printf "modelPull.dir must be one directory name below /models, found %q" $dir) }}
+{{- end }}
+{{- printf "/models/%s" $dir }}
+{{- end }}

@@ -28,6 +28,12 @@ The pod template shared by the Deployment and the StatefulSet.
 {{- fail "modelVolume.type pvc needs modelVolume.pvc.claimName" }}
 {{- end }}
 {{- end }}
+{{- if .Values.modelPull.enabled }}
+{{- if not .Values.modelVolume.enabled }}
+{{- fail "modelPull needs modelVolume.enabled: the pull fills the model volume" }}
+{{- end }}
+{{- $_ := include "colibri.modelPullDir" . }}
+{{- end }}
 {{- if not (has .Values.lifecycle.preStopType (list "sleep" "exec")) }}
 {{- fail (printf "lifecycle.preStopType must be sleep or exec, found %q" .Values.lifecycle.preStopType) }}
 {{- end -}}
@@ -84,6 +90,61 @@ spec:
   {{- with .Values.topologySpreadConstraints }}
   topologySpreadConstraints:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if .Values.modelPull.enabled }}
+  initContainers:
+    # Fills the model volume once: `coli pull` returns at once, without the network, when
+    # the volume holds a complete receipt (DIR/coli-pull.json) of this repo@revision and
+    # these patterns; otherwise it downloads (resuming what an earlier try left), verifies
+    # every file against the Hub's hashes and writes the receipt last.
+    - name: model-pull
+      image: {{ include "colibri.image" . | quote }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: ["coli"]
+      args:
+        - pull
+        - {{ printf "%s@%s" .Values.modelPull.repo (.Values.modelPull.revision | default "main") | quote }}
+        - --to
+        - {{ include "colibri.modelPullDir" . | quote }}
+        - --jobs
+        - {{ .Values.modelPull.jobs | int64 | quote }}
+        {{- range .Values.modelPull.include }}
+        - --include
+        - {{ . | quote }}
+        {{- end }}
+      env:
+        - name: HOME
+          value: /tmp
+        # No token file from elsewhere: the token is the Secret's, or none.
+        - name: HF_HOME
+          value: /tmp/huggingface
+        - name: NO_COLOR
+          value: "1"
+        {{- with .Values.modelPull.endpoint }}
+        - name: HF_ENDPOINT
+          value: {{ . | quote }}
+        {{- end }}
+        {{- with .Values.modelPull.tokenSecret.name }}
+        - name: HF_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ . }}
+              key: {{ $.Values.modelPull.tokenSecret.key }}
+        {{- end }}
+      {{- with .Values.modelPull.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with .Values.securityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        # Writable for this container only; the server's mount below is read-only.
+        - name: models
+          mountPath: /models
+        - name: tmp
+          mountPath: /tmp
   {{- end }}
   containers:
     - name: colibri
@@ -237,7 +298,8 @@ spec:
       {{- else }}
       persistentVolumeClaim:
         claimName: {{ .Values.modelVolume.pvc.claimName }}
-        readOnly: true
+        {{- /* A read-only claim is read-only in every container: the pull writes to it. */}}
+        readOnly: {{ not .Values.modelPull.enabled }}
       {{- end }}
     {{- end }}
     {{- range .Values.mirrors }}
