@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Checksums of what `coli` computes on every committed fixture of a supported family, one line
 # each: `<sha256>  <what>`. Recorded in server/tests/fixtures/logits.sha256 at the commit before
-# the restructure of issue 14 (a family added later: when it first ran exactly);
+# the restructure of issue 14 (a family added later: when it first ran exactly), and recorded again
+# when attention's softmax became `tensor::attention::softmax` (issue 18: its own exp and a 16-lane
+# sum; every fixture and variant re-checked against transformers by the oracle test first);
 # server/tests/logits_checksums.rs runs this script with the `coli` under test and compares, so a
 # refactor that changes one bit of output fails.
 #

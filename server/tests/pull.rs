@@ -96,7 +96,7 @@ fn files_by_size(hub: &FakeHub, dir: &Path) -> Vec<(String, u64)> {
         .into_iter()
         .map(|f| (f.path.clone(), hub.file(&f.path).bytes.len() as u64))
         .collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1));
+    v.sort_by_key(|f| std::cmp::Reverse(f.1));
     v
 }
 

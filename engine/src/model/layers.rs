@@ -13,7 +13,9 @@ use super::cache::{KvBuf, KvDType, LayerKv};
 use crate::format::config::{RopeKind, RopeParams};
 use crate::format::safetensors::Checkpoint;
 use crate::store::ExpertStore;
-use crate::tensor::attention::{group_scores, group_weighted_values, round_to_f16, KvRows};
+use crate::tensor::attention::{
+    group_scores, group_weighted_values, round_to_f16, softmax, KvRows,
+};
 use crate::tensor::device::place_dense;
 use crate::tensor::kernels::Isa;
 use crate::tensor::matmul::{matmul_groups, tensor_matmul, tensor_matmul_pair, MatmulGroup};
@@ -545,11 +547,12 @@ pub fn attend(
                     }
                 }
             }
-            match sinks {
-                Some(Sinks::PerHead(sinks)) => softmax_with_sink(row, sinks[hh]),
-                Some(Sinks::PerToken(sinks)) => softmax_with_sink(row, sinks[at]),
-                None => softmax_inplace(row),
-            }
+            let sink = match sinks {
+                Some(Sinks::PerHead(sinks)) => Some(sinks[hh]),
+                Some(Sinks::PerToken(sinks)) => Some(sinks[at]),
+                None => None,
+            };
+            softmax(row, sink);
         }
         if probs_f16 {
             // llama.cpp multiplies its f16 values by probabilities converted to f16.
@@ -1602,11 +1605,12 @@ mod attend_tests {
                     }
                 })
                 .collect();
-            match s.sinks {
-                Some(Sinks::PerHead(k)) => softmax_with_sink(&mut p, k[h]),
-                Some(Sinks::PerToken(k)) => softmax_with_sink(&mut p, k[idx]),
-                None => softmax_inplace(&mut p),
-            }
+            let sink = match s.sinks {
+                Some(Sinks::PerHead(k)) => Some(k[h]),
+                Some(Sinks::PerToken(k)) => Some(k[idx]),
+                None => None,
+            };
+            crate::tensor::attention::softmax_reference(&mut p, sink);
             for (pj, j) in p.iter().zip(first..) {
                 for (oo, v) in o.iter_mut().zip(&values[at(j)..at(j) + hd]) {
                     *oo += pj * v;

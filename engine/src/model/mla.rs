@@ -27,6 +27,7 @@ use rayon::prelude::*;
 use super::cache::LayerKv;
 use super::layers::{rows_of, softmax_inplace, Linear, RmsNorm, Rope};
 use super::torch_topk::torch_topk_set;
+use crate::tensor::attention::softmax;
 use crate::tensor::kernels::{dot, Isa};
 use crate::tensor::WeightData;
 
@@ -556,7 +557,7 @@ impl Mla {
                     (dot(isa, qa, c) + dot(isa, qr, kr)) * self.scale
                 })
                 .collect();
-            softmax_inplace(&mut scores);
+            softmax(&mut scores, None);
             let mut o_lat = vec![0.0f32; r];
             let mut c = vec![0.0f32; r];
             for (p, &s) in scores.iter().zip(&ks) {
@@ -599,7 +600,7 @@ impl Mla {
                     (dot(isa, qn, kn) + dot(isa, qr, kr)) * self.scale
                 })
                 .collect();
-            softmax_inplace(&mut scores);
+            softmax(&mut scores, None);
             for (p, &s) in scores.iter().zip(&ks) {
                 let v = &expanded[at(s) + nope..at(s) + nope + vd];
                 for (a, vv) in o.iter_mut().zip(v) {
@@ -962,7 +963,7 @@ impl CompressedAttention {
                 .iter()
                 .map(|kj| dot(isa, qv, WeightData::F32(kj)) * scale)
                 .collect();
-            super::layers::softmax_with_sink(&mut scores, self.sinks[head]);
+            softmax(&mut scores, Some(self.sinks[head]));
             for (&p, kj) in scores.iter().zip(&keys) {
                 for (a, v) in o.iter_mut().zip(kj.iter()) {
                     *a += p * v;

@@ -181,6 +181,92 @@ unsafe fn avx2_round_to_f16(x: &mut [f32]) {
     }
 }
 
+/// Lanes of the softmax's sum.
+const SOFTMAX_LANES: usize = 16;
+
+/// `e^x` as attention's softmax computes it (the scalar reference; the SIMD paths give the
+/// same bits): `x` is split as `n·ln 2 + r` with `n = round(x·log₂e)` (ties to even) and `r`
+/// by two fused multiply-adds (Cody–Waite, Cephes' `ln 2` split), `e^r` by Cephes' degree-7
+/// polynomial in Horner form with fused multiply-adds, then scaled by `2^n` in one rounded
+/// product. Within 2 ulp of `e^x` (tested); `x < −87` gives 0 (below `1.7·10⁻³⁸`, nothing a
+/// probability can hold beside the row's maximum, which is 1), and `x` is taken at most 88.
+#[inline]
+pub fn exp_canonical(x: f32) -> f32 {
+    if x < EXP_MIN {
+        return 0.0;
+    }
+    // Not `min`, which would turn a NaN into 88: a NaN stays a NaN.
+    let x = if x > EXP_MAX { EXP_MAX } else { x };
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let mut y = EXP_P[0];
+    for c in &EXP_P[1..] {
+        y = y.mul_add(r, *c);
+    }
+    let y = y.mul_add(r * r, r) + 1.0;
+    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+const EXP_MIN: f32 = -87.0;
+const EXP_MAX: f32 = 88.0;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' `expf` coefficients: `e^r ≈ 1 + r + r²·P(r)`.
+const EXP_P: [f32; 6] = [
+    1.987_569_2e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5, // Cephes: 5.0000001201e-1, which is 0.5 in f32
+];
+
+/// Attention's softmax in place, with an optional sink logit that joins the denominator and
+/// is left out of the result (`p_j = e^{x_j − m} / (Σ_k e^{x_k − m} + e^{sink − m})`, `m` the
+/// maximum of all): every exponential by [`exp_canonical`], the sum in 16 lanes (element `j`
+/// into lane `j % 16`, in order, then the lanes folded `l += l+8`, `+4`, `+2`, `+1`) plus the
+/// sink's term, each probability one division. The scalar loop is the reference; the SIMD
+/// path gives its bits.
+pub fn softmax(x: &mut [f32], sink: Option<f32>) {
+    if x.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels::avx512() && super::kernels::avx2_fma_f16c() {
+        // SAFETY: AVX-512 F (and AVX2, FMA) were just detected.
+        unsafe { avx512::softmax(x, sink) };
+        return;
+    }
+    softmax_reference(x, sink);
+}
+
+/// [`softmax`]'s scalar reference.
+pub fn softmax_reference(x: &mut [f32], sink: Option<f32>) {
+    let m = x
+        .iter()
+        .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &v| m.max(v));
+    let mut lanes = [0.0f32; SOFTMAX_LANES];
+    for (j, v) in x.iter_mut().enumerate() {
+        *v = exp_canonical(*v - m);
+        lanes[j % SOFTMAX_LANES] += *v;
+    }
+    let mut width = SOFTMAX_LANES / 2;
+    while width >= 1 {
+        for l in 0..width {
+            lanes[l] += lanes[l + width];
+        }
+        width /= 2;
+    }
+    let sum = match sink {
+        Some(s) => lanes[0] + exp_canonical(s - m),
+        None => lanes[0],
+    };
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
 /// The scalar reference of [`group_scores`] (tests).
 pub fn group_scores_reference(
     q: &[f32],
@@ -394,6 +480,106 @@ mod avx512 {
         }
     }
 
+    /// [`super::exp_canonical`] on sixteen lanes: the same operations in the same order.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        use super::{EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO};
+        // SAFETY: register-only operations on the caller's AVX-512 F.
+        unsafe {
+            let flush = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN));
+            // `min_ps(a, b)` is `b` when either is a NaN: a NaN stays a NaN, as in the reference.
+            let x = _mm512_min_ps(_mm512_set1_ps(EXP_MAX), x);
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+            );
+            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+            let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+            let mut y = _mm512_set1_ps(EXP_P[0]);
+            for c in &EXP_P[1..] {
+                y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+            }
+            let y = _mm512_add_ps(
+                _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r),
+                _mm512_set1_ps(1.0),
+            );
+            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            ));
+            let v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+            _mm512_mask_mov_ps(v, flush, _mm512_setzero_ps())
+        }
+    }
+
+    /// [`super::softmax`] on sixteen lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn softmax(x: &mut [f32], sink: Option<f32>) {
+        let n = x.len();
+        let full = n / 16 * 16;
+        let tail: __mmask16 = ((1u32 << (n - full)) - 1) as __mmask16;
+        let p = x.as_mut_ptr();
+        // SAFETY: loads and stores of x[j..j + 16] for j + 16 <= full <= n, and masked ones of
+        // the tail's n − full elements; register operations on the caller's features.
+        unsafe {
+            let mut mv = _mm512_set1_ps(sink.unwrap_or(f32::NEG_INFINITY));
+            let mut j = 0;
+            while j < full {
+                mv = _mm512_max_ps(mv, _mm512_loadu_ps(p.add(j)));
+                j += 16;
+            }
+            if full < n {
+                let t = _mm512_maskz_loadu_ps(tail, p.add(full));
+                mv = _mm512_mask_max_ps(mv, tail, mv, t);
+            }
+            let m = _mm512_reduce_max_ps(mv);
+            let mm = _mm512_set1_ps(m);
+            let mut sum = _mm512_setzero_ps();
+            let mut j = 0;
+            while j < full {
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(j)), mm));
+                _mm512_storeu_ps(p.add(j), e);
+                sum = _mm512_add_ps(sum, e);
+                j += 16;
+            }
+            if full < n {
+                let t = _mm512_maskz_loadu_ps(tail, p.add(full));
+                let e = exp16(_mm512_sub_ps(t, mm));
+                _mm512_mask_storeu_ps(p.add(full), tail, e);
+                sum = _mm512_mask_add_ps(sum, tail, sum, e);
+            }
+            // l += l+8, +4, +2, +1, as the reference folds.
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), sum);
+            let mut width = 8;
+            while width >= 1 {
+                for l in 0..width {
+                    lanes[l] += lanes[l + width];
+                }
+                width /= 2;
+            }
+            let total = match sink {
+                Some(s) => lanes[0] + super::exp_canonical(s - m),
+                None => lanes[0],
+            };
+            let tv = _mm512_set1_ps(total);
+            let mut j = 0;
+            while j < full {
+                _mm512_storeu_ps(p.add(j), _mm512_div_ps(_mm512_loadu_ps(p.add(j)), tv));
+                j += 16;
+            }
+            if full < n {
+                let t = _mm512_maskz_loadu_ps(tail, p.add(full));
+                _mm512_mask_storeu_ps(p.add(full), tail, _mm512_div_ps(t, tv));
+            }
+        }
+    }
+
     /// # Safety
     /// AVX-512 F, AVX2, FMA and F16C; `hd % 32 == 0`; `out` is whole rows of `hd`, `p` is
     /// `rows × n`, and `(n − 1)·stride + hd ≤ values.len()`.
@@ -523,6 +709,67 @@ mod tests {
                             assert_eq!(bits(&got_v), bits(&want_v), "values, {what}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn canonical_exp_is_within_two_ulp_and_flushes_below_minus_87() {
+        let mut worst = 0u32;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let got = exp_canonical(x);
+            let want = (x as f64).exp() as f32;
+            worst = worst.max(got.to_bits().abs_diff(want.to_bits()));
+            x += 0.000_37;
+        }
+        for x in [-1e-7f32, -0.0, 0.0, 1.0, 10.0, 88.0] {
+            let (got, want) = (exp_canonical(x), (x as f64).exp() as f32);
+            worst = worst.max(got.to_bits().abs_diff(want.to_bits()));
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        assert_eq!(exp_canonical(-87.01), 0.0);
+        assert_eq!(exp_canonical(f32::NEG_INFINITY), 0.0);
+        assert!(exp_canonical(f32::NAN).is_nan());
+        let mut row = vec![0.5f32, f32::NAN, -1.0];
+        softmax(&mut row, None);
+        assert!(row[1].is_nan(), "a NaN score is not hidden: {row:?}");
+    }
+
+    /// The SIMD softmax against the reference: lengths around the 16 lanes, with and without a
+    /// sink (also one that is the maximum), wide and narrow score ranges.
+    #[test]
+    fn softmax_gives_the_reference_bits() {
+        for n in (0..70).chain([255, 256, 257, 4096]) {
+            for (spread, sink) in [
+                (1.0, None),
+                (40.0, None),
+                (3.0, Some(0.5)),
+                (3.0, Some(9.0)),
+            ] {
+                let x: Vec<f32> = xorshift(n, n as u32 + 11)
+                    .iter()
+                    .map(|v| v * spread)
+                    .collect();
+                let mut want = x.clone();
+                softmax_reference(&mut want, sink);
+                let mut got = x.clone();
+                softmax(&mut got, sink);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "n {n} spread {spread} sink {sink:?}"
+                );
+                if n > 0 {
+                    let total: f64 = want.iter().map(|&p| p as f64).sum();
+                    let sink_p = sink.map_or(0.0, |s| {
+                        let m = x.iter().fold(s, |m, &v| m.max(v)) as f64;
+                        let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>()
+                            + (s as f64 - m).exp();
+                        (s as f64 - m).exp() / z
+                    });
+                    assert!((total + sink_p - 1.0).abs() < 1e-5, "n {n}: Σp = {total}");
                 }
             }
         }
