@@ -234,6 +234,14 @@ pub fn run(args: RunArgs) -> Result<()> {
             s.io_wait_seconds,
             100.0 * s.prefetch_recall(),
         );
+        if !s.drives.is_empty() {
+            let parts: Vec<String> = s
+                .drives
+                .iter()
+                .map(|(d, b)| format!("{d}: {}", format_size(*b)))
+                .collect();
+            eprintln!("drives: {}", parts.join(", "));
+        }
     }
     eprintln!(
         "prompt: {} tokens, prefill {:.1} tok/s | generated: {} tokens, decode {:.1} tok/s | finish: {:?} | threads: {}",

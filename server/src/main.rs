@@ -3,7 +3,9 @@
 //! only the argument parser and the dispatch.
 
 use clap::{Parser, Subcommand};
-use colibri_server::{bench, chat_client, config, convert, generate_cmd, info, kl, logits, serve};
+use colibri_server::{
+    bench, chat_client, config, convert, generate_cmd, info, kl, logits, mirror_cmd, serve, tune,
+};
 
 /// colibri: run huge Mixture-of-Experts models on the hardware you have.
 #[derive(Parser)]
@@ -36,6 +38,10 @@ enum Command {
     Synth(colibri_synth::SynthArgs),
     /// Chat with a server (or with a model started in-process) from the terminal.
     Chat(chat_client::ChatArgs),
+    /// Measure this machine's fastest engine settings for a model and write them as a profile.
+    Tune(tune::TuneArgs),
+    /// Plan, stage and verify a mirror drive holding the files of the hottest experts.
+    Mirror(mirror_cmd::MirrorArgs),
 }
 
 fn main() {
@@ -66,6 +72,8 @@ fn main() {
         Command::Convert(a) => convert::run(a),
         Command::Kl(a) => kl::run(a),
         Command::Chat(a) => chat_client::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Mirror(a) => mirror_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");
