@@ -432,8 +432,12 @@ fn stage_command(a: PlanArgs) -> Result<()> {
             colibri::format::write::remove_stale_temporaries_of(&dest);
             let claimed = done.entry(&f.name).cloned();
             eprintln!(
-                "coli mirror: {label}: on the mirror already; verifying it against the {} and the primary",
-                if claimed.is_some() { "receipt" } else { "primary (no receipt lists it)" }
+                "coli mirror: {label}: on the mirror already; verifying it against {}",
+                if claimed.is_some() {
+                    "the receipt and the primary"
+                } else {
+                    "the primary (no receipt lists it)"
+                }
             );
             let entry = match claimed {
                 Some(e) => e,
@@ -518,9 +522,8 @@ fn stage_command(a: PlanArgs) -> Result<()> {
     let _ = std::fs::remove_file(&journal);
     let secs = t0.elapsed().as_secs_f64();
     println!(
-        "staged: {} copied ({:.1} MB/s), {} verified in place; receipt {} lists {} files",
+        "staged in {secs:.1} s: {} copied, {} verified in place; receipt {} lists {} files",
         format_size(copied),
-        copied as f64 / 1e6 / secs.max(1e-9),
         format_size(kept),
         receipt.display(),
         done.shards.len()
