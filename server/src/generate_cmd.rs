@@ -234,13 +234,8 @@ pub fn run(args: RunArgs) -> Result<()> {
             s.io_wait_seconds,
             100.0 * s.prefetch_recall(),
         );
-        if !s.drives.is_empty() {
-            let parts: Vec<String> = s
-                .drives
-                .iter()
-                .map(|(d, b)| format!("{d}: {}", format_size(*b)))
-                .collect();
-            eprintln!("drives: {}", parts.join(", "));
+        if let Some(drives) = crate::bench::drive_bytes_text(&s) {
+            eprintln!("drives: {drives}");
         }
     }
     eprintln!(

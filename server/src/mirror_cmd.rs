@@ -415,7 +415,10 @@ fn stage_command(a: PlanArgs) -> Result<()> {
     let plan = make_plan(&a)?;
     print_plan(&plan);
     let mut done = staged_entries(&to)?;
-    done.primary = primary.display().to_string();
+    done.primary = std::path::absolute(&primary)
+        .unwrap_or_else(|_| primary.clone())
+        .display()
+        .to_string();
     let chosen: Vec<&Planned> = plan.files.iter().filter(|f| f.chosen).collect();
     let journal = to.join(JOURNAL_FILE);
     let t0 = Instant::now();

@@ -117,15 +117,7 @@ impl AtomicFile {
             }
         }
         let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&tmp)
-            .map_err(|e| Error::io(&tmp, e))?;
-        if try_lock(&file) == Lock::Held {
-            return Err(in_use(&tmp, path));
-        }
+        let file = open_locked(&tmp, path)?;
         let kept = file.metadata().map_err(|e| Error::io(&tmp, e))?.len();
         let mut out = BufWriter::with_capacity(1 << 20, file);
         std::io::Seek::seek(&mut out, std::io::SeekFrom::Start(kept))
@@ -275,17 +267,24 @@ pub fn create_tmp(path: &Path) -> Result<(PathBuf, File)> {
     remove_stale_temporaries_of(path);
     let tmp = tmp_path(path);
     let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+    let file = open_locked(&tmp, path)?;
+    file.set_len(0).map_err(|e| Error::io(&tmp, e))?;
+    Ok((tmp, file))
+}
+
+/// Open (creating it, keeping its bytes) and lock `tmp`, the temporary of `path`; errors when
+/// a live writer holds its lock. The caller holds `TEMPORARIES`.
+fn open_locked(tmp: &Path, path: &Path) -> Result<File> {
     let file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(false)
-        .open(&tmp)
-        .map_err(|e| Error::io(&tmp, e))?;
+        .open(tmp)
+        .map_err(|e| Error::io(tmp, e))?;
     if try_lock(&file) == Lock::Held {
-        return Err(in_use(&tmp, path));
+        return Err(in_use(tmp, path));
     }
-    file.set_len(0).map_err(|e| Error::io(&tmp, e))?;
-    Ok((tmp, file))
+    Ok(file)
 }
 
 /// Create the temporary directory for writing the directory `path` (see [`tmp_path`]; a

@@ -182,12 +182,25 @@ pub type Progress<'a> = &'a mut dyn FnMut(Phase, u64, u64);
 /// pages are first dropped from the page cache (best effort), so the bytes hashed are the
 /// drive's, not a cached copy of what was written.
 pub fn sha256_file(path: &Path, uncached: bool, progress: Progress) -> Result<(String, u64)> {
+    let phase = if uncached { Phase::Verify } else { Phase::Hash };
+    read_hashing(path, uncached, phase, progress, |_, _| Ok(()))
+}
+
+/// Read `path` from its first byte, hashing it and handing each chunk with its offset to
+/// `each`, reporting `phase` progress; see [`sha256_file`] for `uncached`. Returns the
+/// SHA-256 and the bytes read.
+fn read_hashing(
+    path: &Path,
+    uncached: bool,
+    phase: Phase,
+    progress: Progress,
+    mut each: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<(String, u64)> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     if uncached {
         drop_cached_pages(&file);
     }
     let total = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let phase = if uncached { Phase::Verify } else { Phase::Hash };
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     let mut done = 0u64;
@@ -197,6 +210,7 @@ pub fn sha256_file(path: &Path, uncached: bool, progress: Progress) -> Result<(S
             break;
         }
         hasher.update(&buf[..n]);
+        each(done, &buf[..n])?;
         done += n as u64;
         progress(phase, done, total);
     }
@@ -296,34 +310,31 @@ fn copy_from(
     kept: u64,
     progress: Progress,
 ) -> Result<(String, u64)> {
-    let mut src = File::open(primary).map_err(|e| Error::io(primary, e))?;
-    let total = src.metadata().map_err(|e| Error::io(primary, e))?.len();
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
-    let mut at = 0u64;
-    loop {
-        let n = src.read(&mut buf).map_err(|e| Error::io(primary, e))?;
-        if n == 0 {
-            break;
-        }
-        let chunk = &buf[..n];
-        hasher.update(chunk);
-        let end = at + n as u64;
-        if end > kept {
-            let skip = kept.saturating_sub(at) as usize;
-            out.write_all(&chunk[skip..])
-                .map_err(|e| Error::io(out.tmp_path(), e))?;
-        }
-        at = end;
-        progress(Phase::Copy { resumed: kept }, at, total);
-    }
-    if at != total {
+    let total = std::fs::metadata(primary)
+        .map_err(|e| Error::io(primary, e))?
+        .len();
+    let (sha, read) = read_hashing(
+        primary,
+        false,
+        Phase::Copy { resumed: kept },
+        progress,
+        |at, chunk| {
+            let end = at + chunk.len() as u64;
+            if end > kept {
+                let skip = kept.saturating_sub(at) as usize;
+                out.write_all(&chunk[skip..])
+                    .map_err(|e| Error::io(out.tmp_path(), e))?;
+            }
+            Ok(())
+        },
+    )?;
+    if read != total {
         return Err(Error::corrupt(
             primary,
-            format!("changed size while being copied ({total} bytes, then {at})"),
+            format!("changed size while being copied ({total} bytes, then {read})"),
         ));
     }
-    Ok((hex(&hasher.finalize()), at))
+    Ok((sha, read))
 }
 
 /// What [`check_copy`] found.
