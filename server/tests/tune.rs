@@ -208,8 +208,8 @@ fn tune_writes_the_fastest_setting_as_a_profile_that_serve_uses() {
     isolated(&mut cmd)
         .env("COLI_STATE_DIR", &state)
         .env_remove("COLI_CONFIG")
-        .env("COLI_PROFILE", "tuned")
-        .args(["serve", "--host", "127.0.0.1", "--port", "0"])
+        .env_remove("COLI_PROFILE")
+        .args(["serve", "--profile", "tuned", "--host", "127.0.0.1", "--port", "0"])
         .current_dir(&work);
     let server = Served::spawn(&mut cmd).wait_ready();
     let body = serde_json::json!({

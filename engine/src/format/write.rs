@@ -99,7 +99,7 @@ impl AtomicFile {
                             let p = e.path();
                             let meta = std::fs::symlink_metadata(&p).ok()?;
                             (of == name && meta.is_file() && is_stale(&p, pid))
-                                .then(|| (meta.len(), p))
+                                .then_some((meta.len(), p))
                         })
                         .collect()
                 })
