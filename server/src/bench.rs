@@ -26,6 +26,10 @@ pub struct BenchArgs {
     /// Tokens to decode greedily after the prompt.
     #[arg(long, default_value_t = 64)]
     pub gen_tokens: usize,
+    /// Prefill the prompt in steps of this many tokens, as `coli serve --prefill-chunk` does
+    /// (default: the whole prompt in one step).
+    #[arg(long, value_name = "TOKENS")]
+    pub prefill_chunk: Option<usize>,
     /// Drop the page cache first (needs root), for a cold-start measurement.
     #[arg(long)]
     pub cold: bool,
@@ -107,6 +111,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 {
         anyhow::bail!("--prompt-tokens must be at least 1");
     }
+    if args.prefill_chunk == Some(0) {
+        anyhow::bail!("--prefill-chunk must be at least 1");
+    }
     let cold = if args.cold { drop_page_cache() } else { false };
     let machine = crate::machine::bandwidths(args.remeasure)?;
     let load_start = Instant::now();
@@ -114,60 +121,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let load_seconds = load_start.elapsed().as_secs_f64();
     let model = loaded.model.as_ref();
     let info = model.info().clone();
-    let vocab = info.vocab_size as u64;
-    let prompt: Vec<u32> = (0..args.prompt_tokens as u64)
-        .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
-        .collect();
-    let mut cache = model.new_cache(args.prompt_tokens + args.gen_tokens + 1);
-
-    let s0 = model.store_stats();
-    let t0 = Instant::now();
-    let logits = model.forward(&prompt, &mut cache, Logits::Last)?;
-    let prefill = t0.elapsed().as_secs_f64();
-    let s1 = model.store_stats();
-    // Decode samples (temperature 1, fixed seed) rather than taking the argmax: a random-weight
-    // model's greedy text repeats one token, which would make routing (and the cache) look
-    // far kinder than real text does. The cost of a step does not depend on the token.
-    let mut sampler = Sampler::new(SamplingParams {
-        seed: 7,
-        ..SamplingParams::default()
-    });
-    let mut history = prompt.clone();
-    let mut next = sampler.sample(&logits, &history);
-    let ttft = t0.elapsed().as_secs_f64();
-    let first = next;
-
-    let times0 = Times::now();
-    let t1 = Instant::now();
-    for _ in 0..args.gen_tokens {
-        history.push(next);
-        let l = model.forward(&[next], &mut cache, Logits::Last)?;
-        next = sampler.sample(&l, &history);
-    }
-    let decode = t1.elapsed().as_secs_f64();
-    let decode_time = Times::now().since(&times0);
-    let s2 = model.store_stats();
-    let plain_tokens: Vec<u32> = std::iter::once(first)
-        .chain(history[prompt.len() + 1..].iter().copied())
-        .chain(std::iter::once(next))
-        .collect();
+    let w = run_workload(
+        model,
+        &Workload {
+            prompt_tokens: args.prompt_tokens,
+            gen_tokens: args.gen_tokens,
+            prefill_chunk: args.prefill_chunk,
+            greedy_tokens: 0,
+        },
+    )?;
+    let (prompt, plain_tokens) = (&w.prompt, &w.tokens);
+    let (prefill, ttft, decode) = (w.prefill_seconds, w.ttft_seconds, w.decode_seconds);
+    let (s0, s1, s2) = (&w.before, &w.after_prefill, &w.after_decode);
+    let decode_time = w.decode_time;
     let draft = match model.drafter() {
         None => None,
-        Some(_) => Some(bench_drafts(
-            model,
-            &prompt,
-            &plain_tokens,
-            args.gen_tokens,
-        )?),
+        Some(_) => Some(bench_drafts(model, prompt, plain_tokens, args.gen_tokens)?),
     };
     model.flush().context("saving the expert usage history")?;
 
     let n = args.gen_tokens.max(1) as f64;
-    let prefill_store = match (&s1, &s0) {
+    let prefill_store = match (s1, s0) {
         (Some(b), Some(a)) => Some(b.since(a)),
         _ => None,
     };
-    let decode_store = match (&s2, &s1) {
+    let decode_store = match (s2, s1) {
         (Some(b), Some(a)) => Some(b.since(a)),
         _ => None,
     };
@@ -246,6 +224,130 @@ pub fn run(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// What one bench run does: a synthetic prompt prefilled (in chunks, as the server
+/// prefills), then tokens decoded one at a time.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Prompt tokens (synthetic ids), at least 1.
+    pub prompt_tokens: usize,
+    /// Tokens decoded after the prompt (timed), sampled at temperature 1 with a fixed seed.
+    pub gen_tokens: usize,
+    /// Prompt tokens per prefill step; `None`: the whole prompt in one step.
+    pub prefill_chunk: Option<usize>,
+    /// Tokens decoded greedily after the timed ones (not timed), for comparing runs.
+    pub greedy_tokens: usize,
+}
+
+/// What [`run_workload`] measured and produced.
+#[derive(Debug, Clone)]
+pub struct WorkloadRun {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Seconds of the prefill, and of the prefill plus the first sample.
+    pub prefill_seconds: f64,
+    pub ttft_seconds: f64,
+    /// Seconds of the timed decode.
+    pub decode_seconds: f64,
+    /// Where the decode's forward time went.
+    pub decode_time: Times,
+    /// The expert store's counters before the prefill, after it and after the decode.
+    pub before: Option<StoreSnapshot>,
+    pub after_prefill: Option<StoreSnapshot>,
+    pub after_decode: Option<StoreSnapshot>,
+    /// The sampled tokens: the first (from the prefill) and one per decode step.
+    pub tokens: Vec<u32>,
+    /// The greedy tokens decoded after them.
+    pub greedy: Vec<u32>,
+    /// A hash of the bits of every logits row computed (prefill, decode and greedy steps):
+    /// equal only if every row is bit-identical (compared within one process).
+    pub logits_hash: u64,
+}
+
+/// Run `w` on `model` (a fresh cache), timing the prefill and the decode.
+pub fn run_workload(model: &dyn colibri::model::CausalLm, w: &Workload) -> Result<WorkloadRun> {
+    use std::hash::{Hash, Hasher};
+    let vocab = model.info().vocab_size as u64;
+    let prompt: Vec<u32> = (0..w.prompt_tokens as u64)
+        .map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32)
+        .collect();
+    let mut cache = model.new_cache(w.prompt_tokens + w.gen_tokens + w.greedy_tokens + 1);
+    let mut digest = std::hash::DefaultHasher::new();
+    let mut digest_row = |row: &[f32]| {
+        for v in row {
+            v.to_bits().hash(&mut digest);
+        }
+    };
+
+    let before = model.store_stats();
+    let t0 = Instant::now();
+    let chunk = w.prefill_chunk.unwrap_or(prompt.len()).max(1);
+    let mut logits = Vec::new();
+    for (i, part) in prompt.chunks(chunk).enumerate() {
+        let last = (i + 1) * chunk >= prompt.len();
+        let which = if last { Logits::Last } else { Logits::None };
+        logits = model.forward(part, &mut cache, which)?;
+    }
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let after_prefill = model.store_stats();
+    digest_row(&logits);
+    // Decode samples (temperature 1, fixed seed) rather than taking the argmax: a random-weight
+    // model's greedy text repeats one token, which would make routing (and the cache) look
+    // far kinder than real text does. The cost of a step does not depend on the token.
+    let mut sampler = Sampler::new(SamplingParams {
+        seed: 7,
+        ..SamplingParams::default()
+    });
+    let mut history = prompt.clone();
+    let mut next = sampler.sample(&logits, &history);
+    let ttft_seconds = t0.elapsed().as_secs_f64();
+    let mut tokens = vec![next];
+
+    let times0 = Times::now();
+    let t1 = Instant::now();
+    for _ in 0..w.gen_tokens {
+        history.push(next);
+        let l = model.forward(&[next], &mut cache, Logits::Last)?;
+        digest_row(&l);
+        next = sampler.sample(&l, &history);
+        tokens.push(next);
+    }
+    let decode_seconds = t1.elapsed().as_secs_f64();
+    let decode_time = Times::now().since(&times0);
+    let after_decode = model.store_stats();
+
+    let mut greedy = Vec::with_capacity(w.greedy_tokens);
+    for _ in 0..w.greedy_tokens {
+        let l = model.forward(&[next], &mut cache, Logits::Last)?;
+        digest_row(&l);
+        next = argmax(&l);
+        greedy.push(next);
+    }
+    Ok(WorkloadRun {
+        prompt,
+        prefill_seconds,
+        ttft_seconds,
+        decode_seconds,
+        decode_time,
+        before,
+        after_prefill,
+        after_decode,
+        tokens,
+        greedy,
+        logits_hash: digest.finish(),
+    })
+}
+
+/// The index of the largest logit (the first of equal ones).
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, v) in logits.iter().enumerate() {
+        if *v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// A size the report keeps in (decimal) GB, printed like every other size.
 fn gb_size(gb: f64) -> String {
     format_size((gb * 1e9).round() as u64)
@@ -296,13 +398,8 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
                 r.device_kernel_seconds,
             );
         }
-        if !s.drives.is_empty() {
-            let parts: Vec<String> = s
-                .drives
-                .iter()
-                .map(|(d, b)| format!("{d}: {}", format_size(*b)))
-                .collect();
-            println!("drives:   {}", parts.join(", "));
+        if let Some(drives) = drive_bytes_text(s) {
+            println!("drives:   {drives}");
         }
     }
     let t = &r.decode_time;
@@ -350,6 +447,17 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
         );
     }
     println!("loadavg:  {}", r.loadavg);
+}
+
+/// The bytes each drive served (`/models/m: 1.2 GiB, /mirror/m: 0.9 GiB`), when mirrors
+/// spread the reads.
+pub fn drive_bytes_text(s: &StoreSnapshot) -> Option<String> {
+    let parts: Vec<String> = s
+        .drives
+        .iter()
+        .map(|(d, b)| format!("{d}: {}", format_size(*b)))
+        .collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
 }
 
 /// Decode the same prompt again, drafting at every step, and compare.

@@ -634,6 +634,37 @@ fn mask(value: &serde_json::Value) -> String {
 
 /// Reads every layer from the real process environment and the current directory.
 pub fn load(flags: &ServeFlags) -> Result<Loaded> {
+    let cwd = std::env::current_dir().context("cannot read the current directory")?;
+    load_from(flags, &process_env()?, &cwd)
+}
+
+/// [`load`] without a profile (`--profile` and `COLI_PROFILE` ignored): the file's top level,
+/// the environment and the flags — what `coli tune` starts from.
+pub fn load_without_profile(flags: &ServeFlags) -> Result<Loaded> {
+    let mut env = process_env()?;
+    env.retain(|(name, _)| name != "COLI_PROFILE");
+    let flags = ServeFlags {
+        profile: None,
+        ..flags.clone()
+    };
+    let cwd = std::env::current_dir().context("cannot read the current directory")?;
+    load_from(&flags, &env, &cwd)
+}
+
+/// The configuration file these flags name (`--config`, else `COLI_CONFIG`), else
+/// `./colibri.toml`, whether it exists or not (`coli tune` creates it).
+pub fn file_for(flags: &ServeFlags) -> Result<PathBuf> {
+    let cwd = std::env::current_dir().context("cannot read the current directory")?;
+    let named = flags.config.clone().or_else(|| {
+        std::env::var_os("COLI_CONFIG")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    });
+    Ok(cwd.join(named.unwrap_or_else(|| PathBuf::from(DEFAULT_FILE))))
+}
+
+/// The `COLI_*` variables of this process that configuration reads.
+fn process_env() -> Result<Vec<(String, String)>> {
     let mut env = Vec::new();
     for (name, value) in std::env::vars_os() {
         let Some(name) = name.to_str() else { continue };
@@ -645,8 +676,7 @@ pub fn load(flags: &ServeFlags) -> Result<Loaded> {
             .map_err(|_| anyhow!("environment variable {name} is not valid UTF-8"))?;
         env.push((name.to_string(), value));
     }
-    let cwd = std::env::current_dir().context("cannot read the current directory")?;
-    load_from(flags, &env, &cwd)
+    Ok(env)
 }
 
 /// Whether an environment variable is one this configuration reads to find the file/profile.

@@ -307,6 +307,7 @@ impl EngineOptions {
             policy: self.cache_policy,
             device: None,
             wrap_reader: None,
+            layout_probe: None,
         }
     }
 }

@@ -234,6 +234,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             s.io_wait_seconds,
             100.0 * s.prefetch_recall(),
         );
+        if let Some(drives) = crate::bench::drive_bytes_text(&s) {
+            eprintln!("drives: {drives}");
+        }
     }
     eprintln!(
         "prompt: {} tokens, prefill {:.1} tok/s | generated: {} tokens, decode {:.1} tok/s | finish: {:?} | threads: {}",

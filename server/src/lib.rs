@@ -14,6 +14,8 @@ pub mod info;
 pub mod kl;
 pub mod logits;
 pub mod machine;
+pub mod mirror_cmd;
 pub mod model_arg;
 pub mod serve;
 pub mod tool_calls;
+pub mod tune;

@@ -73,7 +73,7 @@ fn memory_bandwidth() -> f64 {
         let s: u64 = buf
             .par_chunks(1 << 16)
             .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-            .sum();
+            .reduce(|| 0, u64::wrapping_add);
         std::hint::black_box(s);
         best = best.max((n * 8) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }

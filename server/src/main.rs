@@ -3,7 +3,9 @@
 //! only the argument parser and the dispatch.
 
 use clap::{Parser, Subcommand};
-use colibri_server::{bench, chat_client, config, convert, generate_cmd, info, kl, logits, serve};
+use colibri_server::{
+    bench, chat_client, config, convert, generate_cmd, info, kl, logits, mirror_cmd, serve, tune,
+};
 
 /// colibri: run huge Mixture-of-Experts models on the hardware you have.
 #[derive(Parser)]
@@ -39,6 +41,10 @@ enum Command {
     /// Download a Hugging Face model repository into a directory (resumable, parallel,
     /// verified against the Hub's hashes) for `serve --model DIR`.
     Pull(colibri_pull::PullArgs),
+    /// Measure this machine's fastest engine settings for a model and write them as a profile.
+    Tune(tune::TuneArgs),
+    /// Plan, stage and verify a mirror drive holding the files of the hottest experts.
+    Mirror(mirror_cmd::MirrorArgs),
 }
 
 fn main() {
@@ -70,6 +76,8 @@ fn main() {
         Command::Kl(a) => kl::run(a),
         Command::Chat(a) => chat_client::run(a),
         Command::Pull(a) => colibri_pull::run(a),
+        Command::Tune(a) => tune::run(a),
+        Command::Mirror(a) => mirror_cmd::run(a),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");

@@ -68,6 +68,113 @@ impl AtomicFile {
         })
     }
 
+    /// Start writing `path` where an interrupted writer left off: a stale temporary of `path`
+    /// (left by a process that ended while writing it; see the module documentation) is
+    /// taken over — renamed to this process's temporary and locked — and its bytes kept, so
+    /// the caller appends after them. Returns the file and the bytes already in it (0 when
+    /// there was no temporary to take over: a fresh start). The caller must check the kept
+    /// bytes (a checksum of the whole file before [`commit`](AtomicFile::commit)): a process
+    /// killed mid-write leaves exactly what it wrote, a power cut may leave less or garbage.
+    /// Other stale temporaries of `path` are removed.
+    pub fn resume(path: &Path) -> Result<(AtomicFile, u64)> {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let tmp = tmp_path(path);
+        {
+            let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+            // The largest stale temporary of `path` is the one to continue.
+            let mut stale: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+                .map(|entries| {
+                    entries
+                        .flatten()
+                        .filter_map(|e| {
+                            let file_name = e.file_name();
+                            let (of, pid) = temporary_owner(file_name.to_str()?)?;
+                            let p = e.path();
+                            let meta = std::fs::symlink_metadata(&p).ok()?;
+                            (of == name && meta.is_file() && is_stale(&p, pid))
+                                .then_some((meta.len(), p))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            stale.sort();
+            if let Some((_, largest)) = stale.pop() {
+                if largest != tmp {
+                    // Atomic: of two processes taking over the same temporary, one wins and
+                    // the other finds it gone and starts afresh.
+                    let _ = std::fs::rename(&largest, &tmp);
+                }
+            }
+            for (_, other) in stale {
+                let _ = std::fs::remove_file(other);
+            }
+        }
+        let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+        let file = open_locked(&tmp, path)?;
+        let kept = file.metadata().map_err(|e| Error::io(&tmp, e))?.len();
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        std::io::Seek::seek(&mut out, std::io::SeekFrom::Start(kept))
+            .map_err(|e| Error::io(&tmp, e))?;
+        Ok((
+            AtomicFile {
+                path: path.to_path_buf(),
+                tmp,
+                out: Some(out),
+            },
+            kept,
+        ))
+    }
+
+    /// Flush and fsync what was written so far (the temporary stays a temporary).
+    pub fn sync(&mut self) -> Result<()> {
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        out.flush()
+            .and_then(|()| out.get_ref().sync_all())
+            .map_err(|e| Error::io(&self.tmp, e))
+    }
+
+    /// Like [`commit`](AtomicFile::commit), but never replaces an existing `path`: the
+    /// temporary is linked under the target's name (which fails if a file has that name), then
+    /// unlinked. On an error the temporary is kept (a rerun may verify and publish it again).
+    pub fn commit_new(mut self) -> Result<()> {
+        self.sync()?;
+        if let Some(out) = self.out.take() {
+            drop(out);
+        }
+        match std::fs::hard_link(&self.tmp, &self.path) {
+            Ok(()) => std::fs::remove_file(&self.tmp).map_err(|e| Error::io(&self.tmp, e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(Error::io(&self.path, e))
+            }
+            // A file system without hard links: rename, having checked the name is free.
+            Err(_) if !self.path.exists() => {
+                std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?
+            }
+            Err(e) => return Err(Error::io(&self.path, e)),
+        }
+        sync_parent(&self.path)
+    }
+
+    /// Drop what was written so far and start the temporary again from its first byte.
+    pub fn restart(&mut self) -> Result<()> {
+        let Some(out) = self.out.as_mut() else {
+            return Ok(());
+        };
+        out.flush()
+            .and_then(|()| out.get_ref().set_len(0))
+            .and_then(|()| std::io::Seek::seek(out, std::io::SeekFrom::Start(0)).map(|_| ()))
+            .map_err(|e| Error::io(&self.tmp, e))
+    }
+
     /// The file this becomes on commit.
     pub fn path(&self) -> &Path {
         &self.path
@@ -160,17 +267,24 @@ pub fn create_tmp(path: &Path) -> Result<(PathBuf, File)> {
     remove_stale_temporaries_of(path);
     let tmp = tmp_path(path);
     let _guard = TEMPORARIES.lock().unwrap_or_else(|e| e.into_inner());
+    let file = open_locked(&tmp, path)?;
+    file.set_len(0).map_err(|e| Error::io(&tmp, e))?;
+    Ok((tmp, file))
+}
+
+/// Open (creating it, keeping its bytes) and lock `tmp`, the temporary of `path`; errors when
+/// a live writer holds its lock. The caller holds `TEMPORARIES`.
+fn open_locked(tmp: &Path, path: &Path) -> Result<File> {
     let file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(false)
-        .open(&tmp)
-        .map_err(|e| Error::io(&tmp, e))?;
+        .open(tmp)
+        .map_err(|e| Error::io(tmp, e))?;
     if try_lock(&file) == Lock::Held {
-        return Err(in_use(&tmp, path));
+        return Err(in_use(tmp, path));
     }
-    file.set_len(0).map_err(|e| Error::io(&tmp, e))?;
-    Ok((tmp, file))
+    Ok(file)
 }
 
 /// Create the temporary directory for writing the directory `path` (see [`tmp_path`]; a
@@ -293,6 +407,13 @@ enum Lock {
     Held,
     /// The file system does not say (no advisory locks).
     Unknown,
+}
+
+/// Take an exclusive advisory lock (`flock`) on `file` without waiting, held until every
+/// handle of that open file is closed: `false` when another open file holds it (a file
+/// system without advisory locks counts as free). Also works on a directory's handle.
+pub fn try_lock_exclusive(file: &File) -> bool {
+    try_lock(file) != Lock::Held
 }
 
 /// Try to take an exclusive advisory lock on `file`, without waiting.

@@ -213,6 +213,28 @@ pub fn load(dir: &Path) -> Result<Box<dyn CausalLm>> {
     load_with(dir, &LoadOptions::default())
 }
 
+/// Where the routed experts of the model in `dir` are in its files, read from the headers
+/// (the load stops once the experts are described: nothing is read beyond what a load
+/// maps; see [`crate::store::StoreOptions::layout_probe`]). `None` for a model without
+/// routed experts.
+pub fn expert_layout(dir: &Path) -> Result<Option<crate::store::ExpertLayout>> {
+    let probe = crate::store::LayoutProbe::default();
+    let opts = LoadOptions {
+        placement: StoreOptions {
+            layout_probe: Some(probe.clone()),
+            ..StoreOptions::default()
+        },
+        device: DeviceChoice::Cpu,
+        ..LoadOptions::default()
+    };
+    let loaded = load_on_cpu(dir, &opts);
+    match (probe.take(), loaded) {
+        (Some(layout), _) => Ok(Some(layout)),
+        (None, Ok(_)) => Ok(None),
+        (None, Err(e)) => Err(e),
+    }
+}
+
 /// Load the model in `dir`, placing routed experts as `opts` says.
 pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     let Some(backend) = crate::tensor::device::open(opts.device)? else {

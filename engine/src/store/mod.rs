@@ -14,6 +14,7 @@ pub mod fault;
 pub mod history;
 pub mod mirror;
 pub mod reader;
+pub mod staging;
 pub mod tiered;
 pub mod vram;
 
@@ -429,7 +430,93 @@ pub struct StoreOptions {
     /// Wraps each drive's reader (under the retry and length check), for fault injection in
     /// tests ([`fault::WrapReader`]); `None` in normal runs.
     pub wrap_reader: Option<fault::WrapReader>,
+    /// Only describe where the routed experts are: [`open`] puts their [`ExpertLayout`] here
+    /// and fails, so the load stops before any expert (or anything after them) is read. For
+    /// tools that read headers only (`crate::model::expert_layout`); `None` in normal runs.
+    pub layout_probe: Option<LayoutProbe>,
 }
+
+/// Where each routed expert's bytes are in the checkpoint's files (see
+/// [`StoreOptions::layout_probe`]).
+#[derive(Debug, Clone, Default)]
+pub struct ExpertLayout {
+    /// The checkpoint's files, in the order [`ExpertLayout::experts`] numbers them.
+    pub files: Vec<std::path::PathBuf>,
+    /// `experts[layer][expert]`: (file index, bytes) of each of the expert's matrices' parts
+    /// (a fused block's share for an expert sliced out of one); empty lists for layers
+    /// without routed experts.
+    pub experts: Vec<Vec<Vec<(usize, u64)>>>,
+}
+
+impl ExpertLayout {
+    /// Describe the experts named by `names[layer][expert]` (shapes and dtypes checked as the
+    /// tiered store checks them; nothing read).
+    pub fn of(
+        ckpt: &Checkpoint,
+        names: &[Vec<ExpertNames>],
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<ExpertLayout> {
+        let matrix = |name: &str, shape: [usize; 2]| -> Result<Vec<(usize, u64)>> {
+            let stored = ckpt.stored_weight(name, &shape)?;
+            Ok(match &stored {
+                crate::format::safetensors::StoredWeight::Slice(s) => {
+                    vec![(s.parts()[0].file, s.bytes() as u64)]
+                }
+                other => other
+                    .parts()
+                    .iter()
+                    .map(|d| (d.file, d.len as u64))
+                    .collect(),
+            })
+        };
+        let experts = names
+            .iter()
+            .map(|layer| {
+                layer
+                    .iter()
+                    .map(|n| {
+                        let mut parts = matrix(&n.gate, [intermediate, hidden])?;
+                        parts.extend(matrix(&n.up, [intermediate, hidden])?);
+                        parts.extend(matrix(&n.down, [hidden, intermediate])?);
+                        Ok(parts)
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ExpertLayout {
+            files: (0..ckpt.file_count())
+                .map(|i| ckpt.file_path(i).to_path_buf())
+                .collect(),
+            experts,
+        })
+    }
+
+    /// Routed experts per layer (what the usage history is shaped by).
+    pub fn experts_per_layer(&self) -> Vec<usize> {
+        self.experts.iter().map(Vec::len).collect()
+    }
+}
+
+/// Where [`open`] leaves the expert layout when asked only for it.
+#[derive(Clone, Default)]
+pub struct LayoutProbe(pub Arc<std::sync::Mutex<Option<ExpertLayout>>>);
+
+impl LayoutProbe {
+    /// The layout captured, if the load got as far as the experts.
+    pub fn take(&self) -> Option<ExpertLayout> {
+        self.0.lock().ok().and_then(|mut l| l.take())
+    }
+}
+
+impl std::fmt::Debug for LayoutProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LayoutProbe(..)")
+    }
+}
+
+/// The message of the error [`open`] stops a load with once it captured the layout.
+pub const LAYOUT_CAPTURED: &str = "expert layout captured (a headers-only load stops here)";
 
 /// Expert cache eviction policy.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -456,6 +543,13 @@ pub fn open(
     unused_bytes: usize,
     opts: &StoreOptions,
 ) -> Result<Arc<dyn ExpertStore>> {
+    if let Some(probe) = &opts.layout_probe {
+        let layout = ExpertLayout::of(ckpt, names, hidden, intermediate)?;
+        if let Ok(mut slot) = probe.0.lock() {
+            slot.get_or_insert(layout);
+        }
+        return Err(Error::Invalid(LAYOUT_CAPTURED.into()));
+    }
     let below: Arc<dyn ExpertStore> = match opts.ram_budget {
         None => Arc::new(ResidentStore::open(ckpt, names, hidden, intermediate)?),
         Some(budget) => Arc::new(tiered::TieredStore::open(
