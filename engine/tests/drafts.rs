@@ -116,11 +116,7 @@ impl Job {
     }
 }
 
-fn submit(
-    scheduler: &Scheduler,
-    loaded: &LoadedModel,
-    job: &Job,
-) -> mpsc::Receiver<Event> {
+fn submit(scheduler: &Scheduler, loaded: &LoadedModel, job: &Job) -> mpsc::Receiver<Event> {
     let constraint = job.constraint.as_ref().map(|g| {
         let tok = loaded.tokenizer.as_ref().expect("a tokenizer");
         GrammarVocab::new(tok.inner(), &loaded.eos_token_ids)
@@ -224,7 +220,10 @@ fn prompt_lookup_drafts_never_change_the_output_on_any_fixture() {
                 assert_eq!(drafted[0], plain[0], "{arch} {what} {m:?}");
                 let (n, a) = stats[DraftSource::Ngram as usize];
                 eprintln!("{arch} {what} {m:?}: {a} of {n} drafted tokens accepted");
-                assert!(n > 0, "{arch} {what} {m:?}: the repeated text was never drafted");
+                assert!(
+                    n > 0,
+                    "{arch} {what} {m:?}: the repeated text was never drafted"
+                );
                 if m == DraftMode::Always {
                     accepted_somewhere += a;
                     rejected_somewhere += n - a;
@@ -289,7 +288,10 @@ fn grammar_fast_forward_drafts_keep_a_schemas_output() {
             }
         }
     }
-    assert!(grammar_accepted > 20, "{grammar_accepted} forced tokens accepted");
+    assert!(
+        grammar_accepted > 20,
+        "{grammar_accepted} forced tokens accepted"
+    );
 }
 
 #[test]
@@ -359,9 +361,21 @@ fn a_drafted_sequence_ends_where_a_plain_one_ends() {
             "context",
         ),
         // max_tokens ends it, at every length up to a draft's.
-        (Job::new(prompt.clone(), greedy, 1), prompt.len() + 64, "1 token"),
-        (Job::new(prompt.clone(), greedy, 2), prompt.len() + 64, "2 tokens"),
-        (Job::new(prompt.clone(), greedy, 7), prompt.len() + 64, "7 tokens"),
+        (
+            Job::new(prompt.clone(), greedy, 1),
+            prompt.len() + 64,
+            "1 token",
+        ),
+        (
+            Job::new(prompt.clone(), greedy, 2),
+            prompt.len() + 64,
+            "2 tokens",
+        ),
+        (
+            Job::new(prompt.clone(), greedy, 7),
+            prompt.len() + 64,
+            "7 tokens",
+        ),
         // An end-of-sequence id the output reaches.
         (
             Job {
@@ -382,7 +396,11 @@ fn a_drafted_sequence_ends_where_a_plain_one_ends() {
             context,
         );
         let (got, stats) = run(&loaded, config(1, context, mode(DraftMode::Always)), &[job]);
-        eprintln!("{what}: {} tokens, drafts {:?}", expected.tokens.len(), stats[0]);
+        eprintln!(
+            "{what}: {} tokens, drafts {:?}",
+            expected.tokens.len(),
+            stats[0]
+        );
         assert_eq!(got[0], expected, "{what}");
     }
 }

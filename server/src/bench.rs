@@ -121,6 +121,9 @@ pub struct LookupDraftReport {
     pub draft_steps: u64,
     /// Every run gave the same tokens, drafting off and on (it must).
     pub tokens_identical: bool,
+    /// The acceptance at which a drafted row would pay, as the engine measured it at the end
+    /// of the last run with drafts (`auto` drafts a source only above it).
+    pub break_even: Option<f64>,
     /// /proc/loadavg before and after the runs.
     pub loadavg: String,
 }
@@ -412,7 +415,7 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             .map(|((s, n), (_, a))| format!("{s} {a}/{n}"))
             .collect();
         println!(
-            "drafts:   {} ({}, {} prompt + {} generated tokens, median of {}): {:.2} tok/s with drafts vs {:.2} without = {:.2}×; {:.0} % of drafted tokens accepted ({}); {} decode steps instead of {}; tokens identical: {}",
+            "drafts:   {} ({}, {} prompt + {} generated tokens, median of {}): {:.2} tok/s with drafts vs {:.2} without = {:.2}×; {:.0} % of drafted tokens accepted ({}); {} decode steps instead of {}; a drafted row pays above {} acceptance here; tokens identical: {}",
             d.workload,
             d.mode,
             d.prompt_tokens,
@@ -425,32 +428,27 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             if by_source.is_empty() { "nothing drafted".to_string() } else { by_source.join(", ") },
             d.draft_steps,
             d.plain_steps,
+            d.break_even
+                .map_or("(not measured)".to_string(), |b| format!("{:.0} %", 100.0 * b)),
             d.tokens_identical,
         );
     }
     println!("loadavg:  {}", r.loadavg);
 }
 
-/// The code-edit workload: a function the answer should copy with one change.
-const CODE_EDIT_PROMPT: &str = "Rewrite this Python function so that it skips empty lines. Keep everything else exactly as it is and reply with the whole function only.
+/// The code-edit workload: a function the answer copies with one change (a docstring).
+const CODE_EDIT_PROMPT: &str = "Add a docstring to this function. Reply with the complete function.
 
 ```python
 def parse_config(path):
-    \"\"\"Read a key = value file into a dictionary.\"\"\"
     settings = {}
     with open(path, encoding=\"utf-8\") as handle:
         for number, line in enumerate(handle, start=1):
             line = line.strip()
             if line.startswith(\"#\"):
                 continue
-            if \"=\" not in line:
-                raise ValueError(f\"{path}:{number}: expected key = value\")
             key, value = line.split(\"=\", 1)
-            key = key.strip()
-            value = value.strip()
-            if key in settings:
-                raise ValueError(f\"{path}:{number}: {key} is set twice\")
-            settings[key] = value
+            settings[key.strip()] = value.strip()
     return settings
 ```";
 
@@ -525,8 +523,10 @@ fn bench_lookup_drafts(
             continue;
         }
         let loadavg_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-        // One run: (tokens, decode tok/s, decode steps, drafted and accepted per source).
-        let run = |drafts: DraftConfig| -> Result<(Vec<u32>, f64, u64, [(u64, u64); 2])> {
+        // One run: tokens, decode tok/s, decode steps, drafted and accepted per source, the
+        // measured break-even acceptance.
+        type RunResult = (Vec<u32>, f64, u64, [(u64, u64); 2], Option<f64>);
+        let run = |drafts: DraftConfig| -> Result<RunResult> {
             let scheduler = Scheduler::start(
                 loaded.clone(),
                 SchedulerConfig {
@@ -577,16 +577,20 @@ fn bench_lookup_drafts(
             let steps = stats.steps.load(Ordering::Relaxed) - prefill_steps;
             let per_source = DraftSource::ALL.map(|s| stats.drafts(s));
             let rate = tokens.len().saturating_sub(1) as f64 / usage.decode_seconds.max(1e-9);
-            Ok((tokens, rate, steps, per_source))
+            let break_even = *stats
+                .draft_break_even
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            Ok((tokens, rate, steps, per_source, break_even))
         };
         let mut plain = Vec::new();
         let mut drafted = Vec::new();
         let mut identical = true;
         let mut reference: Option<Vec<u32>> = None;
-        let mut last = (0, 0, [(0, 0); 2]);
+        let mut last = (0, 0, [(0, 0); 2], None);
         for rep in 0..reps {
             for on in [rep % 2 == 1, rep % 2 == 0] {
-                let (tokens, rate, steps, per_source) = run(if on {
+                let (tokens, rate, steps, per_source, break_even) = run(if on {
                     config.clone()
                 } else {
                     DraftConfig::off()
@@ -599,13 +603,14 @@ fn bench_lookup_drafts(
                     drafted.push(rate);
                     last.1 = steps;
                     last.2 = per_source;
+                    last.3 = break_even;
                 } else {
                     plain.push(rate);
                     last.0 = steps;
                 }
             }
         }
-        let (plain_steps, draft_steps, per_source) = last;
+        let (plain_steps, draft_steps, per_source, break_even) = last;
         let total_drafted: u64 = per_source.iter().map(|p| p.0).sum();
         let total_accepted: u64 = per_source.iter().map(|p| p.1).sum();
         let plain_rate = median(&mut plain);
@@ -631,6 +636,7 @@ fn bench_lookup_drafts(
             plain_steps,
             draft_steps,
             tokens_identical: identical,
+            break_even,
             loadavg: format!(
                 "{} → {}",
                 loadavg_before.trim(),

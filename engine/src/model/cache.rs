@@ -294,7 +294,8 @@ impl KvCache {
                 evicted: None,
             };
         }
-        let evicted = (self.checkpoints.len() == MAX_CHECKPOINTS).then(|| self.checkpoints.remove(0));
+        let evicted =
+            (self.checkpoints.len() == MAX_CHECKPOINTS).then(|| self.checkpoints.remove(0));
         self.checkpoint();
         DraftCheckpoint {
             added: Some(self.len),

@@ -17,7 +17,9 @@
 //! * **Prompt lookup** ([`ngram_lookup`]): the longest suffix of the sequence (`ngram_max`
 //!   down to `ngram_min` tokens) that occurred before; the draft is what followed its latest
 //!   occurrence. It pays on text that copies its context (code edits, quoting, extraction,
-//!   repetitive output).
+//!   repetitive output). Its length adapts per request: one more than the last draft kept,
+//!   doubled after a draft kept whole (up to `max_tokens`), so a copy in progress drafts long
+//!   and a guess that keeps missing costs one row.
 //! * **Grammar fast-forward**: when the request's constraint forces the next bytes (a JSON
 //!   schema's keys and punctuation), llguidance's forced tokens are the draft. A forced byte
 //!   string is not always a forced token sequence — the mask may admit another tokenization of
@@ -155,10 +157,7 @@ pub fn ngram_lookup(history: &[u32], min: usize, max: usize, limit: usize) -> Ve
     for n in (min..=max.min(len.saturating_sub(1))).rev() {
         let suffix = &history[len - n..];
         // Latest start i < len - n with history[i..i + n] == suffix.
-        let Some(start) = (0..len - n)
-            .rev()
-            .find(|&i| history[i..i + n] == *suffix)
-        else {
+        let Some(start) = (0..len - n).rev().find(|&i| history[i..i + n] == *suffix) else {
             continue;
         };
         let mut draft: Vec<u32> = Vec::with_capacity(limit);
@@ -445,7 +444,8 @@ mod tests {
         // Never past the configured most, nor the room left.
         assert_eq!(len(&mut d), Some((DraftSource::Ngram, 8)));
         assert_eq!(
-            d.propose(&config, &history, 0, 5, 0.0, None).map(|(_, t)| t.len()),
+            d.propose(&config, &history, 0, 5, 0.0, None)
+                .map(|(_, t)| t.len()),
             Some(5)
         );
     }
@@ -460,7 +460,10 @@ mod tests {
             c.observe(rows, 0.010 + 0.002 * rows as f64);
         }
         let (a, b) = c.fit().unwrap();
-        assert!((a - 0.010).abs() < 1e-9 && (b - 0.002).abs() < 1e-9, "{a} {b}");
+        assert!(
+            (a - 0.010).abs() < 1e-9 && (b - 0.002).abs() < 1e-9,
+            "{a} {b}"
+        );
         // One sequence: a row costs 2 of a 12 ms token.
         assert!((c.break_even(1).unwrap() - 2.0 / 12.0).abs() < 1e-9);
         // Four sequences share the fixed cost: a row is dearer relative to a token.

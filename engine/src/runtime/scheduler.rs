@@ -607,6 +607,8 @@ impl Engine {
                 self.stats.active.fetch_sub(1, Ordering::SeqCst);
             }
         }
+        // The whole step counts in what a row costs: drafting, the forward pass, sampling.
+        let started = Instant::now();
         let chunk = self.config.prefill_chunk.max(1);
         let context = self.config.context;
         let decoding = self
@@ -619,7 +621,9 @@ impl Engine {
         // Tokens each active slot runs this step, and which logits it needs.
         let mut plan: Vec<Planned> = Vec::new();
         for (i, slot) in self.slots.iter_mut().enumerate() {
-            let Some(run) = &mut slot.running else { continue };
+            let Some(run) = &mut slot.running else {
+                continue;
+            };
             if run.pending > 0 {
                 let start = run.request.prompt.len() - run.pending;
                 let n = run.pending.min(chunk);
@@ -680,7 +684,6 @@ impl Engine {
             return Ok(());
         }
         let rows: usize = plan.iter().map(|p| p.tokens.len()).sum();
-        let started = Instant::now();
         let logits = {
             let mut caches: Vec<Option<&mut KvCache>> =
                 self.slots.iter_mut().map(|s| Some(&mut s.cache)).collect();
@@ -695,14 +698,7 @@ impl Engine {
             }
             self.model.model.forward_batch(&mut items)?
         };
-        if plan.iter().all(|p| !p.prefill) {
-            self.cost.observe(rows, started.elapsed().as_secs_f64());
-            *self
-                .stats
-                .draft_break_even
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = self.cost.break_even(1);
-        }
+        let decode_only = plan.iter().all(|p| !p.prefill);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
         for (p, out) in plan.into_iter().zip(logits) {
@@ -742,7 +738,9 @@ impl Engine {
                 }))
                 .unwrap_or_else(|panic| Outcome::Failed(Failure::Engine(panic_message(&panic))));
                 // The next row is worth sampling only while the sampler picked the draft.
-                if !matches!(outcome, Outcome::Continue) || r == drafted || run.next != Some(draft[r])
+                if !matches!(outcome, Outcome::Continue)
+                    || r == drafted
+                    || run.next != Some(draft[r])
                 {
                     break;
                 }
@@ -792,6 +790,14 @@ impl Engine {
                     self.stats.active.fetch_sub(1, Ordering::SeqCst);
                 }
             }
+        }
+        if decode_only {
+            self.cost.observe(rows, started.elapsed().as_secs_f64());
+            *self
+                .stats
+                .draft_break_even
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = self.cost.break_even(1);
         }
         Ok(())
     }

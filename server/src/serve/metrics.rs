@@ -257,10 +257,7 @@ impl Metrics {
                 );
             }
             mirror(&self.draft_steps, s.draft_steps.load(Ordering::Relaxed));
-            let break_even = *s
-                .draft_break_even
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let break_even = *s.draft_break_even.lock().unwrap_or_else(|e| e.into_inner());
             self.draft_break_even.set(break_even.unwrap_or(f64::NAN));
         }
         self.memory
@@ -412,7 +409,10 @@ mod tests {
             5.0
         );
         assert_eq!(
-            sample(&text, &series("coli_draft_proposed_tokens_total", "grammar")),
+            sample(
+                &text,
+                &series("coli_draft_proposed_tokens_total", "grammar")
+            ),
             3.0
         );
         assert_eq!(sample(&text, "coli_draft_break_even_acceptance"), 0.25);
