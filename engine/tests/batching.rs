@@ -176,6 +176,7 @@ fn deepseek_v4_requests_batch_in_fewer_steps_with_the_tokens_each_gets_alone() {
         queue_timeout: Duration::from_secs(120),
         persist_dir: None,
         history_save_interval: Duration::from_secs(60),
+        drafts: Default::default(),
     };
     let steps = |s: &Scheduler| s.stats().steps.load(std::sync::atomic::Ordering::Relaxed);
     // Alone: each request on a scheduler of its own.
@@ -291,6 +292,7 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
             history_save_interval: Duration::from_secs(60),
+            drafts: Default::default(),
         },
     );
     let receivers: Vec<_> = prompts
@@ -359,6 +361,7 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
             history_save_interval: Duration::from_secs(60),
+            drafts: Default::default(),
         },
     );
     let (a, a_rx) = request(base.clone(), 5, 24);
@@ -417,6 +420,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
             history_save_interval: Duration::from_secs(60),
+            drafts: Default::default(),
         };
         let base = prompt(arch);
         let scheduler = Scheduler::start(loaded.clone(), config(2));
@@ -473,6 +477,7 @@ fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
             history_save_interval: Duration::from_secs(60),
+            drafts: Default::default(),
         },
     );
     let (r, rx) = request(vec![1; 70], 1, 4);
@@ -519,6 +524,7 @@ fn slot_conversations_survive_a_restart_through_the_prefix_cache_dir() {
         queue_timeout: Duration::from_secs(120),
         persist_dir: persist.then(|| state.path().to_path_buf()),
         history_save_interval: Duration::from_secs(60),
+        drafts: Default::default(),
     };
     let first_run = Scheduler::start(loaded.clone(), config(true));
     let (r, rx) = request(base.clone(), 7, 6);
@@ -657,6 +663,7 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
         queue_timeout: Duration::from_secs(120),
         persist_dir: None,
         history_save_interval: interval,
+        drafts: Default::default(),
     };
     let base = prompt("olmoe");
     let p = base.len() as u64;

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Re-measure the machine's disk and memory bandwidth instead of using the cached numbers.
     #[arg(long)]
     pub remeasure: bool,
+    /// With `--draft ngram|auto`: runs of each draft workload with drafting off and on,
+    /// interleaved (medians are reported).
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub draft_reps: usize,
 }
 
 /// What `coli bench` reports.
@@ -89,6 +93,43 @@ pub struct BenchReport {
     pub state_bytes_per_sequence: usize,
     /// With `--draft mtp`: the same decode with drafts from the model's MTP head.
     pub draft: Option<DraftReport>,
+    /// With `--draft ngram|auto`: prompt-lookup and grammar drafts through the scheduler, on
+    /// workloads whose output copies its context or is forced by a schema.
+    pub lookup_drafts: Vec<LookupDraftReport>,
+}
+
+/// One draft workload through the scheduler (one slot, greedy), drafting off and on.
+#[derive(Debug, Clone, Serialize)]
+pub struct LookupDraftReport {
+    /// What the workload is (`code edit`, `json schema`).
+    pub workload: String,
+    /// `ngram` (draft whenever a source has one) or `auto` (while it pays).
+    pub mode: String,
+    pub prompt_tokens: usize,
+    /// Tokens generated in each run.
+    pub gen_tokens: usize,
+    pub repetitions: usize,
+    /// Median decode speed (tokens after the first, over the time from the first to the last)
+    /// without drafts and with them: the net speed, every verification row paid for.
+    pub plain_tok_per_s: f64,
+    pub draft_tok_per_s: f64,
+    /// draft ÷ plain.
+    pub speedup: f64,
+    /// Per run with drafts: tokens drafted and accepted, by source (`ngram`, `grammar`).
+    pub drafted: Vec<(String, u64)>,
+    pub accepted: Vec<(String, u64)>,
+    /// Accepted ÷ drafted, all sources.
+    pub acceptance: f64,
+    /// Decode steps of one run without and with drafts.
+    pub plain_steps: u64,
+    pub draft_steps: u64,
+    /// Every run gave the same tokens, drafting off and on (it must).
+    pub tokens_identical: bool,
+    /// The acceptance at which a drafted row would pay, as the engine measured it at the end
+    /// of the last run with drafts (`auto` drafts a source only above it).
+    pub break_even: Option<f64>,
+    /// /proc/loadavg before and after the runs.
+    pub loadavg: String,
 }
 
 /// Decode with multi-token-prediction drafts, measured after the plain decode.
@@ -117,7 +158,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let cold = if args.cold { drop_page_cache() } else { false };
     let machine = crate::machine::bandwidths(args.remeasure)?;
     let load_start = Instant::now();
-    let loaded = args.model.load(false)?;
+    let loaded = std::sync::Arc::new(args.model.load(false)?);
     let load_seconds = load_start.elapsed().as_secs_f64();
     let model = loaded.model.as_ref();
     let info = model.info().clone();
@@ -137,6 +178,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let draft = match model.drafter() {
         None => None,
         Some(_) => Some(bench_drafts(model, prompt, plain_tokens, args.gen_tokens)?),
+    };
+    let lookup_drafts = {
+        let options = args.model.options()?;
+        let config = options.draft_config();
+        if config.mode == colibri::runtime::drafts::DraftMode::Off {
+            Vec::new()
+        } else {
+            bench_lookup_drafts(
+                &loaded,
+                &config,
+                crate::engine_options::value_name(&options.draft),
+                args.gen_tokens,
+                args.draft_reps.max(1),
+            )?
+        }
     };
     model.flush().context("saving the expert usage history")?;
 
@@ -215,6 +271,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             d.pays = d.decode_tok_per_s > decode_tok_per_s;
             d
         }),
+        lookup_drafts,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -446,6 +503,33 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             if d.pays { "pays here" } else { "does not pay here (--draft mtp turns itself off)" }
         );
     }
+    for d in &r.lookup_drafts {
+        let by_source: Vec<String> = d
+            .drafted
+            .iter()
+            .zip(&d.accepted)
+            .filter(|((_, n), _)| *n > 0)
+            .map(|((s, n), (_, a))| format!("{s} {a}/{n}"))
+            .collect();
+        println!(
+            "drafts:   {} ({}, {} prompt + {} generated tokens, median of {}): {:.2} tok/s with drafts vs {:.2} without = {:.2}×; {:.0} % of drafted tokens accepted ({}); {} decode steps instead of {}; a drafted row pays above {} acceptance here; tokens identical: {}",
+            d.workload,
+            d.mode,
+            d.prompt_tokens,
+            d.gen_tokens,
+            d.repetitions,
+            d.draft_tok_per_s,
+            d.plain_tok_per_s,
+            d.speedup,
+            100.0 * d.acceptance,
+            if by_source.is_empty() { "nothing drafted".to_string() } else { by_source.join(", ") },
+            d.draft_steps,
+            d.plain_steps,
+            d.break_even
+                .map_or("(not measured)".to_string(), |b| format!("{:.0} %", 100.0 * b)),
+            d.tokens_identical,
+        );
+    }
     println!("loadavg:  {}", r.loadavg);
 }
 
@@ -458,6 +542,233 @@ pub fn drive_bytes_text(s: &StoreSnapshot) -> Option<String> {
         .map(|(d, b)| format!("{d}: {}", format_size(*b)))
         .collect();
     (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// The code-edit workload: a function the answer copies with one change (a docstring).
+const CODE_EDIT_PROMPT: &str = "Add a docstring to this function. Reply with the complete function.
+
+```python
+def parse_config(path):
+    settings = {}
+    with open(path, encoding=\"utf-8\") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if line.startswith(\"#\"):
+                continue
+            key, value = line.split(\"=\", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+```";
+
+/// The JSON workload: a schema whose keys the grammar forces.
+const JSON_PROMPT: &str = "Describe a fictional city as JSON with its name, country, population, founding year, mayor, twin cities and whether it is a capital.";
+
+fn json_workload_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "city_name": {"type": "string", "maxLength": 24},
+            "country_name": {"type": "string", "maxLength": 24},
+            "population_estimate": {"type": "integer"},
+            "founding_year": {"type": "integer"},
+            "mayor_full_name": {"type": "string", "maxLength": 32},
+            "twin_cities": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3},
+            "is_national_capital": {"type": "boolean"}
+        },
+        "required": ["city_name", "country_name", "population_estimate", "founding_year",
+                     "mayor_full_name", "twin_cities", "is_national_capital"],
+        "additionalProperties": false
+    })
+}
+
+/// Prompt-lookup and grammar drafts through the scheduler: each workload greedy on one slot,
+/// `reps` times with drafting off and on (alternating which goes first), compared.
+fn bench_lookup_drafts(
+    loaded: &std::sync::Arc<colibri::runtime::loaded::LoadedModel>,
+    config: &colibri::runtime::drafts::DraftConfig,
+    mode: String,
+    gen_tokens: usize,
+    reps: usize,
+) -> Result<Vec<LookupDraftReport>> {
+    use colibri::runtime::drafts::{DraftConfig, DraftSource};
+    use colibri::runtime::grammar::{Grammar, GrammarVocab};
+    use colibri::runtime::scheduler::{Event, Request, Scheduler, SchedulerConfig};
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    let Some(tok) = loaded.tokenizer.as_ref() else {
+        eprintln!("coli bench: the draft workloads need the model's tokenizer; skipped");
+        return Ok(Vec::new());
+    };
+    let encode = |text: &str| -> Result<Vec<u32>> {
+        let text = match &loaded.chat_template {
+            Some(t) => t.render(
+                &[serde_json::json!({"role": "user", "content": text})],
+                true,
+                None,
+                None,
+            )?,
+            None => text.to_string(),
+        };
+        Ok(tok.encode(&text, loaded.chat_template.is_none())?)
+    };
+    let vocab = GrammarVocab::new(tok.inner(), &loaded.eos_token_ids).ok();
+    let workloads: Vec<(&str, Vec<u32>, Option<Grammar>)> = vec![
+        ("code edit", encode(CODE_EDIT_PROMPT)?, None),
+        (
+            "json schema",
+            encode(JSON_PROMPT)?,
+            Some(Grammar::JsonSchema {
+                schema: json_workload_schema(),
+                strict: true,
+            }),
+        ),
+    ];
+    let mut reports = Vec::new();
+    for (name, prompt, grammar) in workloads {
+        if grammar.is_some() && vocab.is_none() {
+            eprintln!("coli bench: {name}: no grammar vocabulary for this tokenizer; skipped");
+            continue;
+        }
+        let loadavg_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        // One run: tokens, decode tok/s, decode steps, drafted and accepted per source, the
+        // measured break-even acceptance.
+        type RunResult = (Vec<u32>, f64, u64, [(u64, u64); 2], Option<f64>);
+        let run = |drafts: DraftConfig| -> Result<RunResult> {
+            let scheduler = Scheduler::start(
+                loaded.clone(),
+                SchedulerConfig {
+                    slots: 1,
+                    context: prompt.len() + gen_tokens + 1,
+                    prefill_chunk: 256,
+                    queue_limit: 1,
+                    queue_timeout: Duration::from_secs(600),
+                    persist_dir: None,
+                    history_save_interval: Duration::from_secs(3600),
+                    drafts,
+                },
+            );
+            let constraint = match (&grammar, &vocab) {
+                (Some(g), Some(v)) => Some(v.constraint(g).map_err(|e| anyhow::anyhow!("{e}"))?),
+                _ => None,
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            scheduler
+                .submit(Request {
+                    prompt: prompt.clone(),
+                    max_tokens: gen_tokens,
+                    // Generate the full count (or until the schema is complete).
+                    eos_token_ids: if constraint.is_some() {
+                        loaded.eos_token_ids.clone()
+                    } else {
+                        vec![]
+                    },
+                    stop_strings: vec![],
+                    sampling: SamplingParams::greedy(),
+                    logprobs: None,
+                    constraint,
+                    sink: Box::new(tx),
+                })
+                .map_err(|e| anyhow::anyhow!("submitting the draft workload: {e:?}"))?;
+            let mut tokens = Vec::new();
+            let usage = loop {
+                match rx.recv() {
+                    Ok(Event::Token { id, .. }) => tokens.push(id),
+                    Ok(Event::Done(u)) => break u,
+                    Ok(Event::Failed(f)) => anyhow::bail!("{name}: {f}"),
+                    Ok(Event::Admitted { .. }) => {}
+                    Err(_) => anyhow::bail!("{name}: the scheduler stopped"),
+                }
+            };
+            let stats = scheduler.stats();
+            let prefill_steps = prompt.len().div_ceil(256) as u64;
+            let steps = stats.steps.load(Ordering::Relaxed) - prefill_steps;
+            let per_source = DraftSource::ALL.map(|s| stats.drafts(s));
+            let rate = tokens.len().saturating_sub(1) as f64 / usage.decode_seconds.max(1e-9);
+            let break_even = *stats
+                .draft_break_even
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            Ok((tokens, rate, steps, per_source, break_even))
+        };
+        let mut plain = Vec::new();
+        let mut drafted = Vec::new();
+        let mut identical = true;
+        let mut reference: Option<Vec<u32>> = None;
+        let mut last = (0, 0, [(0, 0); 2], None);
+        for rep in 0..reps {
+            for on in [rep % 2 == 1, rep % 2 == 0] {
+                let (tokens, rate, steps, per_source, break_even) = run(if on {
+                    config.clone()
+                } else {
+                    DraftConfig::off()
+                })?;
+                match &reference {
+                    Some(r) => identical &= *r == tokens,
+                    None => reference = Some(tokens),
+                }
+                if on {
+                    drafted.push(rate);
+                    last.1 = steps;
+                    last.2 = per_source;
+                    last.3 = break_even;
+                } else {
+                    plain.push(rate);
+                    last.0 = steps;
+                }
+            }
+        }
+        let (plain_steps, draft_steps, per_source, break_even) = last;
+        let total_drafted: u64 = per_source.iter().map(|p| p.0).sum();
+        let total_accepted: u64 = per_source.iter().map(|p| p.1).sum();
+        let plain_rate = median(&mut plain);
+        let draft_rate = median(&mut drafted);
+        reports.push(LookupDraftReport {
+            workload: name.to_string(),
+            mode: mode.clone(),
+            prompt_tokens: prompt.len(),
+            gen_tokens: reference.as_ref().map_or(0, |r| r.len()),
+            repetitions: reps,
+            plain_tok_per_s: plain_rate,
+            draft_tok_per_s: draft_rate,
+            speedup: draft_rate / plain_rate.max(1e-9),
+            drafted: DraftSource::ALL
+                .iter()
+                .map(|s| (s.name().to_string(), per_source[*s as usize].0))
+                .collect(),
+            accepted: DraftSource::ALL
+                .iter()
+                .map(|s| (s.name().to_string(), per_source[*s as usize].1))
+                .collect(),
+            acceptance: total_accepted as f64 / total_drafted.max(1) as f64,
+            plain_steps,
+            draft_steps,
+            tokens_identical: identical,
+            break_even,
+            loadavg: format!(
+                "{} → {}",
+                loadavg_before.trim(),
+                std::fs::read_to_string("/proc/loadavg")
+                    .unwrap_or_default()
+                    .trim()
+            ),
+        });
+    }
+    Ok(reports)
+}
+
+/// The median of `v` (0 when empty).
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 /// Decode the same prompt again, drafting at every step, and compare.

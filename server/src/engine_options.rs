@@ -18,6 +18,7 @@ use anyhow::Result;
 use colibri::model::cache::KvDType;
 use colibri::model::mla::MlaForm;
 use colibri::model::{Draft, LoadOptions};
+use colibri::runtime::drafts::{DraftConfig, DraftMode};
 use colibri::store::budget::{default_budget, parse_size};
 use colibri::store::reader::ReaderKind;
 use colibri::store::{CachePolicy, StoreOptions};
@@ -44,6 +45,9 @@ pub(crate) const ENGINE_KEYS: &[(&str, Shape)] = &[
     ("mla_form", Shape::Text),
     ("kv_dtype", Shape::Text),
     ("draft", Shape::Text),
+    ("draft_tokens", Shape::Number),
+    ("draft_ngram_min", Shape::Number),
+    ("draft_ngram_max", Shape::Number),
     ("device", Shape::Text),
     ("vram", Shape::Text),
 ];
@@ -176,9 +180,16 @@ pub struct EngineOptions {
     /// Precision of the latent-attention KV cache; `None`: f32. bf16 is an error on a model
     /// without latent attention.
     pub kv_dtype: Option<KvDType>,
-    /// Speculative decoding's drafter: none, or the checkpoint's MTP head (an error on a
-    /// checkpoint without one).
+    /// Speculative decoding's drafts: none; the checkpoint's MTP head (an error on a
+    /// checkpoint without one; `run` and `bench`); prompt lookup and grammar fast-forward at
+    /// every step (`ngram`) or while they pay (`auto`) (`serve` and `bench`).
     pub draft: Draft,
+    /// Most tokens one prompt-lookup or grammar draft may have.
+    pub draft_tokens: usize,
+    /// Shortest suffix (tokens) prompt lookup matches.
+    pub draft_ngram_min: usize,
+    /// Longest suffix (tokens) prompt lookup matches; it tries the longest first.
+    pub draft_ngram_max: usize,
     /// The device that computes with the matrices placed on it: `auto` (a CUDA GPU, else a
     /// Vulkan GPU, else the CPU), `cuda`, `vulkan` or `cpu`. Tokens are the same on each.
     pub device: DeviceChoice,
@@ -205,6 +216,9 @@ impl Default for EngineOptions {
             mla_form: None,
             kv_dtype: None,
             draft: Draft::default(),
+            draft_tokens: DraftConfig::default().max_tokens,
+            draft_ngram_min: DraftConfig::default().ngram_min,
+            draft_ngram_max: DraftConfig::default().ngram_max,
             device: DeviceChoice::Auto,
             vram: None,
         }
@@ -249,7 +263,26 @@ impl EngineOptions {
         if self.io_threads == 0 {
             return fail("io_threads", "expected at least 1, found 0".into());
         }
+        if let Err((key, problem)) = self.draft_config().validate() {
+            return fail(key, problem);
+        }
         Ok(())
+    }
+
+    /// How the scheduler drafts (`coli serve`, `coli bench`): prompt lookup and grammar
+    /// fast-forward with `draft = "ngram"` (always) or `"auto"` (while they pay); off
+    /// otherwise (`mtp` drafts with the model's head in `coli run` and `coli bench`).
+    pub fn draft_config(&self) -> DraftConfig {
+        DraftConfig {
+            mode: match self.draft {
+                Draft::None | Draft::Mtp => DraftMode::Off,
+                Draft::Ngram => DraftMode::Always,
+                Draft::Auto => DraftMode::Auto,
+            },
+            max_tokens: self.draft_tokens,
+            ngram_min: self.draft_ngram_min,
+            ngram_max: self.draft_ngram_max,
+        }
     }
 
     /// The engine's load options (`model` is the model directory, for measuring mirror
@@ -374,12 +407,25 @@ pub struct EngineFlags {
     /// without latent attention.
     #[arg(long, value_enum, ignore_case = true, value_name = "DTYPE")]
     pub kv_dtype: Option<KvDType>,
-    /// Draft tokens with the checkpoint's multi-token-prediction head (`mtp`; DeepSeek-V3,
-    /// GLM-4.5+/5 checkpoints carry one) and verify them in one batched step: the output is
-    /// identical, only the speed changes; drafting turns itself off when it does not pay.
-    /// An error on a checkpoint without the head [default: none].
+    /// Draft tokens and verify them in one batched step: the output is identical, only the
+    /// speed changes. `mtp`: the checkpoint's multi-token-prediction head (DeepSeek-V3,
+    /// GLM-4.5+/5 carry one; an error without it), in `run` and `bench`, turning itself off
+    /// when it does not pay. `ngram`: prompt lookup (text the output copies from its context)
+    /// and grammar fast-forward (tokens a JSON schema or grammar forces) at every step, in
+    /// `serve` and `bench`; `auto`: the same, each source kept only while its measured
+    /// acceptance pays for the rows it adds [default: none].
     #[arg(long, value_enum, ignore_case = true, value_name = "DRAFTER")]
     pub draft: Option<Draft>,
+    /// Most tokens one prompt-lookup or grammar draft may have [default: 8].
+    #[arg(long, value_name = "N")]
+    pub draft_tokens: Option<usize>,
+    /// Shortest suffix, in tokens, prompt lookup matches [default: 2].
+    #[arg(long, value_name = "N")]
+    pub draft_ngram_min: Option<usize>,
+    /// Longest suffix, in tokens, prompt lookup matches (the longest is tried first)
+    /// [default: 4].
+    #[arg(long, value_name = "N")]
+    pub draft_ngram_max: Option<usize>,
     /// The device computing with the matrices placed on it: auto (a CUDA GPU, else a Vulkan
     /// GPU, else the CPU), cuda, vulkan (also Mesa's lavapipe) or cpu. Products on a device
     /// give the CPU's bits: tokens are the same on each [default: auto].
@@ -439,6 +485,9 @@ impl EngineFlags {
         opt!(mla_form, "--mla-form");
         opt!(kv_dtype, "--kv-dtype");
         opt!(draft, "--draft");
+        opt!(draft_tokens, "--draft-tokens");
+        opt!(draft_ngram_min, "--draft-ngram-min");
+        opt!(draft_ngram_max, "--draft-ngram-max");
         opt!(device, "--device");
         opt!(vram, "--vram");
         Ok(out)
@@ -525,6 +574,15 @@ mod tests {
             "mirror_weights"
         );
         assert_eq!(bad(|o| o.io_threads = 0), "io_threads");
+        assert_eq!(bad(|o| o.draft_tokens = 0), "draft_tokens");
+        assert_eq!(bad(|o| o.draft_ngram_min = 0), "draft_ngram_min");
+        assert_eq!(
+            bad(|o| {
+                o.draft_ngram_min = 5;
+                o.draft_ngram_max = 3;
+            }),
+            "draft_ngram_max"
+        );
         assert_eq!(EngineOptions::default().validate(), Ok(()));
     }
 

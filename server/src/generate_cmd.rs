@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use colibri::model::Draft;
 use colibri::runtime::generate::{generate_continue, Conversation, GenerateParams};
 use colibri::runtime::kv_file;
 use colibri::runtime::loaded::LoadedModel;
@@ -85,6 +86,13 @@ pub struct RunArgs {
 
 /// Run `coli run`.
 pub fn run(args: RunArgs) -> Result<()> {
+    let draft = args.model.options()?.draft;
+    if matches!(draft, Draft::Ngram | Draft::Auto) {
+        eprintln!(
+            "coli: --draft {}: prompt-lookup and grammar drafts are the server's (coli serve) and coli bench's; coli run decodes without them",
+            value_name(&draft)
+        );
+    }
     let loaded = args.model.load(true)?;
     let tok = loaded.tokenizer()?;
     let model = loaded.model.as_ref();

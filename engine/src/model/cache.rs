@@ -242,6 +242,16 @@ pub struct Checkpoint {
     pub states: Vec<Vec<f32>>,
 }
 
+/// What [`KvCache::begin_draft`] changed, for [`KvCache::end_draft`] to undo.
+#[derive(Debug)]
+#[must_use = "hand it to KvCache::end_draft"]
+pub struct DraftCheckpoint {
+    /// The length of the checkpoint it added.
+    added: Option<usize>,
+    /// The oldest checkpoint, taken out to make room.
+    evicted: Option<Checkpoint>,
+}
+
 /// How many checkpoints a cache keeps (the most recent ones): enough for the end of the last
 /// turns and the last prefill chunks, bounded because a big model's state is tens of MB.
 pub const MAX_CHECKPOINTS: usize = 4;
@@ -301,6 +311,40 @@ impl KvCache {
             len: self.len,
             states: self.layers.iter().map(|l| l.state.clone()).collect(),
         });
+    }
+
+    /// Before rows that may be cut back again (a draft being verified): save the recurrent
+    /// states at the current length as [`KvCache::checkpoint`] does, but keep what that would
+    /// evict, so [`KvCache::end_draft`] can put the checkpoints back as they were — drafting
+    /// must not cost a later prompt the checkpoint it would branch off from. A no-op without
+    /// recurrent layers.
+    pub fn begin_draft(&mut self) -> DraftCheckpoint {
+        if !self.is_recurrent() || self.checkpoints.last().is_some_and(|c| c.len == self.len) {
+            return DraftCheckpoint {
+                added: None,
+                evicted: None,
+            };
+        }
+        let evicted =
+            (self.checkpoints.len() == MAX_CHECKPOINTS).then(|| self.checkpoints.remove(0));
+        self.checkpoint();
+        DraftCheckpoint {
+            added: Some(self.len),
+            evicted,
+        }
+    }
+
+    /// After the draft's rows were kept or cut back ([`KvCache::truncate`]): drop the checkpoint
+    /// [`KvCache::begin_draft`] added and restore the one it displaced.
+    pub fn end_draft(&mut self, mark: DraftCheckpoint) {
+        if let Some(len) = mark.added {
+            self.checkpoints.retain(|c| c.len != len);
+        }
+        if let Some(c) = mark.evicted {
+            if c.len <= self.len && self.checkpoints.len() < MAX_CHECKPOINTS {
+                self.checkpoints.insert(0, c);
+            }
+        }
     }
 
     /// Go back to at most the first `len` tokens (a shared prompt prefix, a rejected draft),
@@ -423,5 +467,42 @@ mod tests {
         }
         let lens: Vec<usize> = cache.checkpoints.iter().map(|c| c.len).collect();
         assert_eq!(lens, (3..=MAX_CHECKPOINTS + 2).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_draft_checkpoint_leaves_the_kept_ones_as_they_were() {
+        let mut cache = KvCache::new(1, 64);
+        cache.layers[0] = LayerKv::recurrent(1);
+        for n in 1..=MAX_CHECKPOINTS {
+            cache.len = n;
+            cache.layers[0].state[0] = n as f32;
+            cache.checkpoint();
+        }
+        let kept = cache.checkpoints.clone();
+        // A draft after a full set: rejected (back to its checkpoint), then accepted.
+        cache.len = 10;
+        cache.layers[0].state[0] = 10.0;
+        let mark = cache.begin_draft();
+        assert_eq!(cache.checkpoints.last().unwrap().len, 10);
+        cache.len = 13;
+        cache.layers[0].state[0] = 13.0;
+        assert_eq!(cache.truncate(11), 10);
+        assert_eq!(cache.layers[0].state, vec![10.0]);
+        cache.end_draft(mark);
+        assert_eq!(cache.checkpoints, kept);
+        let mark = cache.begin_draft();
+        cache.len = 14;
+        cache.end_draft(mark);
+        assert_eq!(cache.checkpoints, kept);
+        // At a length that already has a checkpoint nothing is added or removed.
+        cache.len = MAX_CHECKPOINTS;
+        let mark = cache.begin_draft();
+        cache.end_draft(mark);
+        assert_eq!(cache.checkpoints, kept);
+        // Attention caches take none.
+        let mut plain = KvCache::new(1, 64);
+        let mark = plain.begin_draft();
+        assert!(plain.checkpoints.is_empty());
+        plain.end_draft(mark);
     }
 }

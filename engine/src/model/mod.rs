@@ -101,6 +101,11 @@ pub enum Draft {
     None,
     /// The checkpoint's own multi-token-prediction head (DeepSeek-V3, GLM-5 checkpoints).
     Mtp,
+    /// Prompt lookup (n-gram) and grammar fast-forward drafts at every step where they have
+    /// one (the scheduler's: `runtime::drafts`).
+    Ngram,
+    /// Prompt lookup and grammar fast-forward, each kept only while measured to pay.
+    Auto,
 }
 
 /// Which logits a forward pass returns.

@@ -453,6 +453,33 @@ impl Constraint {
         Ok(())
     }
 
+    /// The tokens llguidance's fast-forward says the grammar forces next (the canonical
+    /// tokenization of the bytes every continuation starts with); empty when nothing is forced,
+    /// the grammar is complete or the parser failed. The state does not move: these are a
+    /// draft (`runtime::drafts`), consumed only as the sampler picks them.
+    pub fn forced_tokens(&mut self) -> Vec<u32> {
+        if self.is_finished() || self.matcher.is_error() {
+            return Vec::new();
+        }
+        let vocab = self.vocab_size as u32;
+        let mut forced = self.matcher.compute_ff_tokens();
+        // Cut at the first id the model cannot produce (the tokenizer may know more ids).
+        let valid = forced.iter().take_while(|&&t| t < vocab).count();
+        forced.truncate(valid);
+        forced
+    }
+
+    /// How many of `tokens`, from the first, the grammar would accept in order from here
+    /// (without moving the state).
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        if tokens.is_empty() || self.is_finished() || self.matcher.is_error() {
+            return 0;
+        }
+        let vocab = self.vocab_size as u32;
+        let n = tokens.iter().take_while(|&&t| t < vocab).count();
+        self.matcher.validate_tokens(&tokens[..n]).unwrap_or(0)
+    }
+
     /// Whether the output so far is a complete sentence of the grammar.
     pub fn is_accepting(&mut self) -> bool {
         if self.ended {

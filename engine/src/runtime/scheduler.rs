@@ -12,6 +12,11 @@
 //! request samples with its own seeded [`Sampler`], so a request gets exactly the tokens it
 //! would get alone.
 //!
+//! With drafting on ([`SchedulerConfig::drafts`]), a decoding slot's row carries a draft of the
+//! next tokens (prompt lookup or the grammar's forced tokens, [`super::drafts`]); the step
+//! computes them with everything else, and the request's sampler verifies them in order, so
+//! the tokens are the same as without drafts.
+//!
 //! Results leave through an [`EventSink`] per request; a sink that reports the client gone
 //! cancels its sequence at the next step and frees the slot.
 
@@ -23,11 +28,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::drafts::{DraftConfig, DraftSource, RequestDrafts, StepCost};
 use super::generate::{FinishReason, StopText};
 use super::grammar::Constraint;
 use super::loaded::LoadedModel;
 use super::sampling::{Sampler, SamplingParams};
-use crate::model::cache::KvCache;
+use crate::model::cache::{DraftCheckpoint, KvCache};
 use crate::model::{BatchItem, Logits};
 
 /// How the scheduler is sized.
@@ -54,6 +60,8 @@ pub struct SchedulerConfig {
     ///
     /// [`CausalLm::flush_soon`]: crate::model::CausalLm::flush_soon
     pub history_save_interval: Duration,
+    /// Whether and how decode rows carry drafts (prompt lookup, grammar fast-forward).
+    pub drafts: DraftConfig,
 }
 
 /// The log-probability of a token, with the most likely alternatives.
@@ -194,6 +202,25 @@ pub struct SchedulerStats {
     pub rows: AtomicU64,
     /// Prompt tokens reused from slot caches.
     pub cached_prompt_tokens: AtomicU64,
+    /// Draft tokens verified, and those accepted, per source ([`DraftSource`] index).
+    pub draft_tokens: [AtomicU64; 2],
+    pub draft_accepted: [AtomicU64; 2],
+    /// Decode steps of a sequence that carried a draft.
+    pub draft_steps: AtomicU64,
+    /// The measured acceptance at which a drafted row pays for one decoding sequence
+    /// ([`StepCost::break_even`]); `None` until measured.
+    pub draft_break_even: Mutex<Option<f64>>,
+}
+
+impl SchedulerStats {
+    /// `(drafted, accepted)` tokens of `source` so far.
+    pub fn drafts(&self, source: DraftSource) -> (u64, u64) {
+        let i = source as usize;
+        (
+            self.draft_tokens[i].load(Ordering::Relaxed),
+            self.draft_accepted[i].load(Ordering::Relaxed),
+        )
+    }
 }
 
 /// A running scheduler: submit requests, read its counters, shut it down.
@@ -318,6 +345,8 @@ struct Running {
     cached_tokens: usize,
     admitted: Instant,
     first_token: Option<Instant>,
+    /// Its drafting record.
+    drafts: RequestDrafts,
 }
 
 /// One KV slot: its cache and the tokens the cache holds.
@@ -340,6 +369,20 @@ struct Engine {
     last_save: Instant,
     /// Whether steps ran since then.
     unsaved: bool,
+    /// What a decode row costs, measured on the steps run.
+    cost: StepCost,
+}
+
+/// A slot's part of a step.
+struct Planned {
+    slot: usize,
+    tokens: Vec<u32>,
+    logits: Logits,
+    /// A prompt chunk (else a decode row: tokens the cache lacks, then any draft).
+    prefill: bool,
+    /// The draft at the end of `tokens`: its source, its length, and the cache's checkpoint
+    /// for it.
+    draft: Option<(DraftSource, usize, DraftCheckpoint)>,
 }
 
 impl Engine {
@@ -364,6 +407,7 @@ impl Engine {
             clock: 0,
             last_save: Instant::now(),
             unsaved: false,
+            cost: StepCost::default(),
         }
     }
 
@@ -523,6 +567,7 @@ impl Engine {
                 cached_tokens: reuse,
                 admitted: Instant::now(),
                 first_token: None,
+                drafts: RequestDrafts::default(),
             });
         }
     }
@@ -562,11 +607,23 @@ impl Engine {
                 self.stats.active.fetch_sub(1, Ordering::SeqCst);
             }
         }
+        // The whole step counts in what a row costs: drafting, the forward pass, sampling.
+        let started = Instant::now();
         let chunk = self.config.prefill_chunk.max(1);
-        // Tokens each active slot runs this step, and whether it needs logits.
-        let mut plan: Vec<(usize, Vec<u32>, Logits)> = Vec::new();
-        for (i, slot) in self.slots.iter().enumerate() {
-            let Some(run) = &slot.running else { continue };
+        let context = self.config.context;
+        let decoding = self
+            .slots
+            .iter()
+            .filter(|s| s.running.as_ref().is_some_and(|r| r.pending == 0))
+            .count();
+        let break_even = self.cost.break_even(decoding);
+        let drafts = &self.config.drafts;
+        // Tokens each active slot runs this step, and which logits it needs.
+        let mut plan: Vec<Planned> = Vec::new();
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let Some(run) = &mut slot.running else {
+                continue;
+            };
             if run.pending > 0 {
                 let start = run.request.prompt.len() - run.pending;
                 let n = run.pending.min(chunk);
@@ -576,53 +633,141 @@ impl Engine {
                 } else {
                     Logits::None
                 };
-                plan.push((i, tokens, logits));
-            } else if let Some(id) = run.next {
-                plan.push((i, vec![id], Logits::Last));
+                plan.push(Planned {
+                    slot: i,
+                    tokens,
+                    logits,
+                    prefill: true,
+                    draft: None,
+                });
+            } else if run.next.is_some() {
+                // The tokens the cache lacks: the last one sampled, after those a recurrent
+                // state's return to its checkpoint dropped (see below).
+                let mut tokens = run.history[slot.cache.len..].to_vec();
+                // Room for the draft: every drafted row must fit the cache, and no more tokens
+                // than the request may still emit (the row after the draft emits one more).
+                let limit = context
+                    .saturating_sub(run.history.len() + 1)
+                    .min(run.request.max_tokens.saturating_sub(run.generated + 1));
+                // A failing constraint must not take the step down: no draft then (sampling
+                // reports the constraint's failure).
+                let draft = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    run.drafts.propose(
+                        drafts,
+                        &run.history,
+                        run.generated,
+                        limit,
+                        break_even.unwrap_or(0.0),
+                        run.request.constraint.as_mut(),
+                    )
+                }))
+                .unwrap_or(None);
+                let (logits, draft) = match draft {
+                    Some((source, d)) => {
+                        // A recurrent state cannot drop rejected rows: keep a copy to go back to.
+                        let mark = slot.cache.begin_draft();
+                        tokens.extend_from_slice(&d);
+                        (Logits::All, Some((source, d.len(), mark)))
+                    }
+                    None => (Logits::Last, None),
+                };
+                plan.push(Planned {
+                    slot: i,
+                    tokens,
+                    logits,
+                    prefill: false,
+                    draft,
+                });
             }
         }
         if plan.is_empty() {
             return Ok(());
         }
-        let rows: usize = plan.iter().map(|p| p.1.len()).sum();
+        let rows: usize = plan.iter().map(|p| p.tokens.len()).sum();
         let logits = {
             let mut caches: Vec<Option<&mut KvCache>> =
                 self.slots.iter_mut().map(|s| Some(&mut s.cache)).collect();
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
-            for (i, tokens, logits) in &plan {
-                let cache = caches[*i].take().expect("each slot appears once");
+            for p in &plan {
+                let cache = caches[p.slot].take().expect("each slot appears once");
                 items.push(BatchItem {
-                    tokens,
+                    tokens: &p.tokens,
                     cache,
-                    logits: *logits,
+                    logits: p.logits,
                 });
             }
             self.model.model.forward_batch(&mut items)?
         };
+        let decode_only = plan.iter().all(|p| !p.prefill);
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
         self.stats.rows.fetch_add(rows as u64, Ordering::Relaxed);
-        for ((i, tokens, _), row) in plan.into_iter().zip(logits) {
-            let slot = &mut self.slots[i];
-            slot.tokens.extend_from_slice(&tokens);
-            if tokens.len() > 1 {
+        for (p, out) in plan.into_iter().zip(logits) {
+            let slot = &mut self.slots[p.slot];
+            let before = slot.cache.len - p.tokens.len();
+            slot.tokens.extend_from_slice(&p.tokens);
+            if p.prefill && p.tokens.len() > 1 {
                 // The end of a prefill chunk: where a later prompt may branch off.
                 slot.cache.checkpoint();
             }
             let run = slot.running.as_mut().expect("planned slots run");
             if run.pending > 0 {
-                run.pending -= tokens.len();
+                run.pending -= p.tokens.len();
             }
             if run.pending > 0 {
                 continue;
             }
+            // The rows to sample from: the last token the cache lacked, then each drafted one.
+            let drafted = p.draft.as_ref().map_or(0, |d| d.1);
+            let draft = &p.tokens[p.tokens.len() - drafted..];
+            let returned = if p.logits == Logits::All {
+                p.tokens.len()
+            } else {
+                1
+            };
+            let width = out.len() / returned.max(1);
+            let first = returned - 1 - drafted;
             // A request's own sampling (its constraint, its text) failing, or panicking, ends
             // that request only: the step's forward pass is done and every cache is whole.
             let model = &self.model;
-            let context = self.config.context;
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                sample_next(model, context, run, row)
-            }))
-            .unwrap_or_else(|panic| Outcome::Failed(Failure::Engine(panic_message(&panic))));
+            let mut accepted = 0;
+            let mut outcome = Outcome::Continue;
+            for r in 0..=drafted {
+                let row = out[(first + r) * width..(first + r + 1) * width].to_vec();
+                outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    sample_next(model, context, run, row)
+                }))
+                .unwrap_or_else(|panic| Outcome::Failed(Failure::Engine(panic_message(&panic))));
+                // The next row is worth sampling only while the sampler picked the draft.
+                if !matches!(outcome, Outcome::Continue)
+                    || r == drafted
+                    || run.next != Some(draft[r])
+                {
+                    break;
+                }
+                accepted += 1;
+            }
+            if let Some((source, n, mark)) = p.draft {
+                run.drafts.record(
+                    drafts.mode,
+                    source,
+                    n,
+                    accepted,
+                    run.generated,
+                    break_even.unwrap_or(0.0),
+                );
+                self.stats.draft_tokens[source as usize].fetch_add(n as u64, Ordering::Relaxed);
+                self.stats.draft_accepted[source as usize]
+                    .fetch_add(accepted as u64, Ordering::Relaxed);
+                self.stats.draft_steps.fetch_add(1, Ordering::Relaxed);
+                // The rejected drafts' rows leave the cache; a recurrent state goes back to the
+                // checkpoint taken before the step, and the next step runs the kept tokens again.
+                let keep = before + p.tokens.len() - drafted + accepted;
+                if keep < slot.cache.len {
+                    let kept = slot.cache.truncate(keep);
+                    slot.tokens.truncate(kept);
+                }
+                slot.cache.end_draft(mark);
+            }
             if !matches!(outcome, Outcome::Continue) {
                 // The end of a turn: where the next one continues.
                 slot.cache.checkpoint();
@@ -636,7 +781,7 @@ impl Engine {
                 }
                 Outcome::Failed(why) => {
                     let run = slot.running.take().expect("running");
-                    tracing::warn!("request failed in slot {i}: {why}");
+                    tracing::warn!("request failed in slot {}: {why}", p.slot);
                     run.request.sink.send(Event::Failed(why));
                     self.stats.active.fetch_sub(1, Ordering::SeqCst);
                 }
@@ -645,6 +790,14 @@ impl Engine {
                     self.stats.active.fetch_sub(1, Ordering::SeqCst);
                 }
             }
+        }
+        if decode_only {
+            self.cost.observe(rows, started.elapsed().as_secs_f64());
+            *self
+                .stats
+                .draft_break_even
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = self.cost.break_even(1);
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use colibri::runtime::drafts::DraftSource;
 use colibri::runtime::scheduler::SchedulerStats;
 use colibri::store::StoreSnapshot;
 
@@ -30,6 +31,10 @@ pub struct Metrics {
     slots: IntGauge,
     engine_steps: IntCounter,
     engine_rows: IntCounter,
+    draft_proposed: IntCounterVec,
+    draft_accepted: IntCounterVec,
+    draft_steps: IntCounter,
+    draft_break_even: Gauge,
     expert_hits: IntCounter,
     expert_misses: IntCounter,
     expert_hit_rate: Gauge,
@@ -116,6 +121,28 @@ impl Metrics {
             slots: gauge("coli_slots", "Sequence slots"),
             engine_steps: counter("coli_engine_steps_total", "Batched engine steps run"),
             engine_rows: counter("coli_engine_rows_total", "Token rows run through the model"),
+            draft_proposed: must(IntCounterVec::new(
+                Opts::new(
+                    "coli_draft_proposed_tokens_total",
+                    "Draft tokens verified by the main model, by source (ngram, grammar)",
+                ),
+                &["source"],
+            )),
+            draft_accepted: must(IntCounterVec::new(
+                Opts::new(
+                    "coli_draft_accepted_tokens_total",
+                    "Draft tokens that were the model's own choice (each one a token without a step of its own), by source",
+                ),
+                &["source"],
+            )),
+            draft_steps: counter(
+                "coli_draft_steps_total",
+                "Decode rows of a sequence that carried a draft",
+            ),
+            draft_break_even: must(Gauge::new(
+                "coli_draft_break_even_acceptance",
+                "Measured acceptance at which a drafted row pays for itself (one decoding sequence); NaN until measured",
+            )),
             expert_hits: counter(
                 "coli_expert_cache_hits_total",
                 "Routed experts found in memory",
@@ -173,6 +200,10 @@ impl Metrics {
             Box::new(m.slots.clone()),
             Box::new(m.engine_steps.clone()),
             Box::new(m.engine_rows.clone()),
+            Box::new(m.draft_proposed.clone()),
+            Box::new(m.draft_accepted.clone()),
+            Box::new(m.draft_steps.clone()),
+            Box::new(m.draft_break_even.clone()),
             Box::new(m.expert_hits.clone()),
             Box::new(m.expert_misses.clone()),
             Box::new(m.expert_hit_rate.clone()),
@@ -214,6 +245,20 @@ impl Metrics {
                 .set(s.active.load(Ordering::Relaxed) as i64);
             mirror(&self.engine_steps, s.steps.load(Ordering::Relaxed));
             mirror(&self.engine_rows, s.rows.load(Ordering::Relaxed));
+            for source in DraftSource::ALL {
+                let (proposed, accepted) = s.drafts(source);
+                mirror(
+                    &self.draft_proposed.with_label_values(&[source.name()]),
+                    proposed,
+                );
+                mirror(
+                    &self.draft_accepted.with_label_values(&[source.name()]),
+                    accepted,
+                );
+            }
+            mirror(&self.draft_steps, s.draft_steps.load(Ordering::Relaxed));
+            let break_even = *s.draft_break_even.lock().unwrap_or_else(|e| e.into_inner());
+            self.draft_break_even.set(break_even.unwrap_or(f64::NAN));
         }
         self.memory
             .with_label_values(&["ram", "resident_weights"])
@@ -344,6 +389,33 @@ mod tests {
         let text = render(&m, &stats, snapshot(3, 2, &[("model", 100), ("m1", 50)]));
         assert_eq!(sample(&text, "coli_engine_steps_total"), 7.0);
         assert_eq!(sample(&text, "coli_engine_rows_total"), 40.0);
+        assert_eq!(
+            sample(&text, "coli_draft_proposed_tokens_total{source=\"ngram\"}"),
+            0.0
+        );
+        assert!(sample(&text, "coli_draft_break_even_acceptance").is_nan());
+        stats.draft_tokens[DraftSource::Ngram as usize].store(12, Ordering::Relaxed);
+        stats.draft_accepted[DraftSource::Ngram as usize].store(5, Ordering::Relaxed);
+        stats.draft_tokens[DraftSource::Grammar as usize].store(3, Ordering::Relaxed);
+        *stats.draft_break_even.lock().unwrap() = Some(0.25);
+        let text = render(&m, &stats, snapshot(3, 2, &[("model", 100), ("m1", 50)]));
+        let series = |name: &str, source: &str| format!("{name}{{source=\"{source}\"}}");
+        assert_eq!(
+            sample(&text, &series("coli_draft_proposed_tokens_total", "ngram")),
+            12.0
+        );
+        assert_eq!(
+            sample(&text, &series("coli_draft_accepted_tokens_total", "ngram")),
+            5.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                &series("coli_draft_proposed_tokens_total", "grammar")
+            ),
+            3.0
+        );
+        assert_eq!(sample(&text, "coli_draft_break_even_acceptance"), 0.25);
         assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 3.0);
         assert_eq!(sample(&text, "coli_expert_cache_misses_total"), 2.0);
         let drive = |d: &str| format!("coli_bytes_read_total{{drive=\"{d}\",tier=\"disk\"}}");

@@ -387,6 +387,11 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
         },
         None => None,
     };
+    if cfg.engine.draft == colibri::model::Draft::Mtp {
+        tracing::warn!(
+            "draft = \"mtp\": the server does not draft with the MTP head yet (coli run and coli bench do); draft = \"ngram\" or \"auto\" drafts here"
+        );
+    }
     // Warm up: one token through every layer, so the first request does not pay for
     // page faults and thread start-up.
     let mut cache = loaded.model.new_cache(2);
@@ -404,6 +409,7 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
             queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
             persist_dir: cfg.prefix_cache_dir.clone(),
             history_save_interval: Duration::from_secs(cfg.history_save_secs),
+            drafts: cfg.engine.draft_config(),
         },
     );
     Ok(Serving {
