@@ -1,0 +1,83 @@
+//! Speed of the quantized matrix product (no assertion: a tool for kernel work, not a test).
+//!
+//! `cargo run --release -p colibri-engine --example qmatmul_speed -- TYPE ROWS COLS [M] [REPS]
+//! [THREADS]` quantizes a random `ROWS × COLS` matrix to TYPE (q8_0, q4_k, q6_k, ...) and
+//! multiplies `M` activation rows by it `REPS` times; prints the process CPU time per product
+//! and the weight bytes streamed per CPU nanosecond. A matrix of a few hundred KiB stays in
+//! cache (the kernel's compute rate); one of hundreds of MiB streams from memory.
+
+use colibri::tensor::qmatmul::qmatmul;
+use colibri::tensor::quant::{quantize_row, QuantType};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let name = args.first().map(|s| s.to_lowercase()).unwrap_or_default();
+    let ty = [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+        QuantType::IQ4_NL,
+        QuantType::Q2_K,
+        QuantType::Q3_K,
+        QuantType::Q4_K,
+        QuantType::Q5_K,
+        QuantType::Q6_K,
+        QuantType::IQ4_XS,
+    ]
+    .into_iter()
+    .find(|t| t.name().to_lowercase() == name)
+    .expect("first argument: a block type (q8_0, q4_k, ...)");
+    let num = |i: usize, d: usize| args.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (rows, cols, m, reps, threads) = (
+        num(1, 256),
+        num(2, 2048),
+        num(3, 1),
+        num(4, 2000),
+        num(5, 1),
+    );
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .unwrap();
+    let mut state = 7u32;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state as f32 / u32::MAX as f32) - 0.5
+            })
+            .collect()
+    };
+    let mut bytes = Vec::new();
+    for _ in 0..rows {
+        quantize_row(ty, &rnd(cols), &mut bytes).expect("a quantizable row length");
+    }
+    let x = rnd(m * cols);
+    let mut out = vec![0.0f32; m * rows];
+    let cpu = || {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid timespec for the call to fill.
+        unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+        t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
+    };
+    qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+    let t0 = cpu();
+    for _ in 0..reps {
+        qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+    }
+    let ns = (cpu() - t0) / reps as f64;
+    println!(
+        "{ty} {rows}×{cols} ({:.2} MiB), {m} rows, {threads} threads: {:.1} µs CPU per product, {:.2} weight bytes per CPU ns ({})",
+        bytes.len() as f64 / (1 << 20) as f64,
+        ns / 1e3,
+        bytes.len() as f64 / ns,
+        out[0]
+    );
+}
