@@ -209,7 +209,15 @@ fn tune_writes_the_fastest_setting_as_a_profile_that_serve_uses() {
         .env("COLI_STATE_DIR", &state)
         .env_remove("COLI_CONFIG")
         .env_remove("COLI_PROFILE")
-        .args(["serve", "--profile", "tuned", "--host", "127.0.0.1", "--port", "0"])
+        .args([
+            "serve",
+            "--profile",
+            "tuned",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ])
         .current_dir(&work);
     let server = Served::spawn(&mut cmd).wait_ready();
     let body = serde_json::json!({

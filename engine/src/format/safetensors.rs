@@ -99,6 +99,10 @@ pub enum Access {
     /// Memory-map each file; tensors are views of the mapping.
     #[default]
     Mapped,
+    /// As [`Access::Mapped`], every page faulted in when the file is opened (`MAP_POPULATE`,
+    /// as llama.cpp maps its models): opening reads the whole file (from the page cache when it
+    /// is there), and computing never stops on a page fault. For files that fit in memory.
+    MappedPrefaulted,
     /// Positioned reads into owned buffers; nothing is mapped (streaming mode).
     Read,
 }
@@ -120,6 +124,11 @@ impl Backing {
             // modified while being served.
             Access::Mapped => Backing::Mapped(Arc::new(
                 unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?,
+            )),
+            // SAFETY: as above; populating only reads the pages in.
+            Access::MappedPrefaulted => Backing::Mapped(Arc::new(
+                unsafe { memmap2::MmapOptions::new().populate().map(&file) }
+                    .map_err(|e| Error::io(path, e))?,
             )),
             Access::Read => Backing::Read(file),
         })

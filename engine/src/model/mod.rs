@@ -268,8 +268,14 @@ pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
 /// [`load_with`] once the device placement (if any) is set up.
 fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     // Streaming mode never maps the files: dense weights are read once, experts on demand.
+    // Mapped, they are faulted in at open when they fit in the memory available, so no step
+    // stops on a page fault (a larger mapping is left to fault in as it is read).
     let access = if opts.placement.ram_budget.is_some() {
         Access::Read
+    } else if crate::store::budget::available_memory()
+        .is_some_and(|free| weight_file_bytes(dir) <= free)
+    {
+        Access::MappedPrefaulted
     } else {
         Access::Mapped
     };
@@ -283,6 +289,26 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     let mut ckpt = Checkpoint::open_with(dir, access)?;
     ckpt.split_fused(family.fused_experts)?;
     load_family(&ckpt, &cfg, opts)
+}
+
+/// Bytes of the weight files of a model directory (its `.safetensors` and `.gguf` files) or of a
+/// GGUF file.
+fn weight_file_bytes(dir: &Path) -> u64 {
+    if dir.is_file() {
+        return std::fs::metadata(dir).map_or(u64::MAX, |m| m.len());
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return u64::MAX;
+    };
+    entries
+        .flatten()
+        .filter(|e| {
+            e.path()
+                .extension()
+                .is_some_and(|x| x == "safetensors" || x == "gguf")
+        })
+        .map(|e| e.metadata().map_or(0, |m| m.len()))
+        .sum()
 }
 
 /// The text model's configuration of a multimodal config: its `text_config`, with what lives
