@@ -534,17 +534,33 @@ fn q2k_code(wb: &[u8], e: usize) -> i32 {
 // ------------------------------------------------------------------------------------------
 // Dispatch.
 
-/// Dot products of one weight row against `R` activation rows.
-#[inline]
+/// Dot products of one weight row against `R` activation rows (the tests' entry; products
+/// check the rows once per task and call [`dot_fitted_rows`]).
+#[cfg(test)]
 fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    assert!(
+        x.iter().all(|x| row_fits(ty, w, x)),
+        "qmatmul: activation rows do not fit the {ty} weight row"
+    );
+    // SAFETY: every row fits `w` (asserted above).
+    unsafe { dot_fitted_rows(isa, ty, w, x) }
+}
+
+/// [`dot_rows`] for rows the caller has checked.
+///
+/// # Safety
+/// Every row of `x` must fit `w` ([`row_fits`]): all the SIMD kernels read.
+#[inline]
+unsafe fn dot_fitted_rows<const R: usize>(
+    isa: Isa,
+    ty: QuantType,
+    w: &[u8],
+    x: [ActRow<'_>; R],
+) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
-        assert!(
-            x.iter().all(|x| row_fits(ty, w, x)),
-            "qmatmul: activation rows do not fit the {ty} weight row"
-        );
-        // SAFETY: AVX2, FMA and F16C were just detected, and every row fits `w` (asserted
-        // above): all the kernels read.
+        // SAFETY: AVX2, FMA and F16C were just detected, and every row fits `w` (the
+        // caller's contract).
         return unsafe { avx2::dot_rows::<R>(ty, w, x) };
     }
     let _ = isa;
@@ -698,6 +714,12 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 // one task (the one owning row j of this job).
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                // Every weight row of the job has the same length: the rows are checked once
+                // here, not at every product.
+                assert!(
+                    act_rows.iter().all(|x| row_fits(ty, w_row(j0), x)),
+                    "qmatmul: activation rows do not fit the {ty} weight row"
+                );
                 let mut i0 = 0;
                 while i0 < m {
                     let i1 = (i0 + chunk).min(m);
@@ -706,14 +728,18 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                         let mut i = i0;
                         while i + ROW_GROUP <= i1 {
                             let rows = std::array::from_fn(|r| act_rows[i + r]);
-                            let v = dot_rows::<ROW_GROUP>(isa, ty, w, rows);
+                            // SAFETY: every activation row fits a row of this job (asserted
+                            // above).
+                            let v = unsafe { dot_fitted_rows::<ROW_GROUP>(isa, ty, w, rows) };
                             for (r, v) in v.into_iter().enumerate() {
                                 put(i + r, j, v);
                             }
                             i += ROW_GROUP;
                         }
                         while i < i1 {
-                            put(i, j, dot_rows::<1>(isa, ty, w, [act_rows[i]])[0]);
+                            // SAFETY: as above.
+                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, [act_rows[i]]) };
+                            put(i, j, v[0]);
                             i += 1;
                         }
                     }
