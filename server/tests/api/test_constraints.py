@@ -277,7 +277,12 @@ OPEN_PARAMS = {"get_weather": WEATHER_OPEN, "search": SEARCH_OPEN}
 @pytest.mark.parametrize(
     "ask, tools",
     [
-        ("Find recent news about the Mars rover.", [SEARCH_TOOL]),
+        # The ask names the action: "Find recent news about the Mars rover." sent greedy
+        # SmolLM2-135M into a loop inside the query string ("search.twitter.com/search.twitter…"
+        # until max_tokens) once attention's exp changed by a few ulps. The grammar allows any
+        # string, so that is the model's answer, not a parser failure; this test checks that an
+        # open schema's call comes back closed and parsed.
+        ("Search the web for recent news about the Mars rover.", [SEARCH_TOOL]),
         ("What's the weather in Tokyo in fahrenheit?", [WEATHER_TOOL, SEARCH_TOOL]),
     ],
     ids=["search", "weather-or-search"],
