@@ -83,7 +83,13 @@ impl Report {
         self.push(Level::Warning, subject, what, fix);
     }
 
-    fn push(&mut self, level: Level, subject: impl ToString, what: impl ToString, fix: impl ToString) {
+    fn push(
+        &mut self,
+        level: Level,
+        subject: impl ToString,
+        what: impl ToString,
+        fix: impl ToString,
+    ) {
         self.findings.push(Finding {
             level,
             subject: subject.to_string(),
@@ -97,7 +103,10 @@ impl Report {
     }
 
     fn errors(&self) -> usize {
-        self.findings.iter().filter(|f| f.level == Level::Error).count()
+        self.findings
+            .iter()
+            .filter(|f| f.level == Level::Error)
+            .count()
     }
 }
 
@@ -105,8 +114,16 @@ impl Report {
 pub fn run(args: DoctorArgs) -> i32 {
     let findings = check(&args);
     let (errors, warnings) = (
-        findings.findings.iter().filter(|f| f.level == Level::Error).count(),
-        findings.findings.iter().filter(|f| f.level == Level::Warning).count(),
+        findings
+            .findings
+            .iter()
+            .filter(|f| f.level == Level::Error)
+            .count(),
+        findings
+            .findings
+            .iter()
+            .filter(|f| f.level == Level::Warning)
+            .count(),
     );
     for p in &findings.passed {
         println!("ok: {p}");
@@ -155,7 +172,11 @@ fn check(args: &DoctorArgs) -> Report {
         match crate::plan::resolve_model(&config) {
             Ok(x) => x,
             Err(e) => {
-                r.error("model", format!("the demo model: {e:#}"), "check the cache directory (COLI_CACHE_DIR)");
+                r.error(
+                    "model",
+                    format!("the demo model: {e:#}"),
+                    "check the cache directory (COLI_CACHE_DIR)",
+                );
                 return r;
             }
         }
@@ -222,9 +243,17 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
         match colibri::format::config::ModelConfig::from_model_dir(dir) {
             Ok(cfg) => match colibri::model::registry::family_of(&cfg) {
                 Ok(_) => r.ok(format!("{}: a supported model type", show(&config))),
-                Err(e) => r.error(show(&config), e, "colibri runs the model types `coli info` lists; use a supported checkpoint"),
+                Err(e) => r.error(
+                    show(&config),
+                    e,
+                    "colibri runs the model types `coli info` lists; use a supported checkpoint",
+                ),
             },
-            Err(e) => r.error(show(&config), e, "restore the file from the model's repository"),
+            Err(e) => r.error(
+                show(&config),
+                e,
+                "restore the file from the model's repository",
+            ),
         }
     }
     // The shards: those the index names, else model.safetensors, else every *.safetensors.
@@ -255,7 +284,11 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
                     "restore the index from the model's repository",
                 ),
             },
-            Err(e) => r.error(show(&index), e, "restore the index from the model's repository"),
+            Err(e) => r.error(
+                show(&index),
+                e,
+                "restore the index from the model's repository",
+            ),
         }
     } else if dir.join("model.safetensors").is_file() {
         shards.push(dir.join("model.safetensors"));
@@ -280,7 +313,10 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
     let mut tensors = Vec::new();
     let mut readable = Vec::new();
     for shard in &shards {
-        let name = shard.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = shard
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         if !shard.is_file() {
             r.error(
                 show(shard),
@@ -336,7 +372,11 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
     } else {
         match colibri::format::tokenizer::Tokenizer::from_file(&tokenizer) {
             Ok(_) => r.ok(format!("{}: loads", show(&tokenizer))),
-            Err(e) => r.error(show(&tokenizer), e, "restore tokenizer.json from the model's repository"),
+            Err(e) => r.error(
+                show(&tokenizer),
+                e,
+                "restore tokenizer.json from the model's repository",
+            ),
         }
     }
     match colibri::format::chat_template::ChatTemplate::from_model_dir(dir) {
@@ -373,14 +413,21 @@ fn lfs_pointer(path: &Path) -> Option<String> {
 fn check_gguf(path: &Path, r: &mut Report) -> Option<Files> {
     match colibri::format::gguf::GgufFile::open(path) {
         Ok(_) => {
-            r.ok(format!("{}: GGUF header and tensor table readable", show(path)));
+            r.ok(format!(
+                "{}: GGUF header and tensor table readable",
+                show(path)
+            ));
             Some(Files {
                 paths: vec![path.to_path_buf()],
                 tensors: Vec::new(),
             })
         }
         Err(e) => {
-            r.error(show(path), e, "the file is truncated or corrupt: download or convert it again");
+            r.error(
+                show(path),
+                e,
+                "the file is truncated or corrupt: download or convert it again",
+            );
             None
         }
     }
@@ -389,6 +436,11 @@ fn check_gguf(path: &Path, r: &mut Report) -> Option<Files> {
 /// The family's validation (every tensor's name, shape and dtype, the config's keys), and the
 /// plan against the memory and disk there are.
 fn check_model(config: &ServeConfig, dir: &Path, default_budget: Option<u64>, r: &mut Report) {
+    // The pins do not change what the plan takes; without learning the usage history is not
+    // even read (read-only: loading it tidies the state directory).
+    let mut config = config.clone();
+    config.engine.no_learn = true;
+    let config = &config;
     let described = match crate::plan::describe(config, dir) {
         Ok(d) => d,
         Err(e) => {
@@ -411,7 +463,11 @@ fn check_model(config: &ServeConfig, dir: &Path, default_budget: Option<u64>, r:
     let plan = match crate::plan::placement_of(config, dir, default_budget, &described) {
         Ok(p) => p,
         Err(e) => {
-            r.error("ram", format!("{e:#}"), "raise `ram` (--ram), or use a smaller quantization of the model");
+            r.error(
+                "ram",
+                format!("{e:#}"),
+                "raise `ram` (--ram), or use a smaller quantization of the model",
+            );
             return;
         }
     };
@@ -504,7 +560,9 @@ fn check_io(config: &ServeConfig, paths: &[PathBuf], r: &mut Report) {
             format!("is `uring`, but io-uring is unavailable: {e}"),
             "set io = \"auto\" or \"pool\" (the pread pool)",
         ),
-        (Err(e), _) => r.ok(format!("io-uring unavailable ({e}); expert reads use the pread pool")),
+        (Err(e), _) => r.ok(format!(
+            "io-uring unavailable ({e}); expert reads use the pread pool"
+        )),
     }
 }
 
@@ -525,7 +583,9 @@ fn check_mirrors(config: &ServeConfig, dir: &Path, paths: &[PathBuf], deep: bool
         for p in paths {
             let Some(name) = p.file_name() else { continue };
             let copy = m.join(name);
-            let Ok(meta) = std::fs::metadata(&copy) else { continue };
+            let Ok(meta) = std::fs::metadata(&copy) else {
+                continue;
+            };
             held += 1;
             let want = std::fs::metadata(p).map(|x| x.len()).unwrap_or(0);
             if meta.len() != want {
@@ -568,7 +628,11 @@ fn check_mirrors(config: &ServeConfig, dir: &Path, paths: &[PathBuf], deep: bool
                 }
             }
             Ok(None) => {}
-            Err(e) => r.error(show(&m.join(RECEIPT_FILE)), e, "stage the mirror again (`coli mirror stage`)"),
+            Err(e) => r.error(
+                show(&m.join(RECEIPT_FILE)),
+                e,
+                "stage the mirror again (`coli mirror stage`)",
+            ),
         }
         if held == 0 {
             r.warning(
@@ -577,7 +641,10 @@ fn check_mirrors(config: &ServeConfig, dir: &Path, paths: &[PathBuf], deep: bool
                 "stage it (`coli mirror stage`) or remove it from `mirrors`",
             );
         } else {
-            r.ok(format!("mirror {}: {held} file(s), sizes match the primary", show(m)));
+            r.ok(format!(
+                "mirror {}: {held} file(s), sizes match the primary",
+                show(m)
+            ));
         }
     }
 }
@@ -594,7 +661,11 @@ fn check_state_dir(r: &mut Report) {
     };
     // The directory, or the nearest ancestor it would be created in.
     let Some(existing) = dir.ancestors().find(|p| p.exists()) else {
-        r.error(show(&dir), "no part of the path exists", "set COLI_STATE_DIR to a writable directory");
+        r.error(
+            show(&dir),
+            "no part of the path exists",
+            "set COLI_STATE_DIR to a writable directory",
+        );
         return;
     };
     if !existing.is_dir() {
@@ -633,11 +704,19 @@ fn check_state_dir(r: &mut Report) {
 /// Every tensor's bytes: float tensors scanned for NaN/Inf; each file hashed against the pull
 /// receipt when there is one.
 fn deep(dir: &Path, files: &Files, r: &mut Report) {
-    let receipt_dir = if dir.is_file() { dir.parent().unwrap_or(Path::new(".")) } else { dir };
+    let receipt_dir = if dir.is_file() {
+        dir.parent().unwrap_or(Path::new("."))
+    } else {
+        dir
+    };
     let receipt = match colibri_pull::receipt::read_receipt(receipt_dir) {
         Ok(x) => x,
         Err(e) => {
-            r.warning(show(&receipt_dir.join(colibri_pull::RECEIPT)), format!("{e:#}"), "remove it (the next pull re-checks every file)");
+            r.warning(
+                show(&receipt_dir.join(colibri_pull::RECEIPT)),
+                format!("{e:#}"),
+                "remove it (the next pull re-checks every file)",
+            );
             None
         }
     };
@@ -653,11 +732,18 @@ fn deep(dir: &Path, files: &Files, r: &mut Report) {
                         format!("tensor `{}` holds {n} NaN or infinite value(s)", d.name),
                         "the file is corrupt: download it again (coli pull verifies)",
                     ),
-                    Err(e) => r.error(show(path), format!("reading tensor `{}`: {e}", d.name), "check the drive; download the file again"),
+                    Err(e) => r.error(
+                        show(path),
+                        format!("reading tensor `{}`: {e}", d.name),
+                        "check the drive; download the file again",
+                    ),
                 }
             }
         }
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         if let Some(entry) = receipt.as_ref().and_then(|rc| rc.file(&name)) {
             let noop: colibri::store::staging::Progress = &mut |_, _, _| {};
             match colibri::store::staging::sha256_file(path, false, noop) {

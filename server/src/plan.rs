@@ -5,7 +5,7 @@
 //! (the family's loader builds it around a store that only describes the experts), the RAM
 //! budget is split by [`colibri::store::tiered::split_budget`] (the resident set, the expert
 //! cache, the pin budget, and the refusal of a budget the resident set does not fit), the
-//! pinned experts are [`UsageHistory::hottest`] within the pin budget, and the VRAM tier is
+//! pinned experts are `UsageHistory::hottest` within the pin budget, and the VRAM tier is
 //! filled in [`colibri::store::vram::fill_order`]. The configuration is `coli serve`'s
 //! (defaults < profile file < `COLI_*` < flags).
 //!
@@ -27,13 +27,11 @@
 //! in VRAM are computed on the device, whose bandwidth is not measured: they are left out of
 //! the time, so with a VRAM tier the figure is an upper bound.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use colibri::model::{Described, LoadOptions};
 use colibri::store::budget::format_size;
-use colibri::store::history::UsageHistory;
 use colibri::store::tiered::{split_budget, BudgetSplit};
 use colibri::tensor::device::DeviceChoice;
 use serde::Serialize;
@@ -295,10 +293,9 @@ pub fn placement_of(
 
     // Embedding table estimate (one row of it is read per token unless the LM head is it).
     let total_params = info.total_params.max(1) as f64;
-    let checkpoint_bytes = layout.map_or(
-        (info.dense_bytes + info.unused_bytes) as u64,
-        |l| l.checkpoint_bytes,
-    );
+    let checkpoint_bytes = layout.map_or((info.dense_bytes + info.unused_bytes) as u64, |l| {
+        l.checkpoint_bytes
+    });
     let bytes_per_param = checkpoint_bytes as f64 / total_params;
     let embedding_params = (info.vocab_size * info.hidden_size) as u64;
     let tied_embeddings = colibri::format::config::ModelConfig::from_model_dir(dir)
@@ -510,7 +507,7 @@ pub fn predict(p: &Placement, bw: &Bandwidths) -> Prediction {
 fn print_plan(plan: &Plan, bw: &Bandwidths) {
     let p = &plan.placement;
     let q = &plan.prediction;
-    let size = |b: u64| format_size(b);
+    let size = format_size;
     println!("model:   {} ({})", p.model.display(), p.model_type);
     if p.moe_layers > 0 {
         println!(
@@ -544,7 +541,10 @@ fn print_plan(plan: &Plan, bw: &Bandwidths) {
             format!("of {}", size(b)),
             "-"
         ),
-        None => println!("{:<6} {:>12} {:>22} {:>14} {:>24}", "VRAM", "-", "-", "-", "-"),
+        None => println!(
+            "{:<6} {:>12} {:>22} {:>14} {:>24}",
+            "VRAM", "-", "-", "-", "-"
+        ),
     }
     println!(
         "{:<6} {:>12} {:>22} {:>14} {:>24}",
@@ -552,11 +552,7 @@ fn print_plan(plan: &Plan, bw: &Bandwidths) {
         size(p.ram.dense_bytes),
         format!("{} ({})", size(p.ram.pinned_bytes), p.ram.pinned_experts),
         size(p.ram.cache_bytes),
-        format!(
-            "{} × {} slots",
-            size(p.ram.kv_bytes_per_slot),
-            p.ram.slots
-        )
+        format!("{} × {} slots", size(p.ram.kv_bytes_per_slot), p.ram.slots)
     );
     println!(
         "{:<6} {:>12} {:>22} {:>14} {:>24}",

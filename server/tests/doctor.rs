@@ -103,9 +103,10 @@ fn assert_error(out: &Output, subject: &str, what: &str) {
     let t = text(out);
     assert_eq!(out.status.code(), Some(2), "expected a failure:\n{t}");
     assert!(
-        t.lines()
-            .any(|l| l.starts_with("error: ") && l.contains(subject) && l.contains(what)
-                && l.contains(" — ")),
+        t.lines().any(|l| l.starts_with("error: ")
+            && l.contains(subject)
+            && l.contains(what)
+            && l.contains(" — ")),
         "no `error:` line naming {subject:?} with {what:?}:\n{t}"
     );
 }
@@ -274,7 +275,11 @@ fn doctor_passes_a_good_model_and_names_each_broken_file_or_key() {
     let out = coli_in(
         c.tmp.path(),
         &c.state,
-        &["doctor", "--model", c.tmp.path().join("nowhere").to_str().unwrap()],
+        &[
+            "doctor",
+            "--model",
+            c.tmp.path().join("nowhere").to_str().unwrap(),
+        ],
     );
     assert_error(&out, "nowhere", "does not exist");
 }
@@ -301,7 +306,12 @@ fn deep_finds_a_nan_and_a_receipt_mismatch() {
     bytes[start + begin..start + begin + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&f, &bytes).unwrap();
     let out = c.doctor(&[]);
-    assert_eq!(out.status.code(), Some(0), "headers alone pass:\n{}", text(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "headers alone pass:\n{}",
+        text(&out)
+    );
     assert_error(&c.doctor(&["--deep"]), name, "NaN");
 
     // A file that no longer matches coli pull's receipt.

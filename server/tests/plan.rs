@@ -123,7 +123,18 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
         &coli_with(
             &s.cache,
             &s.state,
-            &["plan", "-m", m, "--ram", &ram, "--json", "--slots", "3", "--context", "100"],
+            &[
+                "plan",
+                "-m",
+                m,
+                "--ram",
+                &ram,
+                "--json",
+                "--slots",
+                "3",
+                "--context",
+                "100",
+            ],
         ),
         "plan --json",
     );
@@ -151,7 +162,8 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
     assert!((hit_b + miss_b - active).abs() < 1.0, "{q:#}");
     let resident = q["resident_bytes_per_token"].as_f64().unwrap();
     assert!(resident > 0.0 && resident <= dense as f64, "{q:#}");
-    let seconds = resident / (MEMORY_GB_S * 1e9) + hit_b / (MEMORY_GB_S * 1e9) + miss_b / (DISK_GB_S * 1e9);
+    let seconds =
+        resident / (MEMORY_GB_S * 1e9) + hit_b / (MEMORY_GB_S * 1e9) + miss_b / (DISK_GB_S * 1e9);
     let tok_s = q["decode_tok_per_s"].as_f64().unwrap();
     assert!((tok_s - 1.0 / seconds).abs() / tok_s < 1e-9, "{q:#}");
 
@@ -165,7 +177,10 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
         "{err}"
     );
     let shown = colibri::store::budget::format_size_up(dense);
-    assert!(err.contains(&shown), "names the resident size {shown}: {err}");
+    assert!(
+        err.contains(&shown),
+        "names the resident size {shown}: {err}"
+    );
 
     // Memory-mapped: every expert in RAM, nothing read from disk.
     let json = ok(
@@ -190,12 +205,26 @@ fn plan_uses_the_usage_history_for_pins_and_hits() {
         &coli_with(
             &s.cache,
             &s.state,
-            &["run", "-m", m, "--ram", &ram, "-p", "hello there", "--max-tokens", "8"],
+            &[
+                "run",
+                "-m",
+                m,
+                "--ram",
+                &ram,
+                "-p",
+                "hello there",
+                "--max-tokens",
+                "8",
+            ],
         ),
         "run",
     );
     let json = ok(
-        &coli_with(&s.cache, &s.state, &["plan", "-m", m, "--ram", &ram, "--json"]),
+        &coli_with(
+            &s.cache,
+            &s.state,
+            &["plan", "-m", m, "--ram", &ram, "--json"],
+        ),
         "plan --json",
     );
     let p: serde_json::Value = serde_json::from_str(&json).unwrap();

@@ -877,6 +877,27 @@ impl ExpertStore for TieredStore {
 mod tests {
     use super::*;
     use crate::format::safetensors::Access;
+
+    #[test]
+    fn a_budget_splits_into_resident_set_cache_and_pins() {
+        // 100 bytes of checkpoint: 60 of experts, 10 never loaded, so 30 resident.
+        let s = split_budget(100, 60, 10, 50, None).unwrap();
+        assert_eq!((s.resident, s.cache, s.pin_budget), (30, 20, 10));
+        assert_eq!(
+            split_budget(100, 60, 10, 50, Some(15)).unwrap().pin_budget,
+            15
+        );
+        assert_eq!(
+            split_budget(100, 60, 10, 50, Some(99)).unwrap().pin_budget,
+            20
+        );
+        assert_eq!(split_budget(100, 60, 10, 30, None).unwrap().cache, 0);
+        let e = split_budget(100, 60, 10, 29, None).unwrap_err().to_string();
+        assert!(
+            e.contains("30 B") && e.contains("29 B") && e.contains("raise --ram"),
+            "{e}"
+        );
+    }
     use crate::tensor::Storage;
     use std::fs::File;
     use std::os::unix::fs::FileExt;

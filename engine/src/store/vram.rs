@@ -246,3 +246,16 @@ impl ExpertStore for VramTier {
         self.below.total_bytes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::fill_order;
+
+    #[test]
+    fn the_fill_order_is_the_hottest_then_layer_by_layer() {
+        // Layer 1 is dense; (2, 5) is out of range and left out; (0, 1) is not repeated.
+        let order = fill_order(vec![(2, 1), (0, 1), (2, 5)], &[2, 0, 3]);
+        assert_eq!(order, vec![(2, 1), (0, 1), (0, 0), (2, 0), (2, 2)]);
+        assert!(fill_order(Vec::new(), &[]).is_empty());
+    }
+}
