@@ -51,7 +51,8 @@ pub enum Level {
 #[derive(Debug, Clone)]
 pub struct Finding {
     pub level: Level,
-    /// The file or configuration key it is about.
+    /// The file or configuration key it is about (empty when `what` starts with the file, as
+    /// the engine's messages do).
     pub subject: String,
     pub what: String,
     pub fix: String,
@@ -63,7 +64,12 @@ impl std::fmt::Display for Finding {
             Level::Error => "error",
             Level::Warning => "warning",
         };
-        write!(f, "{level}: {}: {} — {}", self.subject, self.what, self.fix)
+        if self.subject.is_empty() {
+            // The message names its file itself (an engine error: `FILE: what`).
+            write!(f, "{level}: {} — {}", self.what, self.fix)
+        } else {
+            write!(f, "{level}: {}: {} — {}", self.subject, self.what, self.fix)
+        }
     }
 }
 
@@ -90,10 +96,17 @@ impl Report {
         what: impl ToString,
         fix: impl ToString,
     ) {
+        let subject = subject.to_string();
+        let what = what.to_string();
+        // Engine errors start with the file they are about: say it once.
+        let what = match what.strip_prefix(&format!("{subject}: ")) {
+            Some(rest) if !subject.is_empty() => rest.to_string(),
+            _ => what,
+        };
         self.findings.push(Finding {
             level,
-            subject: subject.to_string(),
-            what: what.to_string(),
+            subject,
+            what,
             fix: fix.to_string(),
         });
     }
@@ -340,7 +353,9 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
                     if !have.contains(t.as_str()) {
                         r.error(
                             show(&index),
-                            format!("weight_map names tensor `{t}` in {name}, which does not hold it"),
+                            format!(
+                                "weight_map names tensor `{t}` in {name}, which does not hold it"
+                            ),
                             "restore the index and the shards from the same revision of the model",
                         );
                     }
@@ -351,7 +366,7 @@ fn check_directory(dir: &Path, r: &mut Report) -> Option<Files> {
             Err(e) => r.error(
                 show(shard),
                 e,
-                "the file is truncated or corrupt: download it again (coli pull resumes and verifies)",
+                "download it again (coli pull resumes and verifies)",
             ),
         }
     }
@@ -444,9 +459,10 @@ fn check_model(config: &ServeConfig, dir: &Path, default_budget: Option<u64>, r:
     let described = match crate::plan::describe(config, dir) {
         Ok(d) => d,
         Err(e) => {
+            // The engine's message names the file and the key or tensor.
             r.error(
-                show(dir),
-                format!("{e:#}"),
+                "",
+                e.root_cause(),
                 "the checkpoint does not match what its family expects: restore the files from one revision of a supported model",
             );
             return;

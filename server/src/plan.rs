@@ -528,43 +528,52 @@ fn print_plan(plan: &Plan, bw: &Bandwidths) {
     }
     println!("ranking: {}", p.history);
     println!();
-    println!(
-        "{:<6} {:>12} {:>22} {:>14} {:>24}",
-        "tier", "dense", "pinned experts", "cache", "KV/state"
-    );
+    let row = |tier: &str, dense: String, experts: String, kv: String| {
+        println!("{tier:<6} {dense:>12}   {experts:<44} {kv}");
+    };
+    row("tier", "dense".into(), "experts".into(), "KV/state".into());
     match p.vram.budget {
-        Some(b) => println!(
-            "{:<6} {:>12} {:>22} {:>14} {:>24}",
+        Some(b) => row(
             "VRAM",
             size(p.vram.dense_bytes),
-            format!("{} ({})", size(p.vram.expert_bytes), p.vram.experts),
-            format!("of {}", size(b)),
-            "-"
+            format!(
+                "{} in VRAM ({} experts), budget {}",
+                size(p.vram.expert_bytes),
+                p.vram.experts,
+                size(b)
+            ),
+            "-".into(),
         ),
-        None => println!(
-            "{:<6} {:>12} {:>22} {:>14} {:>24}",
-            "VRAM", "-", "-", "-", "-"
-        ),
+        None => row("VRAM", "-".into(), "-".into(), "-".into()),
     }
-    println!(
-        "{:<6} {:>12} {:>22} {:>14} {:>24}",
+    row(
         "RAM",
         size(p.ram.dense_bytes),
-        format!("{} ({})", size(p.ram.pinned_bytes), p.ram.pinned_experts),
-        size(p.ram.cache_bytes),
-        format!("{} × {} slots", size(p.ram.kv_bytes_per_slot), p.ram.slots)
+        if p.mode == "tiered" {
+            format!(
+                "{} cache, {} pinned ({} experts)",
+                size(p.ram.cache_bytes),
+                size(p.ram.pinned_bytes),
+                p.ram.pinned_experts
+            )
+        } else {
+            format!("{} mapped", size(p.ram.cache_bytes))
+        },
+        format!(
+            "{} per slot × {} slots",
+            size(p.ram.kv_bytes_per_slot),
+            p.ram.slots
+        ),
     );
-    println!(
-        "{:<6} {:>12} {:>22} {:>14} {:>24}",
+    row(
         "disk",
-        "-",
-        "-",
+        "-".into(),
         if p.disk.expert_bytes > 0 {
-            format!("{} experts", size(p.disk.expert_bytes))
+            format!("{}, read on demand", size(p.disk.expert_bytes))
         } else {
             "-".into()
         },
-        "-"
+        "-".into(),
     );
     if p.vram.budget.is_none() || !p.vram.note.is_empty() {
         println!("VRAM:    {}", p.vram.note);
