@@ -367,7 +367,7 @@ pub fn placement_of(
         Some(s) => {
             ram.cache_bytes = s.cache;
             if let Some(h) = &history {
-                for (l, x) in h.hottest(|l, x| bytes_of(l, x), s.pin_budget) {
+                for (l, x) in h.hottest(bytes_of, s.pin_budget) {
                     ram.pinned_experts += 1;
                     ram.pinned_bytes += bytes_of(l, x);
                     if place[l][x] == Place::Disk {
