@@ -4,7 +4,8 @@
 
 use clap::{Parser, Subcommand};
 use colibri_server::{
-    bench, chat_client, config, convert, generate_cmd, info, kl, logits, mirror_cmd, serve, tune,
+    bench, chat_client, config, convert, doctor, generate_cmd, info, kl, logits, mirror_cmd, plan,
+    serve, tune,
 };
 
 /// colibri: run huge Mixture-of-Experts models on the hardware you have.
@@ -45,6 +46,15 @@ enum Command {
     Tune(tune::TuneArgs),
     /// Plan, stage and verify a mirror drive holding the files of the hottest experts.
     Mirror(mirror_cmd::MirrorArgs),
+    /// Where a model's bytes would live (VRAM, RAM, disk) with a configuration, and the decode
+    /// speed that predicts: seconds per token = resident bytes read per token / memory
+    /// bandwidth + active-expert bytes hit / memory bandwidth + active-expert bytes missed /
+    /// disk bandwidth. Reads headers only; refuses a RAM budget the resident set does not fit.
+    Plan(plan::PlanArgs),
+    /// Check, read-only, that a model and a configuration will serve: files complete, dtypes
+    /// and shapes supported, memory and disk, state directory, mirrors, O_DIRECT, io-uring
+    /// (`--deep`: every tensor's bytes). Exit status 0: passed, 1: warnings, 2: errors.
+    Doctor(doctor::DoctorArgs),
 }
 
 fn main() {
@@ -78,6 +88,8 @@ fn main() {
         Command::Pull(a) => colibri_pull::run(a),
         Command::Tune(a) => tune::run(a),
         Command::Mirror(a) => mirror_cmd::run(a),
+        Command::Plan(a) => plan::run(a),
+        Command::Doctor(a) => std::process::exit(doctor::run(a)),
     };
     if let Err(e) = result {
         eprintln!("coli: error: {e:#}");

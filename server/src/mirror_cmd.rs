@@ -274,7 +274,10 @@ fn make_plan(a: &PlanArgs) -> Result<Plan> {
 }
 
 /// The model's usage history and a sentence saying what the ranking is based on.
-fn load_history(model: &Path, experts_per_layer: &[usize]) -> (Option<UsageHistory>, String) {
+pub(crate) fn load_history(
+    model: &Path,
+    experts_per_layer: &[usize],
+) -> (Option<UsageHistory>, String) {
     let uniform =
         "no usage history: every expert counted alike (serve or bench the model to record one)";
     let Some(state) = history::state_dir() else {

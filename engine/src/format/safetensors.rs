@@ -790,6 +790,13 @@ pub fn numbered_parts<'a>(names: impl IntoIterator<Item = &'a str>, segment: &st
     seen.len()
 }
 
+/// The tensors one safetensors file describes, its header validated exactly as a load
+/// validates it (every tensor's dtype, shape and byte range inside the file, no overlaps);
+/// nothing but the header is read. For tools that check a file on its own (`coli doctor`).
+pub fn describe_file(path: &Path) -> Result<Vec<TensorDesc>> {
+    read_shard(path, 0, Access::Read).map(|(_, descs)| descs)
+}
+
 /// Map one shard and validate its header.
 fn read_shard(
     path: &Path,

@@ -240,6 +240,39 @@ pub fn expert_layout(dir: &Path) -> Result<Option<crate::store::ExpertLayout>> {
     }
 }
 
+/// A model described without being made runnable ([`describe`]).
+pub struct Described {
+    /// Its shape and size facts, as a load with the same options reports them.
+    pub info: ModelInfo,
+    /// Where its routed experts are (`None` for a model without routed experts).
+    pub layout: Option<crate::store::ExpertLayout>,
+}
+
+/// Describe the model in `dir` as [`load_with`] would build it with `opts` (its family, every
+/// tensor's name, shape and dtype checked by the family's loader, the model choices of
+/// `opts` applied), on the CPU, with the weights mapped and never prefaulted and the routed
+/// experts only described (see [`crate::store::LayoutProbe::describing`]): headers are read,
+/// no expert is, and no dense weight but the few a family converts while it builds. What
+/// `coli plan` and `coli doctor` load.
+pub fn describe(dir: &Path, opts: &LoadOptions) -> Result<Described> {
+    let probe = crate::store::LayoutProbe::describing();
+    let opts = LoadOptions {
+        placement: StoreOptions {
+            layout_probe: Some(probe.clone()),
+            ram_budget: None,
+            device: None,
+            ..StoreOptions::default()
+        },
+        device: DeviceChoice::Cpu,
+        ..opts.clone()
+    };
+    let model = load_on_cpu(dir, &opts)?;
+    Ok(Described {
+        info: model.info().clone(),
+        layout: probe.take(),
+    })
+}
+
 /// Load the model in `dir`, placing routed experts as `opts` says.
 pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     let Some(backend) = crate::tensor::device::open(opts.device)? else {
@@ -270,7 +303,10 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     // Streaming mode never maps the files: dense weights are read once, experts on demand.
     // Mapped, they are faulted in at open when they fit in the memory available, so no step
     // stops on a page fault (a larger mapping is left to fault in as it is read).
-    let access = if opts.placement.ram_budget.is_some() {
+    let access = if opts.placement.layout_probe.is_some() {
+        // Headers only: nothing is faulted in.
+        Access::Mapped
+    } else if opts.placement.ram_budget.is_some() {
         Access::Read
     } else if crate::store::budget::available_memory()
         .is_some_and(|free| weight_file_bytes(dir) <= free)

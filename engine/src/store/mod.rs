@@ -446,6 +446,11 @@ pub struct ExpertLayout {
     /// (a fused block's share for an expert sliced out of one); empty lists for layers
     /// without routed experts.
     pub experts: Vec<Vec<Vec<(usize, u64)>>>,
+    /// Bytes of every tensor of the checkpoint (what the tiered store's resident set is
+    /// taken from, [`tiered::split_budget`]).
+    pub checkpoint_bytes: u64,
+    /// Bytes of the checkpoint the model never loads (an MTP block left out, a vision tower).
+    pub unused_bytes: u64,
 }
 
 impl ExpertLayout {
@@ -489,6 +494,8 @@ impl ExpertLayout {
                 .map(|i| ckpt.file_path(i).to_path_buf())
                 .collect(),
             experts,
+            checkpoint_bytes: ckpt.total_bytes() as u64,
+            unused_bytes: 0,
         })
     }
 
@@ -496,16 +503,70 @@ impl ExpertLayout {
     pub fn experts_per_layer(&self) -> Vec<usize> {
         self.experts.iter().map(Vec::len).collect()
     }
+
+    /// Bytes of one expert (0 when out of range): what the tiered store reads and caches
+    /// for it.
+    pub fn expert_bytes(&self, layer: usize, expert: usize) -> u64 {
+        self.experts
+            .get(layer)
+            .and_then(|l| l.get(expert))
+            .map_or(0, |parts| parts.iter().map(|&(_, b)| b).sum())
+    }
+
+    /// Bytes of all routed experts.
+    pub fn total_bytes(&self) -> u64 {
+        self.experts
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|&(_, b)| b)
+            .sum()
+    }
+}
+
+/// A store that only describes its experts ([`LayoutProbe::describing`]): the model around
+/// it is built (so its [`crate::model::ModelInfo`] is known), but nothing can be computed
+/// through it.
+struct DescribedStore {
+    total_bytes: usize,
+}
+
+impl ExpertStore for DescribedStore {
+    fn acquire(&self, layer: usize, _experts: &[usize]) -> Result<Lease> {
+        Err(Error::Invalid(format!(
+            "layer {layer}: this model was loaded to be described only (its experts are not readable)"
+        )))
+    }
+
+    fn total_bytes(&self) -> usize {
+        self.total_bytes
+    }
 }
 
 /// Where [`open`] leaves the expert layout when asked only for it.
 #[derive(Clone, Default)]
-pub struct LayoutProbe(pub Arc<std::sync::Mutex<Option<ExpertLayout>>>);
+pub struct LayoutProbe {
+    slot: Arc<std::sync::Mutex<Option<ExpertLayout>>>,
+    /// Finish the load with a store that only describes the experts instead of stopping it
+    /// ([`LayoutProbe::describing`]).
+    describe: bool,
+}
 
 impl LayoutProbe {
+    /// A probe that lets the load finish around a store that describes the experts and
+    /// refuses to hand them out: the model's shape facts are known, no expert is read (and,
+    /// with the weights mapped rather than prefaulted, no dense weight either, except the few
+    /// a family converts while it builds). What `coli plan` and `coli doctor` load.
+    pub fn describing() -> LayoutProbe {
+        LayoutProbe {
+            describe: true,
+            ..LayoutProbe::default()
+        }
+    }
+
     /// The layout captured, if the load got as far as the experts.
     pub fn take(&self) -> Option<ExpertLayout> {
-        self.0.lock().ok().and_then(|mut l| l.take())
+        self.slot.lock().ok().and_then(|mut l| l.take())
     }
 }
 
@@ -544,9 +605,14 @@ pub fn open(
     opts: &StoreOptions,
 ) -> Result<Arc<dyn ExpertStore>> {
     if let Some(probe) = &opts.layout_probe {
-        let layout = ExpertLayout::of(ckpt, names, hidden, intermediate)?;
-        if let Ok(mut slot) = probe.0.lock() {
+        let mut layout = ExpertLayout::of(ckpt, names, hidden, intermediate)?;
+        layout.unused_bytes = unused_bytes as u64;
+        let total_bytes = layout.total_bytes() as usize;
+        if let Ok(mut slot) = probe.slot.lock() {
             slot.get_or_insert(layout);
+        }
+        if probe.describe {
+            return Ok(Arc::new(DescribedStore { total_bytes }));
         }
         return Err(Error::Invalid(LAYOUT_CAPTURED.into()));
     }

@@ -624,6 +624,7 @@ mod tests {
         let layout = ExpertLayout {
             files: files.clone(),
             experts: vec![vec![vec![(0, 10), (0, 10)], vec![(1, 30)]]],
+            ..ExpertLayout::default()
         };
         let uniform = rank_files(&layout, None).unwrap();
         assert_eq!(uniform[0].path, files[1]);

@@ -260,6 +260,48 @@ impl Saving {
     }
 }
 
+/// How a RAM budget is split by [`TieredStore::open`] (and predicted by `coli plan`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BudgetSplit {
+    /// The resident set: every tensor of the checkpoint but the routed experts and the
+    /// bytes the model never loads (embeddings, attention, norms, routers, dense layers).
+    pub resident: u64,
+    /// Bytes the expert cache may hold: the budget less the resident set.
+    pub cache: u64,
+    /// Bytes of the cache the usage history's hottest experts may pin: the pin budget asked
+    /// for, or half of the cache, never more than the cache.
+    pub pin_budget: u64,
+}
+
+/// Split `budget` as the tiered store does for a checkpoint of `checkpoint_bytes` whose
+/// routed experts take `expert_bytes` and of which `unused_bytes` are never loaded: the
+/// resident set first, the rest for the expert cache, of which `pin_budget` (default: half)
+/// may be pinned. Refuses, with the numbers and the fix, a budget the resident set does not
+/// fit.
+pub fn split_budget(
+    checkpoint_bytes: u64,
+    expert_bytes: u64,
+    unused_bytes: u64,
+    budget: u64,
+    pin_budget: Option<u64>,
+) -> Result<BudgetSplit> {
+    let resident = checkpoint_bytes.saturating_sub(expert_bytes + unused_bytes);
+    if resident > budget {
+        return Err(Error::Invalid(format!(
+            "the resident weights alone ({}: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {}; raise --ram to at least {}",
+            super::budget::format_size(resident),
+            super::budget::format_size(budget),
+            super::budget::format_size_up(resident)
+        )));
+    }
+    let cache = budget - resident;
+    Ok(BudgetSplit {
+        resident,
+        cache,
+        pin_budget: pin_budget.unwrap_or(cache / 2).min(cache),
+    })
+}
+
 impl TieredStore {
     /// Describe the experts named by `names[layer][expert]` (shapes checked, nothing read)
     /// and size the cache as `budget` less the checkpoint's resident (non-expert) bytes;
@@ -333,17 +375,13 @@ impl TieredStore {
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
-        let resident = ckpt
-            .total_bytes()
-            .saturating_sub(total_bytes + unused_bytes) as u64;
-        if resident > budget {
-            return Err(Error::Invalid(format!(
-                "the resident weights alone ({}: embeddings, attention, norms, routers, dense layers) do not fit the RAM budget of {}; raise --ram to at least {}",
-                super::budget::format_size(resident),
-                super::budget::format_size(budget),
-                super::budget::format_size_up(resident)
-            )));
-        }
+        let split = split_budget(
+            ckpt.total_bytes() as u64,
+            total_bytes as u64,
+            unused_bytes as u64,
+            budget,
+            opts.pin_budget,
+        )?;
         let expert_bytes = locations
             .iter()
             .map(|l| {
@@ -413,7 +451,7 @@ impl TieredStore {
             repack,
             inner: Arc::new(Inner {
                 cache: Mutex::new(Cache::default()),
-                capacity: budget - resident,
+                capacity: split.cache,
                 counters: Counters::default(),
                 policy: opts.policy,
             }),
@@ -423,10 +461,7 @@ impl TieredStore {
             warnings,
         };
         if let Some(l) = &store.learning {
-            let pin_budget = opts
-                .pin_budget
-                .unwrap_or(store.inner.capacity / 2)
-                .min(store.inner.capacity);
+            let pin_budget = split.pin_budget;
             let hot = l
                 .shared
                 .history
@@ -842,6 +877,27 @@ impl ExpertStore for TieredStore {
 mod tests {
     use super::*;
     use crate::format::safetensors::Access;
+
+    #[test]
+    fn a_budget_splits_into_resident_set_cache_and_pins() {
+        // 100 bytes of checkpoint: 60 of experts, 10 never loaded, so 30 resident.
+        let s = split_budget(100, 60, 10, 50, None).unwrap();
+        assert_eq!((s.resident, s.cache, s.pin_budget), (30, 20, 10));
+        assert_eq!(
+            split_budget(100, 60, 10, 50, Some(15)).unwrap().pin_budget,
+            15
+        );
+        assert_eq!(
+            split_budget(100, 60, 10, 50, Some(99)).unwrap().pin_budget,
+            20
+        );
+        assert_eq!(split_budget(100, 60, 10, 30, None).unwrap().cache, 0);
+        let e = split_budget(100, 60, 10, 29, None).unwrap_err().to_string();
+        assert!(
+            e.contains("30 B") && e.contains("29 B") && e.contains("raise --ram"),
+            "{e}"
+        );
+    }
     use crate::tensor::Storage;
     use std::fs::File;
     use std::os::unix::fs::FileExt;

@@ -15,6 +15,24 @@ use super::{Expert, ExpertStore, Lease, StoreSnapshot};
 use crate::tensor::device::DevicePlacement;
 use crate::{Error, Result};
 
+/// The order [`VramTier::fill`] offers experts to the device (and `coli plan` predicts it
+/// in): `hottest` (the usage history's ranking) first, then every other expert of
+/// `experts[layer]` routed experts per layer, expert 0 of every layer, then expert 1, and so
+/// on; pairs out of range are left out.
+pub fn fill_order(hottest: Vec<(usize, usize)>, experts: &[usize]) -> Vec<(usize, usize)> {
+    let in_range = |&(layer, e): &(usize, usize)| experts.get(layer).is_some_and(|&n| e < n);
+    let mut order: Vec<(usize, usize)> = hottest.into_iter().filter(in_range).collect();
+    let mut seen: std::collections::HashSet<(usize, usize)> = order.iter().copied().collect();
+    for e in 0..experts.iter().copied().max().unwrap_or(0) {
+        for (layer, &n) in experts.iter().enumerate() {
+            if e < n && seen.insert((layer, e)) {
+                order.push((layer, e));
+            }
+        }
+    }
+    order
+}
+
 /// Routed experts on a device over the store below.
 pub struct VramTier {
     below: Arc<dyn ExpertStore>,
@@ -54,20 +72,8 @@ impl VramTier {
     /// Upload experts while the placement's budget lasts: learned hottest first, then layer
     /// by layer. Returns how many went up.
     pub fn fill(&self) -> Result<usize> {
-        let mut order = self.below.hottest();
-        let mut seen: std::collections::HashSet<(usize, usize)> = order.iter().copied().collect();
-        for e in 0..self.experts.iter().copied().max().unwrap_or(0) {
-            for (layer, &n) in self.experts.iter().enumerate() {
-                if e < n && seen.insert((layer, e)) {
-                    order.push((layer, e));
-                }
-            }
-        }
         let mut placed = 0;
-        for (layer, e) in order {
-            if self.experts.get(layer).is_none_or(|&n| e >= n) {
-                continue;
-            }
+        for (layer, e) in fill_order(self.below.hottest(), &self.experts) {
             if self.placement.left() == 0 {
                 break;
             }
@@ -238,5 +244,18 @@ impl ExpertStore for VramTier {
 
     fn total_bytes(&self) -> usize {
         self.below.total_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_order;
+
+    #[test]
+    fn the_fill_order_is_the_hottest_then_layer_by_layer() {
+        // Layer 1 is dense; (2, 5) is out of range and left out; (0, 1) is not repeated.
+        let order = fill_order(vec![(2, 1), (0, 1), (2, 5)], &[2, 0, 3]);
+        assert_eq!(order, vec![(2, 1), (0, 1), (0, 0), (2, 0), (2, 2)]);
+        assert!(fill_order(Vec::new(), &[]).is_empty());
     }
 }
