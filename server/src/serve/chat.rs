@@ -10,7 +10,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use colibri::runtime::grammar::{Constraint, ConstraintError, Grammar};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::runtime::scheduler::{Request as EngineRequest, SubmitError};

@@ -488,7 +488,7 @@ pub trait Format: Send + Sync + 'static {
     /// The whole answer.
     type Body: Serialize;
     /// One SSE event of a streamed answer.
-    type Chunk: Serialize;
+    type Chunk: Serialize + Send + Sync;
     /// The chunks a stream opens with, before any part.
     fn opening(&mut self) -> Vec<Self::Chunk>;
     /// The chunks of one part.

@@ -56,10 +56,20 @@ def client(server, api_key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0, timeout=120.0)
 
 
+def sdk_kwargs(kw: dict) -> dict:
+    """`kw` as the SDK takes it: the sampling fields its typed parameters no longer list go in
+    `extra_body` (the API still has them)."""
+    kw = dict(kw)
+    extra = {k: kw.pop(k) for k in ("temperature", "top_p", "top_k") if k in kw}
+    if extra:
+        kw["extra_body"] = {**kw.get("extra_body", {}), **extra}
+    return kw
+
+
 def create(server, **kw):
     kw.setdefault("messages", ASK)
     kw.setdefault("max_tokens", 16)
-    return client(server).messages.create(model=server.model_id, **kw)
+    return client(server).messages.create(model=server.model_id, **sdk_kwargs(kw))
 
 
 def text_of(message) -> str:
@@ -172,7 +182,7 @@ def test_a_stop_sequence_ends_the_message_and_is_named(server):
     m = create(server, max_tokens=24, temperature=0, stop_sequences=[stop, "unlikely-stop-§"])
     assert m.stop_reason == "stop_sequence", m
     assert m.stop_sequence == stop
-    assert text_of(m) == text[: text.index(stop)].strip()
+    assert text_of(m).strip() == text[: text.index(stop)].strip()
     assert m.usage.output_tokens < whole.usage.output_tokens
 
 
@@ -188,7 +198,7 @@ def test_a_streamed_message_has_anthropics_events_in_order(server):
     assert streamed["usage"]["output_tokens"] == whole.usage.output_tokens
 
     # The SDK's own stream helper accumulates the same message.
-    with client(server).messages.stream(model=server.model_id, **kw) as stream:
+    with client(server).messages.stream(model=server.model_id, **sdk_kwargs(kw)) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
