@@ -12,7 +12,17 @@ use utoipa::ToSchema;
 #[serde(untagged)]
 pub enum SystemPrompt {
     Text(String),
-    Blocks(Vec<InputBlock>),
+    Blocks(Vec<TextBlockParam>),
+}
+
+/// A block of `system` or of a `tool_result`'s `content`: only `text` blocks are accepted.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct TextBlockParam {
+    /// `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
 }
 
 /// Message content: a string or a list of content blocks.
@@ -61,7 +71,7 @@ pub struct InputBlock {
 #[serde(untagged)]
 pub enum ToolResultContent {
     Text(String),
-    Blocks(Vec<InputBlock>),
+    Blocks(Vec<TextBlockParam>),
 }
 
 /// One message of a conversation.

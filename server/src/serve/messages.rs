@@ -84,7 +84,7 @@ pub fn chat_request(input: &Input) -> Result<ChatCompletionRequest, ApiError> {
             SystemPrompt::Blocks(blocks) => {
                 let mut texts = Vec::with_capacity(blocks.len());
                 for (i, b) in blocks.iter().enumerate() {
-                    texts.push(block_text(b, &format!("system[{i}]"))?);
+                    texts.push(block_text(&b.kind, &b.text, &format!("system[{i}]"))?);
                 }
                 texts.join("\n\n")
             }
@@ -210,9 +210,9 @@ fn text_part(text: &str) -> ContentPart {
     }
 }
 
-/// The text of a block that must be a text block (`at` names it).
-fn block_text(block: &InputBlock, at: &str) -> Result<String, ApiError> {
-    match (block.kind.as_str(), &block.text) {
+/// The text of a block of type `kind` that must be a text block (`at` names it).
+fn block_text(kind: &str, text: &Option<String>, at: &str) -> Result<String, ApiError> {
+    match (kind, text) {
         ("text", Some(t)) => Ok(t.clone()),
         ("text", None) => Err(ApiError::invalid(
             &format!("{at}.text"),
@@ -257,7 +257,7 @@ fn user_messages(
     for (j, b) in blocks.iter().enumerate() {
         let at = format!("{at}.content[{j}]");
         match b.kind.as_str() {
-            "text" => parts.push(text_part(&block_text(b, &at)?)),
+            "text" => parts.push(text_part(&block_text(&b.kind, &b.text, &at)?)),
             "tool_result" => {
                 let id = required(&b.tool_use_id, &at, "tool_use_id", "tool_result")?;
                 let mut text = match &b.content {
@@ -266,7 +266,11 @@ fn user_messages(
                     Some(ToolResultContent::Blocks(inner)) => {
                         let mut texts = Vec::with_capacity(inner.len());
                         for (k, c) in inner.iter().enumerate() {
-                            texts.push(block_text(c, &format!("{at}.content[{k}]"))?);
+                            texts.push(block_text(
+                                &c.kind,
+                                &c.text,
+                                &format!("{at}.content[{k}]"),
+                            )?);
                         }
                         texts.join("\n\n")
                     }
@@ -306,7 +310,7 @@ fn assistant_message(content: &MessageContent, at: &str) -> Result<ChatMessage, 
     for (j, b) in blocks.iter().enumerate() {
         let at = format!("{at}.content[{j}]");
         match b.kind.as_str() {
-            "text" => parts.push(text_part(&block_text(b, &at)?)),
+            "text" => parts.push(text_part(&block_text(&b.kind, &b.text, &at)?)),
             "tool_use" => {
                 let id = required(&b.id, &at, "id", "tool_use")?;
                 let name = required(&b.name, &at, "name", "tool_use")?;
@@ -1098,6 +1102,31 @@ mod tests {
             assert_eq!(body.stop_sequence.as_deref(), sequence);
             assert_eq!(streamed.stop_reason, body.stop_reason);
             assert_eq!(streamed.stop_sequence, body.stop_sequence);
+        }
+    }
+
+    #[test]
+    fn the_openapi_document_has_the_routes_and_their_schemas() {
+        let doc: Value =
+            serde_json::from_str(&crate::serve::openapi_json()).expect("the document is JSON");
+        for path in [
+            "/v1/messages",
+            "/v1/messages/count_tokens",
+            "/tokenize",
+            "/detokenize",
+        ] {
+            assert!(doc["paths"][path]["post"].is_object(), "{path}");
+        }
+        let messages = &doc["paths"]["/v1/messages"]["post"]["responses"];
+        assert!(messages["529"].is_object(), "{messages}");
+        for schema in [
+            "MessagesRequest",
+            "MessagesResponse",
+            "StreamEvent",
+            "AnthropicErrorBody",
+            "TokenizeResponse",
+        ] {
+            assert!(doc["components"]["schemas"][schema].is_object(), "{schema}");
         }
     }
 
