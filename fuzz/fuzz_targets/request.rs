@@ -10,8 +10,8 @@
 use std::cell::RefCell;
 
 use colibri::format::chat_template::ChatTemplate;
-use colibri_server::serve::chat::{parse_json, template_messages, tool_mode};
 use colibri_server::serve::anthropic::MessagesRequest;
+use colibri_server::serve::chat::{parse_json, template_messages, tool_mode};
 use colibri_server::serve::errors::ApiError;
 use colibri_server::serve::messages::chat_request_of_message;
 use colibri_server::serve::openai::{ChatCompletionRequest, CompletionRequest};

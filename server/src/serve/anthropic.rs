@@ -181,8 +181,13 @@ pub struct CountTokens {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseBlock {
     /// The model's reasoning (`signature` is empty: there is nothing to verify).
-    Thinking { thinking: String, signature: String },
-    Text { text: String },
+    Thinking {
+        thinking: String,
+        signature: String,
+    },
+    Text {
+        text: String,
+    },
     ToolUse {
         /// `toolu_…`.
         id: String,
@@ -223,10 +228,16 @@ pub struct MessagesResponse {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BlockDelta {
-    TextDelta { text: String },
-    ThinkingDelta { thinking: String },
+    TextDelta {
+        text: String,
+    },
+    ThinkingDelta {
+        thinking: String,
+    },
     /// JSON text of a `tool_use` block's input (the concatenated deltas parse as the object).
-    InputJsonDelta { partial_json: String },
+    InputJsonDelta {
+        partial_json: String,
+    },
 }
 
 /// `message_delta.delta`.

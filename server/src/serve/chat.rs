@@ -29,7 +29,9 @@ use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools};
 const CHAT_ID_PREFIX: &str = "chatcmpl";
 
 /// Parse a JSON body, naming the field that is wrong.
-pub(super) fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(super) fn parse_body<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
     let body = body.map_err(ApiError::from)?;
     parse_json(&body)
 }

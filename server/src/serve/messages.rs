@@ -226,7 +226,12 @@ fn block_text(kind: &str, text: &Option<String>, at: &str) -> Result<String, Api
 }
 
 /// A string field a block of its type needs.
-fn required<'b>(value: &'b Option<String>, at: &str, field: &str, kind: &str) -> Result<&'b str, ApiError> {
+fn required<'b>(
+    value: &'b Option<String>,
+    at: &str,
+    field: &str,
+    kind: &str,
+) -> Result<&'b str, ApiError> {
     value.as_deref().ok_or_else(|| {
         ApiError::invalid(
             &format!("{at}.{field}"),
@@ -799,7 +804,10 @@ mod tests {
         assert_eq!(assistant["content"], "Let me look.");
         assert_eq!(assistant["reasoning_content"], "Use the tool.");
         assert_eq!(assistant["tool_calls"][0]["id"], "toolu_1");
-        assert_eq!(assistant["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(
+            assistant["tool_calls"][0]["function"]["name"],
+            "get_weather"
+        );
         assert_eq!(
             assistant["tool_calls"][0]["function"]["arguments"],
             json!({"city": "Paris"})
@@ -1006,8 +1014,7 @@ mod tests {
                 }
                 StreamEvent::ContentBlockStop { index } => {
                     assert_eq!(open.take(), Some(*index));
-                    if let Some(ResponseBlock::ToolUse { input, .. }) = message.content.last_mut()
-                    {
+                    if let Some(ResponseBlock::ToolUse { input, .. }) = message.content.last_mut() {
                         *input = serde_json::from_str(&std::mem::take(&mut json))
                             .expect("the input deltas add up to JSON");
                     }

@@ -37,7 +37,14 @@ pub async fn tokenize(
     let arrived = Instant::now();
     let trace = super::otlp::parent_context(&headers);
     let result = tokenize_inner(&state, body);
-    respond(&state, "/tokenize", arrived, trace, result, ErrorShape::OpenAi)
+    respond(
+        &state,
+        "/tokenize",
+        arrived,
+        trace,
+        result,
+        ErrorShape::OpenAi,
+    )
 }
 
 fn tokenize_inner(
@@ -61,9 +68,11 @@ fn tokenize_inner(
         (Some(prompt), None) => {
             check_model(state, &req.model)?;
             let serving = state.serving()?;
-            let tok = serving.loaded.tokenizer.as_ref().ok_or_else(|| {
-                ApiError::invalid("prompt", "this model has no tokenizer")
-            })?;
+            let tok = serving
+                .loaded
+                .tokenizer
+                .as_ref()
+                .ok_or_else(|| ApiError::invalid("prompt", "this model has no tokenizer"))?;
             tok.encode(prompt, req.add_special_tokens.unwrap_or(true))
                 .map_err(|e| ApiError::invalid("prompt", format!("{e}")))?
         }
@@ -116,7 +125,14 @@ pub async fn detokenize(
     let arrived = Instant::now();
     let trace = super::otlp::parent_context(&headers);
     let result = detokenize_inner(&state, body);
-    respond(&state, "/detokenize", arrived, trace, result, ErrorShape::OpenAi)
+    respond(
+        &state,
+        "/detokenize",
+        arrived,
+        trace,
+        result,
+        ErrorShape::OpenAi,
+    )
 }
 
 fn detokenize_inner(
@@ -132,7 +148,12 @@ fn detokenize_inner(
         .as_ref()
         .ok_or_else(|| ApiError::invalid("tokens", "this model has no tokenizer"))?;
     let vocab = serving.loaded.model.info().vocab_size;
-    if let Some((i, bad)) = req.tokens.iter().enumerate().find(|&(_, &t)| t as usize >= vocab) {
+    if let Some((i, bad)) = req
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t as usize >= vocab)
+    {
         return Err(ApiError::invalid(
             &format!("tokens[{i}]"),
             format!("token id {bad} is outside the vocabulary (size {vocab})"),
