@@ -6,17 +6,19 @@
 //! - how events become [`Piece`]s: the generated text read as it is ([`Reading::Raw`]) or
 //!   with reasoning split off and tool calls parsed out, in the model's format
 //!   ([`Reading::Chat`], a [`ChatStream`]), each
-//!   piece carrying the log-probabilities of the tokens that led to it, then a finish reason
-//!   with the usage, or an error;
+//!   piece carrying the log-probabilities of the tokens that led to it, then a [`Finish`]
+//!   (reason, usage, the stop string that ended it), or an error;
 //! - the request's latency metrics and its "request finished" record ([`Timing`]);
 //! - the two sinks pieces go to: one JSON body ([`answer_json`]) or an SSE stream
-//!   ([`answer_sse`]), written in the endpoint's [`Format`] ([`super::formats`]); handlers call
-//!   [`answer`], which picks the sink the request's [`Delivery`] asks for;
-//! - how every stream ends (docs/api.md, "How a stream ends"): after a success, the chunk
-//!   with `finish_reason`, the usage chunk when `stream_options.include_usage` asks for it,
-//!   then `data: [DONE]`; after a failure, one `data: {"error": {...}}` event, then
-//!   `data: [DONE]`. A client that leaves stops the pump, which drops the events' receiver,
-//!   which cancels the sequence in the scheduler.
+//!   ([`answer_sse`]), written in the endpoint's [`Format`] (OpenAI's in [`super::formats`],
+//!   Anthropic's in [`super::messages`]); handlers call [`answer`], which picks the sink the
+//!   request's [`Delivery`] asks for;
+//! - how every stream ends (docs/api.md, "How a stream ends"): after a success, the format's
+//!   finishing chunks (OpenAI's: the chunk with `finish_reason`), the usage chunk when
+//!   `stream_options.include_usage` asks for it, then the format's last event (OpenAI's
+//!   `data: [DONE]`); after a failure, the format's error event, then that last event.
+//!   A client that leaves stops the pump, which drops the events' receiver, which cancels the
+//!   sequence in the scheduler.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
