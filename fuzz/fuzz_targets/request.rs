@@ -1,6 +1,8 @@
-//! Request bodies (`serve::chat::parse_json`) into the typed requests of both endpoints, then
-//! the chat request's checks (`template_messages`, `tool_mode`) and its conversation and tools
-//! rendered through a real chat template. A bad body or field must be a 400 (naming the
+//! Request bodies (`serve::chat::parse_json`) into the typed requests of the endpoints (an
+//! Anthropic message request also translated into the chat request,
+//! `serve::messages::chat_request_of_message`), then the chat request's checks
+//! (`template_messages`, `tool_mode`) and its conversation and tools rendered through a real
+//! chat template. A bad body or field must be a 400 (naming the
 //! field when it gives one), never a panic; a request that parses, serialized and parsed
 //! again, serializes to the same JSON (parse → print → parse).
 #![no_main]
@@ -8,8 +10,10 @@
 use std::cell::RefCell;
 
 use colibri::format::chat_template::ChatTemplate;
+use colibri_server::serve::anthropic::MessagesRequest;
 use colibri_server::serve::chat::{parse_json, template_messages, tool_mode};
 use colibri_server::serve::errors::ApiError;
+use colibri_server::serve::messages::chat_request_of_message;
 use colibri_server::serve::openai::{ChatCompletionRequest, CompletionRequest};
 use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
@@ -60,14 +64,24 @@ fn parse<T: DeserializeOwned + Serialize>(data: &[u8]) -> Option<T> {
 
 fuzz_target!(|data: &[u8]| {
     let _ = parse::<CompletionRequest>(data);
-    let Some(req) = parse::<ChatCompletionRequest>(data) else {
-        return;
-    };
+    if let Some(req) = parse::<MessagesRequest>(data) {
+        match chat_request_of_message(&req, 4096) {
+            Ok(chat) => check_chat(&chat, data),
+            Err(e) => check_error(&e),
+        }
+    }
+    if let Some(req) = parse::<ChatCompletionRequest>(data) {
+        check_chat(&req, data);
+    }
+});
+
+/// The checks and the rendering of a chat request.
+fn check_chat(req: &ChatCompletionRequest, data: &[u8]) {
     let messages = match template_messages(&req.messages) {
         Ok(m) => m,
         Err(e) => return check_error(&e),
     };
-    if let Err(e) = tool_mode(&req) {
+    if let Err(e) = tool_mode(req) {
         return check_error(&e);
     }
     let tools: Option<Vec<Value>> = req
@@ -84,4 +98,4 @@ fuzz_target!(|data: &[u8]| {
             req.chat_template_kwargs.as_ref(),
         );
     });
-});
+}

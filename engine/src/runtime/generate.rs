@@ -236,6 +236,8 @@ pub struct StopText {
     emitted: usize,
     stops: Vec<String>,
     stopped: bool,
+    /// The stop string the text was cut at, once one appeared.
+    matched: Option<String>,
 }
 
 impl StopText {
@@ -293,11 +295,18 @@ impl StopText {
         self.text
     }
 
+    /// The stop string the text was cut at, once one has appeared (the earliest in the text;
+    /// of several starting there, the first given).
+    pub fn stop_string(&self) -> Option<&str> {
+        self.matched.as_deref()
+    }
+
     fn advance(&mut self, last: bool) -> (String, bool) {
         if !self.stopped {
-            if let Some(cut) = find_stop(&self.text, &self.stops) {
+            if let Some((cut, which)) = find_stop(&self.text, &self.stops) {
                 self.text.truncate(cut);
                 self.stopped = true;
+                self.matched = Some(self.stops[which].clone());
             }
         }
         let safe = if self.stopped || last {
@@ -315,12 +324,14 @@ impl StopText {
     }
 }
 
-/// Byte offset of the first stop string in `text`.
-fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+/// Byte offset of the first stop string in `text`, and which of `stops` it is (of several
+/// starting there, the first given).
+fn find_stop(text: &str, stops: &[String]) -> Option<(usize, usize)> {
     stops
         .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
+        .enumerate()
+        .filter(|(_, s)| !s.is_empty())
+        .filter_map(|(i, s)| text.find(s.as_str()).map(|at| (at, i)))
         .min()
 }
 
@@ -352,6 +363,14 @@ mod tests {
         let stops = vec!["</end>".to_string()];
         assert_eq!(held_back("hello </e", &stops), 3);
         assert_eq!(held_back("hello", &stops), 0);
-        assert_eq!(find_stop("ab</end>cd", &stops), Some(2));
+        assert_eq!(find_stop("ab</end>cd", &stops), Some((2, 0)));
+    }
+
+    #[test]
+    fn the_earliest_stop_string_is_the_one_reported() {
+        let stops = vec!["cd".to_string(), "b".to_string(), "bc".to_string()];
+        assert_eq!(find_stop("abcd", &stops), Some((1, 1)));
+        assert_eq!(find_stop("xcd", &stops), Some((1, 0)));
+        assert_eq!(find_stop("xyz", &stops), None);
     }
 }

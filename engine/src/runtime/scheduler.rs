@@ -141,6 +141,8 @@ pub struct Usage {
     /// Prompt tokens whose KV was reused from the slot's previous sequence.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// The stop string the output was cut at, when one ended it.
+    pub stop_string: Option<String>,
     /// Time from admission to the first generated token.
     pub prefill_seconds: f64,
     /// Time from the first to the last generated token.
@@ -948,6 +950,7 @@ fn sample_next_inner(
         prompt_tokens: run.request.prompt.len(),
         cached_tokens: run.cached_tokens,
         completion_tokens: run.generated,
+        stop_string: run.text.stop_string().map(str::to_string),
         prefill_seconds: (first - run.admitted).as_secs_f64(),
         decode_seconds: (now - first).as_secs_f64(),
     };

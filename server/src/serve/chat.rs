@@ -10,14 +10,14 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use colibri::runtime::grammar::{Constraint, ConstraintError, Grammar};
 use colibri::runtime::sampling::SamplingParams;
 use colibri::runtime::scheduler::{Request as EngineRequest, SubmitError};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use super::errors::ApiError;
+use super::errors::{ApiError, ErrorShape};
 use super::formats::{AnswerId, ChatFormat, CompletionFormat};
 use super::openai::*;
 use super::pump::{answer, Delivery, Events, Reading, Timing};
@@ -29,7 +29,9 @@ use crate::tool_calls::{required_tool_call_grammar, ChatStream, Tools};
 const CHAT_ID_PREFIX: &str = "chatcmpl";
 
 /// Parse a JSON body, naming the field that is wrong.
-fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(super) fn parse_body<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
     let body = body.map_err(ApiError::from)?;
     parse_json(&body)
 }
@@ -183,7 +185,7 @@ fn sampling_params(f: &SamplingFields, serving: &Serving) -> Result<SamplingPara
     })
 }
 
-fn random_seed() -> u64 {
+pub(super) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(
@@ -555,15 +557,25 @@ pub async fn chat_completions(
     let arrived = Instant::now();
     let trace = super::otlp::parent_context(&headers);
     let result = chat_inner(&state, body, arrived, trace.clone()).await;
-    respond(&state, "/v1/chat/completions", arrived, trace, result)
+    respond(
+        &state,
+        "/v1/chat/completions",
+        arrived,
+        trace,
+        result,
+        ErrorShape::OpenAi,
+    )
 }
 
-fn respond(
+/// A handler's result as its response, counted in the request metrics; an error is also
+/// recorded as a span (with OTLP on) and answered in `shape`.
+pub(super) fn respond(
     state: &AppState,
     endpoint: &str,
     arrived: Instant,
     trace: opentelemetry::Context,
     result: Result<Response, ApiError>,
+    shape: ErrorShape,
 ) -> Response {
     match result {
         Ok(r) => {
@@ -587,12 +599,12 @@ fn respond(
                     error: Some(e.message.clone()),
                 });
             }
-            e.into_response()
+            e.into_shaped_response(shape)
         }
     }
 }
 
-fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+pub(super) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(m) if !m.is_empty() && *m != state.model_id => Err(super::unknown_model(state, m)),
         _ => Ok(()),
@@ -606,6 +618,56 @@ async fn chat_inner(
     trace: opentelemetry::Context,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(body)?;
+    let rendered = render_chat(state, &req)?;
+    let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
+    let call_ids = format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..]);
+    let forced_call = matches!(rendered.mode, ToolMode::Required(_));
+    let warnings = rendered.warnings.clone();
+    let serving = rendered.serving.clone();
+    let (events, reading) = submit_chat(state, &req, rendered, &call_ids).await?;
+    let timing = Timing::new(
+        state.clone(),
+        "/v1/chat/completions",
+        answer_id.id.clone(),
+        arrived,
+        trace,
+    );
+    let format = ChatFormat {
+        answer: answer_id,
+        forced_call,
+        warnings,
+        vocab: serving,
+    };
+    answer(events, reading, timing, format, Delivery::of(&req.sampling)).await
+}
+
+/// A chat request rendered through the model's chat template into its prompt: what both chat
+/// endpoints (OpenAI's `/v1/chat/completions` and Anthropic's `/v1/messages`, whose requests
+/// are translated into a [`ChatCompletionRequest`] first) count and submit.
+pub struct RenderedChat {
+    pub serving: Arc<Serving>,
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// The prompt's text (the reader of the output looks at how it ends).
+    pub text: String,
+    pub mode: ToolMode,
+    /// The request's tools as the template reads them (absent with [`ToolMode::Off`]).
+    pub tools_json: Option<Vec<Value>>,
+    /// What the response says besides the answer.
+    pub warnings: Vec<String>,
+    /// The output constraint: `response_format`, `grammar` or a required tool call.
+    pub grammar: Option<Grammar>,
+    /// The request field the constraint came from.
+    pub grammar_param: &'static str,
+}
+
+/// Check a chat request's model, messages, tools and constraint, and render it into its
+/// prompt: a 400 naming the field that is wrong, 404 for another model, 503 while the model
+/// is not being served.
+pub fn render_chat(
+    state: &AppState,
+    req: &ChatCompletionRequest,
+) -> Result<RenderedChat, ApiError> {
     check_model(state, &req.model)?;
     let serving = state.serving()?;
     let tokenizer = serving.loaded.tokenizer.as_ref().ok_or_else(|| {
@@ -621,7 +683,7 @@ async fn chat_inner(
         )
     })?;
     let messages = template_messages(&req.messages)?;
-    let mode = tool_mode(&req)?;
+    let mode = tool_mode(req)?;
     let tools_json: Option<Vec<Value>> = match (&mode, &req.tools) {
         (ToolMode::Off, _) | (_, None) => None,
         (_, Some(tools)) => Some(
@@ -701,6 +763,28 @@ async fn chat_inner(
     let prompt = tokenizer
         .encode_parts(&rendered.parts)
         .map_err(|e| ApiError::invalid("messages", format!("{e}")))?;
+    Ok(RenderedChat {
+        serving,
+        prompt,
+        text,
+        mode,
+        tools_json,
+        warnings,
+        grammar,
+        grammar_param,
+    })
+}
+
+/// Submit a rendered chat request with its sampling, stopping and log-probability fields;
+/// returns its events and the reader of its output (reasoning split off; tool calls, named
+/// `{call_ids}_{n}`, parsed out when the request has tools).
+pub(super) async fn submit_chat(
+    state: &AppState,
+    req: &ChatCompletionRequest,
+    rendered: RenderedChat,
+    call_ids: &str,
+) -> Result<(Events, Reading), ApiError> {
+    let serving = rendered.serving;
     let requested = req.max_completion_tokens.or(req.max_tokens);
     let param = if req.max_completion_tokens.is_some() {
         "max_completion_tokens"
@@ -710,7 +794,7 @@ async fn chat_inner(
     let max = max_tokens(
         requested,
         param,
-        prompt.len(),
+        rendered.prompt.len(),
         &serving,
         state.config.max_tokens_cap,
     )?;
@@ -733,37 +817,26 @@ async fn chat_inner(
         (false, _) => None,
     };
     let job = Job {
-        prompt,
+        prompt: rendered.prompt,
         max_tokens: max,
         stop,
         sampling,
         ignore_eos: req.sampling.ignore_eos.unwrap_or(false),
         logprobs,
-        grammar,
-        grammar_param: grammar_param.to_string(),
+        grammar: rendered.grammar,
+        grammar_param: rendered.grammar_param.to_string(),
     };
     let events = submit(&serving, job).await?;
-    let answer_id = AnswerId::new(new_id(CHAT_ID_PREFIX), &state.model_id);
-    let call_ids = format!("call_{}", &answer_id.id[CHAT_ID_PREFIX.len() + 1..]);
-    let tools = (!matches!(mode, ToolMode::Off)).then(|| {
-        let tools = Tools::new(tools_json.as_deref().unwrap_or_default());
-        (Arc::new(tools), call_ids.as_str())
+    let tools = (!matches!(rendered.mode, ToolMode::Off)).then(|| {
+        let tools = Tools::new(rendered.tools_json.as_deref().unwrap_or_default());
+        (Arc::new(tools), call_ids)
     });
-    let reading = Reading::Chat(Box::new(ChatStream::new(serving.syntax, &text, tools)));
-    let timing = Timing::new(
-        state.clone(),
-        "/v1/chat/completions",
-        answer_id.id.clone(),
-        arrived,
-        trace,
-    );
-    let format = ChatFormat {
-        answer: answer_id,
-        forced_call: matches!(mode, ToolMode::Required(_)),
-        warnings,
-        vocab: serving,
-    };
-    answer(events, reading, timing, format, Delivery::of(&req.sampling)).await
+    let reading = Reading::Chat(Box::new(ChatStream::new(
+        serving.syntax,
+        &rendered.text,
+        tools,
+    )));
+    Ok((events, reading))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -793,7 +866,14 @@ pub async fn completions(
     let arrived = Instant::now();
     let trace = super::otlp::parent_context(&headers);
     let result = completions_inner(&state, body, arrived, trace.clone()).await;
-    respond(&state, "/v1/completions", arrived, trace, result)
+    respond(
+        &state,
+        "/v1/completions",
+        arrived,
+        trace,
+        result,
+        ErrorShape::OpenAi,
+    )
 }
 
 async fn completions_inner(
@@ -904,7 +984,7 @@ async fn completions_inner(
     .await
 }
 
-fn encode(serving: &Serving, text: &str) -> Result<Vec<u32>, ApiError> {
+pub(super) fn encode(serving: &Serving, text: &str) -> Result<Vec<u32>, ApiError> {
     let tok = serving.loaded.tokenizer.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "prompt",

@@ -1,5 +1,7 @@
 //! API errors: every failure answers in OpenAI's error shape with the right status, naming the
-//! offending request field when there is one — axum's own extractor rejections included.
+//! offending request field when there is one — axum's own extractor rejections included. The
+//! routes of Anthropic's Messages API answer the same errors in Anthropic's shape
+//! ([`ErrorShape::Anthropic`]).
 
 use std::time::Duration;
 
@@ -8,7 +10,21 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::anthropic::{AnthropicError, AnthropicErrorBody};
 use super::openai::{ErrorBody, ErrorDetail};
+
+/// Which API's error body a route answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error": {"message", "type", "param", "code"}}`, with the error's status.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`; a 503 (loading, draining, a slot
+    /// not freed in time, storage failing) is Anthropic's 529 `overloaded_error`.
+    Anthropic,
+}
+
+/// Anthropic's "overloaded" status, which its clients retry.
+pub const OVERLOADED: u16 = 529;
 
 /// An error response.
 #[derive(Debug, Clone)]
@@ -65,22 +81,61 @@ impl ApiError {
         }
     }
 
-    /// The JSON body.
-    pub fn body(&self) -> ErrorBody {
-        ErrorBody {
-            error: ErrorDetail {
-                message: self.message.clone(),
-                kind: self.kind().to_string(),
-                param: self.param.clone(),
-                code: self.code.clone(),
+    /// Anthropic's status and error `type` for this error.
+    pub fn anthropic_kind(&self) -> (StatusCode, &'static str) {
+        let kind = match self.status.as_u16() {
+            400 | 405 | 408 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => {
+                let overloaded =
+                    StatusCode::from_u16(OVERLOADED).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+                return (overloaded, "overloaded_error");
+            }
+            _ => "api_error",
+        };
+        (self.status, kind)
+    }
+
+    /// The body in Anthropic's shape; the field at fault, when there is one, is named in the
+    /// message (Anthropic's errors have no `param`).
+    pub fn anthropic_body(&self) -> AnthropicErrorBody {
+        let message = match &self.param {
+            Some(p) if !self.message.contains(p.as_str()) => {
+                format!("{}: {}", p, self.message)
+            }
+            _ => self.message.clone(),
+        };
+        AnthropicErrorBody {
+            kind: "error".into(),
+            error: AnthropicError {
+                kind: self.anthropic_kind().1.into(),
+                message,
             },
         }
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, Json(self.body())).into_response();
+    /// The response in `shape`.
+    pub fn into_shaped_response(self, shape: ErrorShape) -> Response {
+        let (status, body) = match shape {
+            ErrorShape::OpenAi => (self.status, Json(self.body()).into_response()),
+            ErrorShape::Anthropic => (
+                self.anthropic_kind().0,
+                Json(self.anthropic_body()).into_response(),
+            ),
+        };
+        let mut response = body;
+        *response.status_mut() = status;
+        self.add_headers(&mut response);
+        response
+    }
+
+    /// The headers every error response carries: `Retry-After`, `Connection: close` after a
+    /// body timeout, `WWW-Authenticate` on a 401.
+    fn add_headers(&self, response: &mut Response) {
         if let Some(s) = self.retry_after {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 response.headers_mut().insert(header::RETRY_AFTER, v);
@@ -97,7 +152,24 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        response
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind().to_string(),
+                param: self.param.clone(),
+                code: self.code.clone(),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.into_shaped_response(ErrorShape::OpenAi)
     }
 }
 

@@ -10,7 +10,7 @@ use colibri::runtime::scheduler::TokenLogprob as EngineLogprob;
 use serde_json::json;
 
 use super::openai::*;
-use super::pump::{Format, Part};
+use super::pump::{Finish, Format, Part};
 use super::Serving;
 
 /// The text of token ids, for log-probabilities.
@@ -153,7 +153,7 @@ impl Format for ChatFormat {
         vec![first]
     }
 
-    fn chunk(&mut self, part: Part, logprobs: &[EngineLogprob]) -> ChatCompletionChunk {
+    fn chunks(&mut self, part: Part, logprobs: &[EngineLogprob]) -> Vec<ChatCompletionChunk> {
         let delta = match part {
             Part::Content(c) => Delta {
                 content: Some(c),
@@ -176,25 +176,28 @@ impl Format for ChatFormat {
                 ..Delta::default()
             },
         };
-        self.chunk_of(delta, logprobs, None)
+        vec![self.chunk_of(delta, logprobs, None)]
     }
 
-    fn finish_chunk(&mut self, reason: &str, logprobs: &[EngineLogprob]) -> ChatCompletionChunk {
-        self.chunk_of(Delta::default(), logprobs, Some(reason.to_string()))
+    fn finish_chunks(
+        &mut self,
+        finish: &Finish,
+        logprobs: &[EngineLogprob],
+    ) -> Vec<ChatCompletionChunk> {
+        vec![self.chunk_of(Delta::default(), logprobs, Some(finish.reason.to_string()))]
     }
 
-    fn usage_chunk(&mut self, usage: Usage) -> ChatCompletionChunk {
+    fn usage_chunk(&mut self, usage: Usage) -> Option<ChatCompletionChunk> {
         let mut last = self.chunk_of(Delta::default(), &[], None);
         last.choices.clear();
         last.usage = Some(usage);
-        last
+        Some(last)
     }
 
     fn body(
         self,
         parts: Vec<(Part, Vec<EngineLogprob>)>,
-        reason: &str,
-        usage: Usage,
+        finish: Finish,
         leftover: Vec<EngineLogprob>,
     ) -> ChatCompletion {
         let mut content = String::new();
@@ -235,9 +238,9 @@ impl Format for ChatFormat {
                     tool_calls,
                 },
                 logprobs: self.logprobs(&logprobs),
-                finish_reason: reason.to_string(),
+                finish_reason: finish.reason.to_string(),
             }],
-            usage,
+            usage: finish.usage,
             warnings: self.warnings(),
         }
     }
@@ -336,30 +339,29 @@ impl Format for CompletionFormat {
         }
     }
 
-    fn chunk(&mut self, part: Part, logprobs: &[EngineLogprob]) -> Completion {
+    fn chunks(&mut self, part: Part, logprobs: &[EngineLogprob]) -> Vec<Completion> {
         let text = completion_text(part);
         let lps = self.chunk_logprobs(logprobs);
         self.offset += text.len();
-        self.completion(text, lps, None)
+        vec![self.completion(text, lps, None)]
     }
 
-    fn finish_chunk(&mut self, reason: &str, logprobs: &[EngineLogprob]) -> Completion {
+    fn finish_chunks(&mut self, finish: &Finish, logprobs: &[EngineLogprob]) -> Vec<Completion> {
         let lps = self.chunk_logprobs(logprobs);
-        self.completion(String::new(), lps, Some(reason.to_string()))
+        vec![self.completion(String::new(), lps, Some(finish.reason.to_string()))]
     }
 
-    fn usage_chunk(&mut self, usage: Usage) -> Completion {
+    fn usage_chunk(&mut self, usage: Usage) -> Option<Completion> {
         let mut last = self.completion(String::new(), None, None);
         last.choices.clear();
         last.usage = Some(usage);
-        last
+        Some(last)
     }
 
     fn body(
         mut self,
         parts: Vec<(Part, Vec<EngineLogprob>)>,
-        reason: &str,
-        usage: Usage,
+        finish: Finish,
         leftover: Vec<EngineLogprob>,
     ) -> Completion {
         let mut text = self.echo.take().unwrap_or_default();
@@ -373,8 +375,8 @@ impl Format for CompletionFormat {
             }
             text.push_str(&completion_text(part));
         }
-        let mut body = self.completion(text, logprobs, Some(reason.to_string()));
-        body.usage = Some(usage);
+        let mut body = self.completion(text, logprobs, Some(finish.reason.to_string()));
+        body.usage = Some(finish.usage);
         body
     }
 }

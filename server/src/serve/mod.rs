@@ -1,4 +1,5 @@
-//! `coli serve`: the OpenAI-compatible HTTP server, running the engine in-process.
+//! `coli serve`: the OpenAI-compatible HTTP server (with Anthropic's Messages API beside it),
+//! running the engine in-process.
 //!
 //! Start-up binds the listener first (so `/health` answers at once), then loads the model on a
 //! background thread; `/ready` turns 200 once it is loaded and warm. Requests go through the
@@ -10,14 +11,17 @@
 //! connection and exits 0. A failed model load — an error or a panic — is reported as failed:
 //! the process exits 1, or with `stay_up_on_load_failure` keeps answering 503 with the error.
 
+pub mod anthropic;
 pub mod chat;
 pub mod errors;
 mod formats;
+pub mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod otlp;
 mod pump;
 mod tls;
+mod tokenize;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -48,7 +52,7 @@ use utoipa::OpenApi;
 
 use crate::config::{self, ServeConfig, ServeFlags};
 use crate::model_arg;
-use errors::{ApiError, BodyTimeout};
+use errors::{ApiError, BodyTimeout, ErrorShape};
 use metrics::Metrics;
 use openai::*;
 
@@ -124,11 +128,15 @@ impl AppState {
 #[openapi(
     info(
         title = "colibri",
-        description = "OpenAI-compatible API of `coli serve`. Extensions beyond OpenAI's fields are marked in their descriptions."
+        description = "OpenAI-compatible API of `coli serve`, with Anthropic's Messages API (`/v1/messages`) and vLLM's `/tokenize` and `/detokenize` beside it. Extensions beyond OpenAI's fields are marked in their descriptions."
     ),
     paths(
         chat::chat_completions,
         chat::completions,
+        messages::messages,
+        messages::count_tokens,
+        tokenize::tokenize,
+        tokenize::detokenize,
         list_models,
         health,
         ready,
@@ -142,7 +150,17 @@ impl AppState {
         Completion,
         ModelList,
         ErrorBody,
-        Health
+        Health,
+        TokenizeRequest,
+        TokenizeResponse,
+        DetokenizeRequest,
+        DetokenizeResponse,
+        anthropic::MessagesRequest,
+        anthropic::MessagesResponse,
+        anthropic::StreamEvent,
+        anthropic::CountTokensRequest,
+        anthropic::CountTokens,
+        anthropic::AnthropicErrorBody
     )),
     modifiers(&SecurityAddon)
 )]
@@ -428,12 +446,22 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(chat::completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
+    let anthropic_api = Router::new()
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key_anthropic,
+        ));
     let mut app = Router::new()
         .merge(api)
+        .merge(anthropic_api)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
@@ -460,7 +488,13 @@ pub fn router(state: Arc<AppState>) -> Router {
             CorsLayer::new()
                 .allow_origin(allow)
                 .allow_methods([Method::GET, Method::POST])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    header::HeaderName::from_static("x-api-key"),
+                    header::HeaderName::from_static("anthropic-version"),
+                    header::HeaderName::from_static("anthropic-beta"),
+                ]),
         );
     }
     app
@@ -516,12 +550,27 @@ fn presented_key(headers: &axum::http::HeaderMap) -> Option<&str> {
         .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
 }
 
-/// `Authorization: Bearer KEY` (or `x-api-key: KEY`) on `/v1/*` when keys are configured;
-/// keys are compared in constant time.
-async fn require_api_key(
+/// `Authorization: Bearer KEY` (or `x-api-key: KEY`) on `/v1/*`, `/tokenize` and
+/// `/detokenize` when keys are configured; keys are compared in constant time.
+async fn require_api_key(state: State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    check_api_key(state, request, next, ErrorShape::OpenAi).await
+}
+
+/// [`require_api_key`] on the routes of Anthropic's Messages API, whose 401 is in Anthropic's
+/// shape.
+async fn require_api_key_anthropic(
+    state: State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    check_api_key(state, request, next, ErrorShape::Anthropic).await
+}
+
+async fn check_api_key(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
+    shape: ErrorShape,
 ) -> Response {
     let keys = &state.config.api_keys;
     if keys.is_empty() {
@@ -543,11 +592,11 @@ async fn require_api_key(
             if given.is_some() {
                 "invalid API key"
             } else {
-                "missing API key: send `Authorization: Bearer <key>`"
+                "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
             },
         )
         .code("invalid_api_key")
-        .into_response()
+        .into_shaped_response(shape)
     }
 }
 
@@ -679,22 +728,31 @@ fn unknown_model(state: &AppState, name: &str) -> ApiError {
     .code("model_not_found")
 }
 
-async fn not_found(request: Request) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        format!("no route for {} {}", request.method(), request.uri().path()),
-    )
+/// The error shape of a path: Anthropic's under `/v1/messages`, OpenAI's elsewhere.
+fn shape_of(path: &str) -> ErrorShape {
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+        ErrorShape::Anthropic
+    } else {
+        ErrorShape::OpenAi
+    }
 }
 
-async fn method_not_allowed(request: Request) -> ApiError {
+async fn not_found(request: Request) -> Response {
+    let path = request.uri().path();
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no route for {} {path}", request.method()),
+    )
+    .into_shaped_response(shape_of(path))
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    let path = request.uri().path();
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
-        format!(
-            "{} is not allowed on {}",
-            request.method(),
-            request.uri().path()
-        ),
+        format!("{} is not allowed on {path}", request.method()),
     )
+    .into_shaped_response(shape_of(path))
 }
 
 /// Why the server stops.

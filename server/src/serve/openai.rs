@@ -1,6 +1,7 @@
 //! The OpenAI-compatible wire types: requests, responses and stream chunks of
-//! `/v1/chat/completions`, `/v1/completions` and `/v1/models`, and the error body. These are
-//! the only serde types of the HTTP API; `/openapi.json` is generated from them.
+//! `/v1/chat/completions`, `/v1/completions` and `/v1/models`, vLLM's `/tokenize` and
+//! `/detokenize`, and the error body. With Anthropic's ([`super::anthropic`]) these are the
+//! only serde types of the HTTP API; `/openapi.json` is generated from them.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -460,6 +461,55 @@ pub struct ErrorDetail {
     /// The offending request field, when there is one.
     pub param: Option<String>,
     pub code: Option<String>,
+}
+
+/// `POST /tokenize` (an extension, as vLLM has it): a prompt, or a conversation rendered as
+/// `/v1/chat/completions` renders it.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct TokenizeRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Text to tokenize (give this or `messages`).
+    #[serde(default)]
+    pub prompt: Option<String>,
+    /// A conversation: the prompt a chat completion request with these messages (and `tools`,
+    /// `chat_template_kwargs`) would send the model.
+    #[serde(default)]
+    pub messages: Option<Vec<ChatMessage>>,
+    /// With `prompt`: add the tokenizer's special tokens (default true). A conversation's
+    /// tokens are always those of the chat prompt.
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub tools: Option<Vec<Tool>>,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<Value>,
+}
+
+/// The response of `/tokenize`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct TokenizeResponse {
+    pub tokens: Vec<u32>,
+    pub count: usize,
+    /// Tokens per request (prompt plus generated).
+    pub max_model_len: usize,
+}
+
+/// `POST /detokenize` (an extension, as vLLM has it).
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct DetokenizeRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Token ids of the model's vocabulary.
+    pub tokens: Vec<u32>,
+}
+
+/// The response of `/detokenize`.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct DetokenizeResponse {
+    /// The text of the tokens (special tokens included).
+    pub prompt: String,
 }
 
 /// `GET /health` and `GET /ready`.

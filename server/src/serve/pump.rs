@@ -6,17 +6,19 @@
 //! - how events become [`Piece`]s: the generated text read as it is ([`Reading::Raw`]) or
 //!   with reasoning split off and tool calls parsed out, in the model's format
 //!   ([`Reading::Chat`], a [`ChatStream`]), each
-//!   piece carrying the log-probabilities of the tokens that led to it, then a finish reason
-//!   with the usage, or an error;
+//!   piece carrying the log-probabilities of the tokens that led to it, then a [`Finish`]
+//!   (reason, usage, the stop string that ended it), or an error;
 //! - the request's latency metrics and its "request finished" record ([`Timing`]);
 //! - the two sinks pieces go to: one JSON body ([`answer_json`]) or an SSE stream
-//!   ([`answer_sse`]), written in the endpoint's [`Format`] ([`super::formats`]); handlers call
-//!   [`answer`], which picks the sink the request's [`Delivery`] asks for;
-//! - how every stream ends (docs/api.md, "How a stream ends"): after a success, the chunk
-//!   with `finish_reason`, the usage chunk when `stream_options.include_usage` asks for it,
-//!   then `data: [DONE]`; after a failure, one `data: {"error": {...}}` event, then
-//!   `data: [DONE]`. A client that leaves stops the pump, which drops the events' receiver,
-//!   which cancels the sequence in the scheduler.
+//!   ([`answer_sse`]), written in the endpoint's [`Format`] (OpenAI's in [`super::formats`],
+//!   Anthropic's in [`super::messages`]); handlers call [`answer`], which picks the sink the
+//!   request's [`Delivery`] asks for;
+//! - how every stream ends (docs/api.md, "How a stream ends"): after a success, the format's
+//!   finishing chunks (OpenAI's: the chunk with `finish_reason`), the usage chunk when
+//!   `stream_options.include_usage` asks for it, then the format's last event (OpenAI's
+//!   `data: [DONE]`); after a failure, the format's error event, then that last event.
+//!   A client that leaves stops the pump, which drops the events' receiver, which cancels the
+//!   sequence in the scheduler.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -287,6 +289,16 @@ pub enum Part {
     ToolCall { index: u32, call: ToolCall },
 }
 
+/// How generation ended, as every format writes it.
+#[derive(Debug, Clone)]
+pub struct Finish {
+    /// OpenAI's `finish_reason`: `stop`, `length` or `tool_calls`.
+    pub reason: &'static str,
+    pub usage: Usage,
+    /// The stop string the output was cut at, when one ended it (reason `stop`).
+    pub stop_sequence: Option<String>,
+}
+
 /// What the pump hands a sink: parts, then exactly one [`Piece::Finish`] or [`Piece::Error`].
 #[derive(Debug)]
 pub enum Piece {
@@ -296,11 +308,9 @@ pub enum Piece {
         part: Part,
         logprobs: Vec<EngineLogprob>,
     },
-    /// Generation ended: OpenAI's `finish_reason` (`stop`, `length`, `tool_calls`), the
-    /// usage, and the log-probabilities of the tokens no part carried.
+    /// Generation ended: how, and the log-probabilities of the tokens no part carried.
     Finish {
-        reason: &'static str,
-        usage: Usage,
+        finish: Finish,
         logprobs: Vec<EngineLogprob>,
     },
     /// The request failed; nothing follows.
@@ -371,12 +381,15 @@ impl Reader {
             }
         };
         pieces.push(Piece::Finish {
-            reason: if calls > 0 {
-                "tool_calls"
-            } else {
-                finish_reason(done.finish_reason)
+            finish: Finish {
+                reason: if calls > 0 {
+                    "tool_calls"
+                } else {
+                    finish_reason(done.finish_reason)
+                },
+                usage: usage(done),
+                stop_sequence: done.stop_string.clone(),
             },
-            usage: usage(done),
             logprobs: leftover,
         });
         pieces
@@ -470,29 +483,43 @@ async fn pump(mut events: Events, reading: Reading, mut timing: Timing, sink: &m
     }
 }
 
-/// How an endpoint writes an answer: as one JSON body, and as the chunks of a stream.
+/// How an endpoint writes an answer: as one JSON body, and as the chunks of a stream. The
+/// defaults of the SSE methods are OpenAI's (`data:` events only, errors as OpenAI error
+/// bodies, `data: [DONE]` last); Anthropic's Messages API names its events instead.
 pub trait Format: Send + Sync + 'static {
     /// The whole answer.
     type Body: Serialize;
     /// One SSE event of a streamed answer.
-    type Chunk: Serialize;
+    type Chunk: Serialize + Send + Sync;
     /// The chunks a stream opens with, before any part.
     fn opening(&mut self) -> Vec<Self::Chunk>;
-    /// The chunk of one part.
-    fn chunk(&mut self, part: Part, logprobs: &[EngineLogprob]) -> Self::Chunk;
-    /// The chunk that ends the choice with `reason`.
-    fn finish_chunk(&mut self, reason: &str, logprobs: &[EngineLogprob]) -> Self::Chunk;
-    /// The chunk that carries the usage (`stream_options.include_usage`).
-    fn usage_chunk(&mut self, usage: Usage) -> Self::Chunk;
-    /// The whole answer from its parts (each with its log-probabilities), the finish reason,
-    /// the usage and the log-probabilities no part carried.
+    /// The chunks of one part.
+    fn chunks(&mut self, part: Part, logprobs: &[EngineLogprob]) -> Vec<Self::Chunk>;
+    /// The chunks that end the answer as `finish` says.
+    fn finish_chunks(&mut self, finish: &Finish, logprobs: &[EngineLogprob]) -> Vec<Self::Chunk>;
+    /// The chunk that carries the usage (`stream_options.include_usage`), where the format
+    /// has one.
+    fn usage_chunk(&mut self, usage: Usage) -> Option<Self::Chunk>;
+    /// The whole answer from its parts (each with its log-probabilities), how it finished and
+    /// the log-probabilities no part carried.
     fn body(
         self,
         parts: Vec<(Part, Vec<EngineLogprob>)>,
-        reason: &str,
-        usage: Usage,
+        finish: Finish,
         logprobs: Vec<EngineLogprob>,
     ) -> Self::Body;
+    /// The SSE event of one chunk.
+    fn event(chunk: &Self::Chunk) -> SseEvent {
+        sse_json(chunk)
+    }
+    /// The SSE event of an error that ends a stream.
+    fn error_event(error: &ApiError) -> SseEvent {
+        sse_json(&error.body())
+    }
+    /// The event every stream ends with, if the format has one.
+    fn done_event() -> Option<SseEvent> {
+        Some(SseEvent::default().data("[DONE]"))
+    }
 }
 
 /// Collects the pieces of a non-streamed answer.
@@ -530,11 +557,9 @@ async fn answer_json<F: Format>(
     };
     pump(events, reading, timing, &mut sink).await;
     match sink.end {
-        Some(Piece::Finish {
-            reason,
-            usage,
-            logprobs,
-        }) => Ok(Json(format.body(sink.parts, reason, usage, logprobs)).into_response()),
+        Some(Piece::Finish { finish, logprobs }) => {
+            Ok(Json(format.body(sink.parts, finish, logprobs)).into_response())
+        }
         Some(Piece::Error(e)) => Err(e),
         Some(Piece::Part { .. }) | None => Err(engine_stopped()),
     }
@@ -552,9 +577,20 @@ impl<F: Format> SseSink<F> {
         self.out.send(event).await.map_err(|_| ClientGone)
     }
 
-    /// The last event of every stream.
+    /// Send `chunks`, in order.
+    async fn send_all(&self, chunks: Vec<F::Chunk>) -> Result<(), ClientGone> {
+        for chunk in &chunks {
+            self.send(F::event(chunk)).await?;
+        }
+        Ok(())
+    }
+
+    /// The last event of every stream, where the format has one.
     async fn done(&self) -> Result<(), ClientGone> {
-        self.send(SseEvent::default().data("[DONE]")).await
+        match F::done_event() {
+            Some(event) => self.send(event).await,
+            None => Ok(()),
+        }
     }
 }
 
@@ -562,24 +598,21 @@ impl<F: Format> Sink for SseSink<F> {
     async fn put(&mut self, piece: Piece) -> Result<(), ClientGone> {
         match piece {
             Piece::Part { part, logprobs } => {
-                let chunk = sse_json(&self.format.chunk(part, &logprobs));
-                self.send(chunk).await
+                let chunks = self.format.chunks(part, &logprobs);
+                self.send_all(chunks).await
             }
-            Piece::Finish {
-                reason,
-                usage,
-                logprobs,
-            } => {
-                let last = sse_json(&self.format.finish_chunk(reason, &logprobs));
-                self.send(last).await?;
+            Piece::Finish { finish, logprobs } => {
+                let last = self.format.finish_chunks(&finish, &logprobs);
+                self.send_all(last).await?;
                 if self.include_usage {
-                    let usage = sse_json(&self.format.usage_chunk(usage));
-                    self.send(usage).await?;
+                    if let Some(usage) = self.format.usage_chunk(finish.usage) {
+                        self.send(F::event(&usage)).await?;
+                    }
                 }
                 self.done().await
             }
             Piece::Error(e) => {
-                self.send(sse_json(&e.body())).await?;
+                self.send(F::error_event(&e)).await?;
                 self.done().await
             }
         }
@@ -602,7 +635,7 @@ fn answer_sse<F: Format>(
 ) -> Response {
     let (out, rx) = mpsc::channel::<SseEvent>(SSE_BUFFER);
     tokio::spawn(async move {
-        let opening: Vec<SseEvent> = format.opening().iter().map(sse_json).collect();
+        let opening: Vec<SseEvent> = format.opening().iter().map(F::event).collect();
         let mut sink = SseSink {
             format,
             out,
@@ -778,6 +811,7 @@ mod tests {
             prompt_tokens: 5,
             cached_tokens: 1,
             completion_tokens: 2,
+            stop_string: None,
             prefill_seconds: 0.0,
             decode_seconds: 0.0,
         })

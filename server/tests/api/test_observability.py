@@ -109,7 +109,15 @@ def test_openapi_document_is_valid(server):
     spec = r.json()
     validate(spec)
     assert spec["openapi"].startswith("3.")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+    ):
         assert path in spec["paths"], path
     assert "post" in spec["paths"]["/v1/chat/completions"]
     assert "post" in spec["paths"]["/v1/completions"]
