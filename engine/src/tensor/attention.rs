@@ -15,7 +15,10 @@
 
 use half::f16;
 
-use super::kernels::{add_weighted_rows, add_weighted_rows_scalar, dot, dot_strided, Isa};
+use super::kernels::{
+    add_weighted_rows, add_weighted_rows_f16, add_weighted_rows_scalar, dot, dot_strided,
+    dot_strided_f16, Isa,
+};
 use super::WeightData;
 
 /// One head group's cached key or value rows: row `j` of the group's head starts at
@@ -85,11 +88,8 @@ pub fn group_scores(
         let qr = &q[r * hd..(r + 1) * hd];
         match keys {
             KvRows::F32(k) if n > 0 => dot_strided(isa, qr, k, stride, &mut o[..n]),
-            _ => {
-                for (j, s) in o.iter_mut().take(n).enumerate() {
-                    *s = dot(isa, qr, keys.row(j, stride, hd));
-                }
-            }
+            KvRows::F16(k) if n > 0 => dot_strided_f16(isa, qr, k, stride, &mut o[..n]),
+            _ => {}
         }
     }
 }
@@ -130,7 +130,7 @@ pub fn group_weighted_values(
         let pr = &p[r * n..(r + 1) * n];
         match values {
             KvRows::F32(v) => add_weighted_rows(isa, pr, v, stride, o),
-            KvRows::F16(v) => weighted_rows_scalar_f16(pr, v, stride, o),
+            KvRows::F16(v) => add_weighted_rows_f16(isa, pr, v, stride, o),
         }
     }
 }
@@ -238,6 +238,12 @@ pub fn softmax(x: &mut [f32], sink: Option<f32>) {
         unsafe { avx512::softmax(x, sink) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::kernels::avx2_fma_f16c() {
+        // SAFETY: AVX2 and FMA were just detected.
+        unsafe { avx2::softmax(x, sink) };
+        return;
+    }
     softmax_reference(x, sink);
 }
 
@@ -303,6 +309,115 @@ pub fn group_weighted_values_reference(
         match values {
             KvRows::F32(v) => add_weighted_rows_scalar(pr, v, stride, o),
             KvRows::F16(v) => weighted_rows_scalar_f16(pr, v, stride, o),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! 256-bit softmax for machines without AVX-512: the reference's sixteen sum lanes are two
+    //! registers (lanes 0-7 and 8-15), every exponential the reference's operations on eight
+    //! lanes, the last `n mod 16` elements by the scalar reference into the same lanes.
+
+    use std::arch::x86_64::*;
+
+    use super::SOFTMAX_LANES;
+
+    /// [`super::exp_canonical`] on eight lanes: the same operations in the same order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[inline(always)]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        use super::{EXP_MAX, EXP_MIN, EXP_P, LN2_HI, LN2_LO};
+        // SAFETY: register-only operations on the caller's AVX2 and FMA.
+        unsafe {
+            let flush = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+            // `min_ps(a, b)` is `b` when either is a NaN: a NaN stays a NaN, as in the reference.
+            let x = _mm256_min_ps(_mm256_set1_ps(EXP_MAX), x);
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            );
+            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+            let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+            let mut y = _mm256_set1_ps(EXP_P[0]);
+            for c in &EXP_P[1..] {
+                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+            }
+            let y = _mm256_add_ps(
+                _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r),
+                _mm256_set1_ps(1.0),
+            );
+            let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            let v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+            _mm256_blendv_ps(v, _mm256_setzero_ps(), flush)
+        }
+    }
+
+    /// [`super::softmax`] on eight lanes.
+    ///
+    /// # Safety
+    /// AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax(x: &mut [f32], sink: Option<f32>) {
+        // The maximum as the reference folds it (cheap beside the exponentials, and the same
+        // value whatever the NaNs and signed zeros).
+        let m = x
+            .iter()
+            .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &v| m.max(v));
+        let n = x.len();
+        let full = n / SOFTMAX_LANES * SOFTMAX_LANES;
+        let p = x.as_mut_ptr();
+        let mut lanes = [0.0f32; SOFTMAX_LANES];
+        // SAFETY: loads and stores of x[j..j + 16] for j + 16 <= full <= n; register
+        // operations on the caller's features; `lanes` holds sixteen values.
+        unsafe {
+            let mm = _mm256_set1_ps(m);
+            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut j = 0;
+            while j < full {
+                let a = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), mm));
+                let b = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j + 8)), mm));
+                _mm256_storeu_ps(p.add(j), a);
+                _mm256_storeu_ps(p.add(j + 8), b);
+                lo = _mm256_add_ps(lo, a);
+                hi = _mm256_add_ps(hi, b);
+                j += SOFTMAX_LANES;
+            }
+            _mm256_storeu_ps(lanes.as_mut_ptr(), lo);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hi);
+        }
+        // The tail after every whole block of sixteen: each lane's additions stay in order.
+        for (j, v) in x.iter_mut().enumerate().skip(full) {
+            *v = super::exp_canonical(*v - m);
+            lanes[j % SOFTMAX_LANES] += *v;
+        }
+        let mut width = SOFTMAX_LANES / 2;
+        while width >= 1 {
+            for l in 0..width {
+                lanes[l] += lanes[l + width];
+            }
+            width /= 2;
+        }
+        let total = match sink {
+            Some(s) => lanes[0] + super::exp_canonical(s - m),
+            None => lanes[0],
+        };
+        let tv = _mm256_set1_ps(total);
+        let full8 = n / 8 * 8;
+        // SAFETY: loads and stores of x[j..j + 8] for j + 8 <= full8 <= n.
+        unsafe {
+            let mut j = 0;
+            while j < full8 {
+                _mm256_storeu_ps(p.add(j), _mm256_div_ps(_mm256_loadu_ps(p.add(j)), tv));
+                j += 8;
+            }
+        }
+        for v in &mut x[full8..] {
+            *v /= total;
         }
     }
 }
@@ -761,6 +876,14 @@ mod tests {
                     bits(&want),
                     "n {n} spread {spread} sink {sink:?}"
                 );
+                // The 256-bit path too, which machines with AVX-512 do not take.
+                #[cfg(target_arch = "x86_64")]
+                if super::super::kernels::avx2_fma_f16c() {
+                    let mut got = x.clone();
+                    // SAFETY: AVX2 and FMA were just detected.
+                    unsafe { super::avx2::softmax(&mut got, sink) };
+                    assert_eq!(bits(&got), bits(&want), "avx2: n {n} spread {spread}");
+                }
                 if n > 0 {
                     let total: f64 = want.iter().map(|&p| p as f64).sum();
                     let sink_p = sink.map_or(0.0, |s| {

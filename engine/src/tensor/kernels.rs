@@ -263,6 +263,54 @@ pub fn add_weighted_rows_scalar(p: &[f32], m: &[f32], stride: usize, out: &mut [
     }
 }
 
+/// [`dot_strided`] over f16 rows (an f16 key cache), each value widened exactly: the bits of
+/// [`dot`] on each pair.
+pub fn dot_strided_f16(isa: Isa, a: &[f32], m: &[half::f16], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    assert!(
+        n == 0 || (n - 1) * stride + a.len() <= m.len(),
+        "dot_strided_f16: {n} rows of {} at stride {stride} in {} values",
+        a.len(),
+        m.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C were detected just above; the bounds were checked.
+        return unsafe { avx2::dot_strided(a, m, stride, out) };
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = dot(
+            isa,
+            a,
+            WeightData::F16(&m[j * stride..j * stride + a.len()]),
+        );
+    }
+}
+
+/// [`add_weighted_rows`] over f16 rows (an f16 value cache), each value widened exactly: the
+/// bits of [`add_weighted_rows_scalar`] on the widened rows.
+pub fn add_weighted_rows_f16(isa: Isa, p: &[f32], m: &[half::f16], stride: usize, out: &mut [f32]) {
+    let n = p.len();
+    assert!(
+        n == 0 || (n - 1) * stride + out.len() <= m.len(),
+        "add_weighted_rows_f16: {n} rows of {} at stride {stride} in {} values",
+        out.len(),
+        m.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && avx2_fma_f16c() {
+        // SAFETY: AVX2 and F16C were detected just above; the bounds were checked.
+        return unsafe { avx2::add_weighted_rows(p, m, stride, out) };
+    }
+    let _ = isa;
+    let d = out.len();
+    for (j, &pj) in p.iter().enumerate() {
+        for (o, v) in out.iter_mut().zip(&m[j * stride..j * stride + d]) {
+            *o += pj * v.to_f32();
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // register blocks read best as index loops
 mod avx2 {
@@ -448,21 +496,22 @@ mod avx2 {
     /// [`super::dot_strided`] on AVX2: `block` inlined for each row, three rows a pass.
     ///
     /// # Safety
-    /// The CPU must have AVX2 and FMA; `(out.len() − 1)·stride + a.len() ≤ m.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_strided(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    /// The CPU must have AVX2 and FMA (and F16C for f16 rows); `(out.len() − 1)·stride +
+    /// a.len() ≤ m.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_strided<W: Load8>(a: &[f32], m: &[W], stride: usize, out: &mut [f32]) {
         let k = a.len();
         let row = |j: usize| &m[j * stride..j * stride + k];
         let mut j = 0;
         while j + 3 <= out.len() {
             // SAFETY: the caller's features; every row has k elements, as `a`.
-            let d = unsafe { block::<f32, 1, 3>([a], [row(j), row(j + 1), row(j + 2)]) };
+            let d = unsafe { block::<W, 1, 3>([a], [row(j), row(j + 1), row(j + 2)]) };
             out[j..j + 3].copy_from_slice(&d[0]);
             j += 3;
         }
         while j < out.len() {
             // SAFETY: as above.
-            out[j] = unsafe { block::<f32, 1, 1>([a], [row(j)]) }[0][0];
+            out[j] = unsafe { block::<W, 1, 1>([a], [row(j)]) }[0][0];
             j += 1;
         }
     }
@@ -472,9 +521,15 @@ mod avx2 {
     /// the reference); a slice's last `len % 8` elements by the scalar loop.
     ///
     /// # Safety
-    /// The CPU must have AVX2; `(p.len() − 1)·stride + out.len() ≤ m.len()`.
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn add_weighted_rows(p: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    /// The CPU must have AVX2 (and F16C for f16 rows); `(p.len() − 1)·stride + out.len() ≤
+    /// m.len()`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn add_weighted_rows<W: Load8 + Into<f32>>(
+        p: &[f32],
+        m: &[W],
+        stride: usize,
+        out: &mut [f32],
+    ) {
         const SLICE: usize = 64;
         let d = out.len();
         let mut e0 = 0;
@@ -484,20 +539,20 @@ mod avx2 {
             // SAFETY: the caller's features and bound; `e0 + 8·vec ≤ d`.
             unsafe {
                 match vec {
-                    8 => weighted_slice::<8>(p, m, stride, out, e0),
-                    7 => weighted_slice::<7>(p, m, stride, out, e0),
-                    6 => weighted_slice::<6>(p, m, stride, out, e0),
-                    5 => weighted_slice::<5>(p, m, stride, out, e0),
-                    4 => weighted_slice::<4>(p, m, stride, out, e0),
-                    3 => weighted_slice::<3>(p, m, stride, out, e0),
-                    2 => weighted_slice::<2>(p, m, stride, out, e0),
-                    1 => weighted_slice::<1>(p, m, stride, out, e0),
+                    8 => weighted_slice::<W, 8>(p, m, stride, out, e0),
+                    7 => weighted_slice::<W, 7>(p, m, stride, out, e0),
+                    6 => weighted_slice::<W, 6>(p, m, stride, out, e0),
+                    5 => weighted_slice::<W, 5>(p, m, stride, out, e0),
+                    4 => weighted_slice::<W, 4>(p, m, stride, out, e0),
+                    3 => weighted_slice::<W, 3>(p, m, stride, out, e0),
+                    2 => weighted_slice::<W, 2>(p, m, stride, out, e0),
+                    1 => weighted_slice::<W, 1>(p, m, stride, out, e0),
                     _ => {}
                 }
             }
             for e in e0 + 8 * vec..e0 + width {
                 for (j, &pj) in p.iter().enumerate() {
-                    out[e] += pj * m[j * stride + e];
+                    out[e] += pj * m[j * stride + e].into();
                 }
             }
             e0 += width;
@@ -511,9 +566,9 @@ mod avx2 {
     /// The CPU must have AVX; `e0 + 8V ≤ out.len()` and `(p.len() − 1)·stride + out.len() ≤
     /// m.len()`.
     #[inline(always)]
-    unsafe fn weighted_slice<const V: usize>(
+    unsafe fn weighted_slice<W: Load8, const V: usize>(
         p: &[f32],
-        m: &[f32],
+        m: &[W],
         stride: usize,
         out: &mut [f32],
         e0: usize,
@@ -530,8 +585,7 @@ mod avx2 {
                 let pv = _mm256_set1_ps(pj);
                 let r = m.as_ptr().add(j * stride + e0);
                 for g in 0..V {
-                    acc[g] =
-                        _mm256_add_ps(acc[g], _mm256_mul_ps(pv, _mm256_loadu_ps(r.add(8 * g))));
+                    acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(pv, W::load8(r.add(8 * g))));
                 }
             }
             for g in 0..V {
