@@ -11,7 +11,8 @@
 //! Paths: AVX-512 (F, with F16C for f16 rows) for head dimensions that are a multiple of 32
 //! — scores of sixteen keys at a time, their 32-lane sums folded together in the canonical
 //! tree (the same additions, done across keys) —, otherwise the AVX2 kernels of
-//! [`kernels`](super::kernels) one head at a time, or the scalar reference.
+//! [`kernels`](super::kernels) one head at a time (f32 or f16 rows, F16C widening), or the
+//! scalar reference. The softmax has AVX-512 and AVX2 paths with the reference's bits.
 
 use half::f16;
 
