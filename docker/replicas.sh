@@ -14,10 +14,12 @@
 #      503 is passed to the other one by nginx).
 #   c. conversation affinity: two-turn conversations (turn 2 = turn 1's messages, the answer and
 #      a new user message) through nginx hashing on the conversation key (x-session-id, else the
-#      OpenAI `user` field) with `hash ... consistent`, and through nginx with least_conn: the
-#      share of second turns with cached_tokens > 0 and with cached_tokens covering turn 1's
-#      prompt (the chat template's first tokens are shared by every conversation, so a slot of
-#      another conversation already gives cached_tokens > 0).
+#      OpenAI `user` field) with `hash ... consistent`, and through nginx without affinity (round
+#      robin, and least_conn): the share of second turns on their first turn's replica, with
+#      cached_tokens > 0, and with cached_tokens covering turn 1's prompt (the chat template's
+#      first tokens are shared by every conversation, so a slot of another conversation already
+#      gives cached_tokens > 0). PASS: affinity sends every second turn to its first turn's
+#      replica and reuses turn 1's prefix more often than round robin.
 #
 # Each scenario prints its counts and PASS or FAIL lines; the script exits 1 if any failed. Every
 # answer is checked: greedy (temperature 0, ignore_eos) answers to a fixed set of prompts, which
@@ -71,8 +73,9 @@ NET=colibri-replicas
 A=colibri-replica-a
 B=colibri-replica-b
 ROUTER=colibri-router          # hash on the conversation key (the chart's router)
-ROUTER_LC=colibri-router-lc    # least_conn: no affinity, for comparison
-CONTAINERS=("$A" "$B" "$ROUTER" "$ROUTER_LC")
+ROUTER_RR=colibri-router-rr    # round robin: no affinity, for comparison
+ROUTER_LC=colibri-router-lc    # least_conn: no affinity either
+CONTAINERS=("$A" "$B" "$ROUTER" "$ROUTER_RR" "$ROUTER_LC")
 SHARED=$PWD/helm/colibri/files/router
 
 step() { printf '\n== replicas %s\n' "$*"; }
@@ -125,16 +128,16 @@ docker network rm "$NET" >/dev/null 2>&1 || true
 
 # The published host address of container $1's port 8080 (it changes when the container restarts).
 url_of() { echo "http://$(docker port "$1" 8080/tcp | head -n 1)"; }
-# Waits until GET $2/ready on container $1 answers 200, for at most $3 seconds.
+# Waits until GET /ready on container $1 answers 200, for at most $2 seconds.
 wait_ready() {
-  local c=$1 deadline=$((SECONDS + $3)) url
+  local c=$1 deadline=$((SECONDS + $2)) url
   while [ "$SECONDS" -lt "$deadline" ]; do
     [ "$(docker inspect -f '{{.State.Running}}' "$c")" = true ] || fail "$c exited: $(docker logs --tail 5 "$c" 2>&1)"
     url=$(url_of "$c")
     curl -fsS -o /dev/null "$url/ready" 2>/dev/null && return 0
     sleep 0.2 # polling a condition under a deadline
   done
-  fail "$c not ready after $3 s"
+  fail "$c not ready after $2 s"
 }
 # Polls `replicas_driver.py count FILE SINCE [UPSTREAM]` until it reaches $4, for at most $5 s.
 wait_records() {
@@ -194,7 +197,7 @@ for prefix in ${SUBNET:+"${SUBNET%.0/24}"} 10.213.71 10.213.72 10.213.73 172.30.
 done
 docker network inspect "$NET" >/dev/null 2>&1 || fail "could not create the network $NET (set REPLICAS_SUBNET=a free x.y.z.0/24)"
 P=${SUBNET%.0/24}
-declare -A IP=([$A]=$P.10 [$B]=$P.11 [$ROUTER]=$P.20 [$ROUTER_LC]=$P.21)
+declare -A IP=([$A]=$P.10 [$B]=$P.11 [$ROUTER]=$P.20 [$ROUTER_RR]=$P.21 [$ROUTER_LC]=$P.22)
 info "network $NET, $SUBNET"
 
 start_replica() {
@@ -247,6 +250,7 @@ EOF
 }
 # shellcheck disable=SC2016 # an nginx variable, not a shell one
 router_conf 'hash $colibri_conversation_key consistent;' >"$TMP/router/hash.conf"
+router_conf '# round robin (the default)' >"$TMP/router/round_robin.conf"
 router_conf 'least_conn;' >"$TMP/router/least_conn.conf"
 chmod -R a+rX "$TMP/router"
 start_router() { # NAME CONF
@@ -256,19 +260,22 @@ start_router() { # NAME CONF
     "$IMG_NGINX" -c "/etc/colibri-router/$2" >/dev/null
 }
 start_router "$ROUTER" hash.conf
+start_router "$ROUTER_RR" round_robin.conf
 start_router "$ROUTER_LC" least_conn.conf
 wait_ready "$A" 120
 wait_ready "$B" 120
 wait_ready "$ROUTER" 30
+wait_ready "$ROUTER_RR" 30
 wait_ready "$ROUTER_LC" 30
-info "replicas ${IP[$A]} ($A), ${IP[$B]} ($B): uid $(docker exec "$A" id -u), $(docker logs "$A" 2>&1 | grep -m1 -o 'device: .*' || echo '?')"
-info "routers ${IP[$ROUTER]} (hash on the conversation key), ${IP[$ROUTER_LC]} (least_conn): uid $(docker exec "$ROUTER" id -u)"
+info "replicas ${IP[$A]} ($A), ${IP[$B]} ($B): uid $(docker exec "$A" id -u), $(docker logs "$A" 2>&1 | grep -m1 -oE 'device: (cpu$|(vulkan|cuda) .*)' || echo 'device ?')"
+info "routers ${IP[$ROUTER]} (hash on the conversation key), ${IP[$ROUTER_RR]} (round robin), ${IP[$ROUTER_LC]} (least_conn): uid $(docker exec "$ROUTER" id -u)"
 if docker exec "$A" sh -c 'echo x > /models/probe' 2>/dev/null; then fail "a replica could write /models"; fi
 LB=$(url_of "$ROUTER")
+LB_RR=$(url_of "$ROUTER_RR")
 LB_LC=$(url_of "$ROUTER_LC")
 "$PY" docker/replicas_driver.py reference "$(url_of "$A")" "$OUT/reference.json" | sed 's/^/   /'
 "$PY" docker/replicas_driver.py same "$(url_of "$B")" "$OUT/reference.json" | sed 's/^/   /; s/^   /   replica b: /'
-"$PY" docker/replicas_driver.py same "$LB" "$OUT/reference.json" | sed 's/^   /   through the router: /'
+"$PY" docker/replicas_driver.py same "$LB" "$OUT/reference.json" | sed 's/^/   through the router: /'
 
 # Runs the load through $1 into $2 in the background; sets LOAD_PID and STOP_FILE.
 start_load() {
@@ -340,9 +347,10 @@ fi
 if [[ " $SCENARIOS " == *" affinity "* ]]; then
   step "c. conversation affinity: $REPLICAS_CONVERSATIONS two-turn conversations, $REPLICAS_WORKERS at a time"
   t=$SECONDS
-  "$PY" docker/replicas_driver.py conversations "$LB_LC" "$OUT/affinity-without.json" "without affinity (least_conn)"
-  "$PY" docker/replicas_driver.py conversations "$LB" "$OUT/affinity-with.json" "with affinity (hash on the key)"
-  verdict affinity "$PY" docker/replicas_driver.py affinity "$OUT/affinity-with.json" "$OUT/affinity-without.json"
+  "$PY" docker/replicas_driver.py conversations "$LB_RR" "$OUT/affinity-round-robin.json" "without affinity (round robin)"
+  "$PY" docker/replicas_driver.py conversations "$LB_LC" "$OUT/affinity-least-conn.json" "without affinity (least_conn)"
+  "$PY" docker/replicas_driver.py conversations "$LB" "$OUT/affinity-hash.json" "with affinity (hash on the key)"
+  verdict affinity "$PY" docker/replicas_driver.py affinity "$OUT/affinity-hash.json" "$OUT/affinity-round-robin.json"
   info "($((SECONDS - t)) s, load $(cut -d' ' -f1-3 /proc/loadavg))"
 fi
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -37,6 +38,7 @@ import uuid
 MAX_TOKENS = int(os.environ.get("REPLICAS_MAX_TOKENS", "24"))
 WORKERS = int(os.environ.get("REPLICAS_WORKERS", "4"))
 TIMEOUT = float(os.environ.get("REPLICAS_TIMEOUT", "120"))
+THINK = float(os.environ.get("REPLICAS_THINK", "1.0"))
 PROMPTS = [
     "Tell me about the sea.",
     "Write a short poem about mountains.",
@@ -290,7 +292,8 @@ def cmd_rolling(out: str, stops: str) -> None:
 def cmd_conversations(url: str, out: str, label: str) -> None:
     """Two-turn conversations, WORKERS at a time: turn 2 repeats turn 1's messages, the
     assistant's answer and a new user message. Even conversations carry their key in the
-    x-session-id header, odd ones in the OpenAI `user` field."""
+    x-session-id header, odd ones in the OpenAI `user` field. Each turn follows a think time
+    of 0-THINK s (seeded by the conversation's number)."""
     n = int(os.environ.get("REPLICAS_CONVERSATIONS", "24"))
     results: list[dict] = []
     lock = threading.Lock()
@@ -298,10 +301,15 @@ def cmd_conversations(url: str, out: str, label: str) -> None:
     tag = uuid.uuid4().hex[:8]
 
     def one(i: int) -> dict:
+        # A user's think time before each turn (0-THINK s, the same for every router): without
+        # it, equal-length requests in a closed loop fall into a lockstep in which round robin
+        # and least_conn send a worker's next request back to the same replica.
+        think = random.Random(i)
         key = f"conv-{tag}-{i}"
         headers, extra = ({"x-session-id": key}, {}) if i % 2 == 0 else ({}, {"user": key})
         # A different opening per conversation: only the template's first tokens are shared.
         first = f"{uuid.uuid4().hex} {PROMPTS[i % len(PROMPTS)]}"
+        time.sleep(think.uniform(0, THINK))
         t1 = judge(post(url, request_body(first, **extra), headers), None)
         if t1["outcome"] != "ok":
             return {"i": i, "outcome": f"turn 1: {t1['outcome']}", "detail": t1.get("detail")}
@@ -311,6 +319,7 @@ def cmd_conversations(url: str, out: str, label: str) -> None:
             {"role": "user", "content": "And then? Tell me more."},
         ]
         body = request_body("", **extra) | {"messages": messages}
+        time.sleep(think.uniform(0, THINK))
         t2 = judge(post(url, body, headers), None)
         if t2["outcome"] != "ok":
             return {"i": i, "outcome": f"turn 2: {t2['outcome']}", "detail": t2.get("detail")}
@@ -381,7 +390,7 @@ def cmd_affinity(with_path: str, without_path: str) -> None:
     ok &= verdict(w["same_replica_pct"] == 100.0, f"with affinity every second turn reached its first turn's replica ({w['same_replica_pct']} %)")
     ok &= verdict(
         w["cached_turn1_pct"] > wo["cached_turn1_pct"],
-        f"second turns reusing turn 1's prefix: {w['cached_turn1_pct']} % with affinity, {wo['cached_turn1_pct']} % without",
+        f"second turns reusing turn 1's prefix: {w['cached_turn1_pct']} % with affinity, {wo['cached_turn1_pct']} % {wo['label']}",
     )
     sys.exit(0 if ok else 1)
 
