@@ -181,7 +181,7 @@ docker build -f docker/Dockerfile --target prebuilt --build-arg BASE="$BASE" -t 
 info "$IMG ($(docker run --rm "$IMG" --version)), $IMG_NGINX ($(docker run --rm "$IMG_NGINX" -v 2>&1))"
 
 # ---------------------------------------------------------------------------------------------
-step "2. network, two replicas, two routers"
+step "2. network, two replicas, three routers"
 MODEL=$TMP/model
 # shellcheck disable=SC2086 # SYNTH is a list of flags
 "$BIN" synth $SYNTH --out "$MODEL" >"$TMP/synth.log" 2>&1 || { cat "$TMP/synth.log" >&2; fail "coli synth"; }

@@ -253,7 +253,7 @@ def cmd_kill(out: str, dead: str, survivor: str, kill_at: float, ready_at: float
     rejoined = [r for r in after if upstreams(r)[-1:] == [dead] and r["outcome"] == "ok"]
     print(f"   in flight on the killed replica: {len(in_flight)} — "
           f"{sum(r['outcome'] == 'ok' for r in in_flight)} answered whole by the survivor "
-          f"(nginx retried them before any byte reached the client), "
+          f"(nginx passed them on: no byte had reached the client), "
           f"{len([r for r in in_flight if r in clean])} failed cleanly "
           f"({counts([r for r in in_flight if r in clean]) or '-'})")
     print(f"   retried from the killed replica to the survivor and answered: {len(retried)}; "
@@ -261,6 +261,7 @@ def cmd_kill(out: str, dead: str, survivor: str, kill_at: float, ready_at: float
     for r in [r for r in failed if r not in clean][:5]:
         print(f"   unexplained: {json.dumps(r)[:400]}")
     ok = verdict(not bad, f"no wrong answer and no hang among {len(rs)} ({len(bad)} bad)")
+    ok &= verdict(len(in_flight) > 0, f"the kill caught requests in flight on the killed replica ({len(in_flight)})")
     ok &= verdict(not survivor_bad, f"all {len(on_survivor)} requests routed to the survivor succeeded")
     ok &= verdict(len(clean) == len(failed), f"every failure ({len(failed)}) is a request in flight on the killed replica, failed as an error")
     ok &= verdict(len(rejoined) > 0, f"the restarted replica serves again through the router ({len(rejoined)} requests)")
