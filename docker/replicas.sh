@@ -267,7 +267,10 @@ wait_ready "$B" 120
 wait_ready "$ROUTER" 30
 wait_ready "$ROUTER_RR" 30
 wait_ready "$ROUTER_LC" 30
-info "replicas ${IP[$A]} ($A), ${IP[$B]} ($B): uid $(docker exec "$A" id -u), $(docker logs "$A" 2>&1 | grep -m1 -oE 'device: (cpu$|(vulkan|cuda) .*)' || echo 'device ?')"
+# (The log is read whole before grep looks at it: with pipefail, `docker logs | grep -m1` can fail
+# when grep stops reading early.)
+log_a=$(docker logs "$A" 2>&1)
+info "replicas ${IP[$A]} ($A), ${IP[$B]} ($B): uid $(docker exec "$A" id -u), $(grep -m1 -oE 'device: (cpu$|(vulkan|cuda) .*)' <<<"$log_a" || echo 'device ?')"
 info "routers ${IP[$ROUTER]} (hash on the conversation key), ${IP[$ROUTER_RR]} (round robin), ${IP[$ROUTER_LC]} (least_conn): uid $(docker exec "$ROUTER" id -u)"
 if docker exec "$A" sh -c 'echo x > /models/probe' 2>/dev/null; then fail "a replica could write /models"; fi
 LB=$(url_of "$ROUTER")
