@@ -83,28 +83,34 @@ def post(url: str, body: dict, headers: dict | None = None, stream: bool = False
                     "usage": data.get("usage"),
                     "complete": True,
                 }
-            parts, finish, usage, done = [], None, None, False
-            while True:
-                line = resp.readline()
-                if not line:
+            # read1, not readline: http.client's readline returns b"" when the connection
+            # closes between two chunks, while read1 raises IncompleteRead: a body cut short
+            # (no terminating chunk) is told apart from one that ended without [DONE].
+            parts, finish, usage, done, pending = [], None, None, False, b""
+            while not done:
+                block = resp.read1(65536)
+                if not block:
                     break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    return out | {"outcome": "stream_error", "detail": json.dumps(event)[:300]}
-                for choice in event.get("choices") or []:
-                    parts.append((choice.get("delta") or {}).get("content") or "")
-                    finish = choice.get("finish_reason") or finish
-                usage = event.get("usage") or usage
+                pending += block
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        return out | {"outcome": "stream_error", "detail": json.dumps(event)[:300]}
+                    for choice in event.get("choices") or []:
+                        parts.append((choice.get("delta") or {}).get("content") or "")
+                        finish = choice.get("finish_reason") or finish
+                    usage = event.get("usage") or usage
             out |= {"text": "".join(parts), "finish_reason": finish, "usage": usage, "complete": done}
             if not done:
-                return out | {"outcome": "truncated", "detail": "the stream ended without [DONE]"}
+                return out | {"outcome": "truncated", "detail": "the body ended (terminating chunk received) without [DONE]"}
             return out
         except socket.timeout:
             return out | {"outcome": "timeout", "detail": "the response stalled"}
