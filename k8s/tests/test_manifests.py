@@ -1393,8 +1393,8 @@ def deployment_docs(which: str) -> list[dict]:
 def test_server_accepts_the_configuration(which, tmp_path):
     """`coli config --show` with the pod's arguments, configuration file and environment:
     the server refuses unknown keys and invalid values at start, so this is what it would do."""
-    docs = deployment_docs(which)
-    work = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and not is_router(d)][0]
+    docs = [d for d in deployment_docs(which) if not is_router(d)]
+    work = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")][0]
     container = work["spec"]["template"]["spec"]["containers"][0]
     config = write_config(docs, tmp_path)
     assert "host = \"0.0.0.0\"" in config_show(container, config, tmp_path)
