@@ -38,10 +38,10 @@
 # (Debian's nginx-light); both bases come from docker/build-base.sh (ONLY=cpu+nginx; needs root
 # the first time). The model: `coli synth` (an OLMoE-shaped model with random weights), mounted
 # read-only at /models. Containers run as non-root users with read-only root file systems. The
-# replicas get `--threads 1` (REPLICAS_THREADS) and 4 slots each. Containers and the network are
+# replicas get `--threads 1` (REPLICAS_THREADS) and 4 slots each (REPLICAS_SLOTS). Containers and the network are
 # removed at the end; images are kept. Without a Docker daemon it says "skipped" and exits 0.
 #
-#   bash docker/replicas.sh                       # all three scenarios (~3-4 min on 2 cores)
+#   bash docker/replicas.sh                       # all three scenarios (about 3 min on 2 cores)
 #   SCENARIOS="kill affinity" bash docker/replicas.sh
 #   REPLICAS_OUT=docs/bench/replicas-DATE bash docker/replicas.sh   # keep records and logs
 set -euo pipefail
@@ -105,9 +105,15 @@ OUT=${REPLICAS_OUT:-$TMP/out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 FAILED=()
+LOAD_PID=""
 cleanup() {
   local rc=$?
   set +e
+  # A load generator still running (a scenario failed): it is this script's own child.
+  if [ -n "$LOAD_PID" ] && kill -0 "$LOAD_PID" 2>/dev/null; then
+    kill "$LOAD_PID"
+    wait "$LOAD_PID" 2>/dev/null
+  fi
   for c in "${CONTAINERS[@]}"; do
     if docker container inspect "$c" >/dev/null 2>&1; then
       docker logs "$c" >"$OUT/$c.log" 2>&1
@@ -290,6 +296,7 @@ start_load() {
 stop_load() {
   touch "$STOP_FILE"
   wait "$LOAD_PID" || fail "the load generator failed"
+  LOAD_PID=""
 }
 
 # ---------------------------------------------------------------------------------------------
