@@ -8,6 +8,9 @@
 #                                  health check)
 #   colibri-base-vulkan:bookworm   the same + Mesa's Vulkan drivers (lavapipe, a Vulkan device on
 #                                  the CPU), the Vulkan loader and vulkan-tools (vulkaninfo)
+#   colibri-nginx:bookworm         the same base + Debian's nginx-light: the load balancer in front
+#                                  of several `coli` containers (docker/replicas.sh); built only
+#                                  when asked for (ONLY=nginx or ONLY=all+nginx)
 #
 # An image that already exists is kept (FORCE=1 rebuilds). The Dockerfiles take them with
 # --build-arg BASE=colibri-base:bookworm (Dockerfile, Dockerfile.cuda's CUDA_BASE for a check) or
@@ -17,13 +20,15 @@
 # Needs root (debootstrap, chroot) and a Debian mirror: the one this machine's apt uses, else
 # deb.debian.org (DEBIAN_MIRROR=URL overrides). Takes 1-3 minutes on 2 cores, once.
 #
-#   bash docker/build-base.sh            # both images, if missing
+#   bash docker/build-base.sh            # colibri-base and colibri-base-vulkan, if missing
 #   ONLY=cpu bash docker/build-base.sh   # only colibri-base (ONLY=vulkan: only the Vulkan one)
+#   ONLY=nginx bash docker/build-base.sh # only colibri-nginx (ONLY=cpu+nginx: both)
 set -euo pipefail
 
 SUITE=${SUITE:-bookworm}
 BASE_IMAGE=${BASE_IMAGE:-colibri-base:$SUITE}
 VULKAN_IMAGE=${VULKAN_IMAGE:-colibri-base-vulkan:$SUITE}
+NGINX_IMAGE=${NGINX_IMAGE:-colibri-nginx:$SUITE}
 ONLY=${ONLY:-all}
 FORCE=${FORCE:-0}
 
@@ -31,13 +36,17 @@ say() { printf 'build-base: %s\n' "$*"; }
 die() { printf 'build-base: error: %s\n' "$*" >&2; exit 1; }
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
 
-want_cpu=0 want_vulkan=0
-case "$ONLY" in
-  all) want_cpu=1 want_vulkan=1 ;;
-  cpu) want_cpu=1 ;;
-  vulkan) want_vulkan=1 ;;
-  *) die "ONLY must be all, cpu or vulkan (got '$ONLY')" ;;
-esac
+want_cpu=0 want_vulkan=0 want_nginx=0
+IFS=+ read -r -a wanted <<<"$ONLY"
+for w in "${wanted[@]}"; do
+  case "$w" in
+    all) want_cpu=1 want_vulkan=1 ;;
+    cpu) want_cpu=1 ;;
+    vulkan) want_vulkan=1 ;;
+    nginx) want_nginx=1 ;;
+    *) die "ONLY must be all, cpu, vulkan or nginx, or several joined with + (got '$ONLY')" ;;
+  esac
+done
 if [ "$FORCE" != 1 ]; then
   if [ "$want_cpu" = 1 ] && have_image "$BASE_IMAGE"; then
     say "$BASE_IMAGE exists (cached; FORCE=1 rebuilds)"
@@ -47,8 +56,12 @@ if [ "$FORCE" != 1 ]; then
     say "$VULKAN_IMAGE exists (cached; FORCE=1 rebuilds)"
     want_vulkan=0
   fi
+  if [ "$want_nginx" = 1 ] && have_image "$NGINX_IMAGE"; then
+    say "$NGINX_IMAGE exists (cached; FORCE=1 rebuilds)"
+    want_nginx=0
+  fi
 fi
-[ "$want_cpu" = 1 ] || [ "$want_vulkan" = 1 ] || exit 0
+[ "$want_cpu" = 1 ] || [ "$want_vulkan" = 1 ] || [ "$want_nginx" = 1 ] || exit 0
 
 [ "$(id -u)" = 0 ] || die "debootstrap and chroot need root; run this script as root"
 if ! command -v debootstrap >/dev/null 2>&1; then
@@ -127,16 +140,20 @@ slim() {
   find "$ROOTFS/var/log" -type f -exec truncate -s 0 {} +
 }
 
-# `docker import` of the root filesystem, with the PATH and command an image from a Dockerfile has.
+# `docker import` of the root filesystem, with the PATH and command an image from a Dockerfile has
+# (further `--change` instructions may follow the description).
 import() {
   local tag=$1 description=$2
+  shift 2
+  local changes=(--change 'CMD ["bash"]')
+  [ "$#" = 0 ] || changes=("$@")
   tar -C "$ROOTFS" --numeric-owner \
     --exclude=./var/lib/apt/lists/* --exclude=./var/cache/apt/*.bin \
     --exclude=./etc/resolv.conf --exclude=./etc/hostname --exclude=./etc/hosts \
     -c . |
     docker import \
       --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-      --change 'CMD ["bash"]' \
+      "${changes[@]}" \
       --change "LABEL org.opencontainers.image.description=\"$description\"" \
       --change "LABEL org.colibri.debian-mirror=\"$MIRROR\"" \
       --message "colibri: docker/build-base.sh ($SUITE from $MIRROR)" \
@@ -147,6 +164,30 @@ import() {
 slim
 if [ "$want_cpu" = 1 ]; then
   import "$BASE_IMAGE" "Debian $SUITE minbase with ca-certificates and curl (colibri's runtime base)"
+fi
+if [ "$want_nginx" = 1 ]; then
+  # On a copy of the root filesystem, so that the Vulkan image below does not get nginx.
+  base_rootfs=$ROOTFS
+  ROOTFS=$WORK/rootfs-nginx
+  cp -a "$base_rootfs" "$ROOTFS"
+  say "installing nginx-light"
+  # No service is started inside the chroot (invoke-rc.d asks policy-rc.d).
+  printf '#!/bin/sh\nexit 101\n' >"$ROOTFS/usr/sbin/policy-rc.d"
+  chmod 0755 "$ROOTFS/usr/sbin/policy-rc.d"
+  in_root apt-get install -y -q nginx-light >>"$WORK/apt.log" 2>&1 ||
+    { tail -n 20 "$WORK/apt.log" >&2; die "installing nginx-light failed"; }
+  rm -f "$ROOTFS/usr/sbin/policy-rc.d"
+  slim
+  # The configuration comes with `-c FILE` (docker/replicas.sh mounts one); -e stderr: the
+  # compiled-in error log under /var/log/nginx is not writable for a non-root user. nginx's
+  # graceful stop is SIGQUIT (requests in progress finish): `docker run --stop-signal SIGQUIT`
+  # (`docker import` cannot set STOPSIGNAL).
+  import "$NGINX_IMAGE" "colibri-base + Debian's nginx-light (the load balancer of docker/replicas.sh)" \
+    --change 'ENTRYPOINT ["nginx", "-e", "stderr", "-g", "daemon off;"]' \
+    --change 'CMD ["-c", "/etc/nginx/nginx.conf"]' \
+    --change 'EXPOSE 8080'
+  rm -rf "$ROOTFS"
+  ROOTFS=$base_rootfs
 fi
 if [ "$want_vulkan" = 1 ]; then
   # python3-minimal satisfies mesa-vulkan-drivers' `python3 | python3-minimal` without the full

@@ -297,9 +297,16 @@ def one(docs: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def is_router(doc: dict) -> bool:
+    """A manifest of the chart's optional router (values `router`; checked by check_router)."""
+    return doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "router"
+
+
 def check_workload(docs: list[dict], *, existing: set[str] = frozenset()) -> dict:
     """Checks every manifest of one deployment of colibri; returns facts for further checks.
-    `existing` names Secrets and claims that exist outside these manifests."""
+    `existing` names Secrets and claims that exist outside these manifests. The router's
+    manifests, when there are any, are left to check_router."""
+    docs = [d for d in docs if not is_router(d)]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
     workloads = by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
     assert len(workloads) == 1, [w["kind"] for w in workloads]
@@ -876,6 +883,218 @@ def test_ram_from_memory_limit(limit, fraction, ram):
 _BUILD_CACHE: dict[str, list[dict]] = {}
 
 
+# --------------------------------------------------------------------------------------------
+# The optional router (values `router`): nginx hashing on the conversation key over the
+# StatefulSet's pods. Its nginx snippets are files/router/*.conf, which docker/replicas.sh
+# mounts into the nginx it measures (docs/reliability.md "Replicas").
+
+ROUTER_FILES = CHART / "files" / "router"
+
+
+def check_router(docs: list[dict], vals: dict) -> dict:
+    """Checks the router's manifests against the server's; returns its ConfigMap's data."""
+    router = [d for d in docs if is_router(d)]
+    server = [d for d in docs if not is_router(d)]
+    assert sorted(d["kind"] for d in router) == ["ConfigMap", "Deployment", "Service"]
+    cm, dep, svc = (one(router, k) for k in ("ConfigMap", "Deployment", "Service"))
+    sts = one(server, "StatefulSet")
+    headless = [s for s in by_kind(server, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"]]
+    assert headless and headless[0]["spec"]["clusterIP"] == "None"
+    assert headless[0]["spec"].get("publishNotReadyAddresses") is False, "unready pods would get requests"
+
+    # Selectors: the router's Service selects the router's pods only; nothing of the server's
+    # (Services, PodDisruptionBudget, StatefulSet) selects them.
+    pod = dep["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert not svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    selectors = [s["spec"]["selector"] for s in by_kind(server, "Service")]
+    selectors += [p["spec"]["selector"]["matchLabels"] for p in by_kind(server, "PodDisruptionBudget")]
+    selectors.append(sts["spec"]["selector"]["matchLabels"])
+    for sel in selectors:
+        assert not sel.items() <= labels.items(), f"{sel} selects the router's pods"
+
+    # The container: nginx with the ConfigMap's nginx.conf; every include is in the ConfigMap.
+    assert len(pod["spec"]["containers"]) == 1
+    c = pod["spec"]["containers"][0]
+    data = cm["data"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    conf_dir = "/etc/nginx/colibri"
+    assert volumes[mounts[conf_dir]["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+    assert mounts[conf_dir]["readOnly"] is True
+    assert c["command"][0] == "nginx" and c["command"][c["command"].index("-c") + 1] == f"{conf_dir}/nginx.conf"
+    conf = data["nginx.conf"]
+    for inc in re.findall(r"^\s*include\s+(\S+);", conf, re.M):
+        assert inc.startswith(conf_dir + "/") and inc[len(conf_dir) + 1 :] in data, f"include {inc}"
+    # One source: the snippets are the chart's files, byte for byte (bar the final newline).
+    for name in ("conversation-key.conf", "proxy.conf"):
+        assert data[name].rstrip("\n") == (ROUTER_FILES / name).read_text(encoding="utf-8").rstrip("\n"), name
+
+    # nginx writes only /tmp, as a non-root user.
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+    for path in ("pid", "client_body_temp_path", "proxy_temp_path"):
+        assert re.search(rf"^\s*{path}\s+/tmp/", conf, re.M), path
+    psc, sc = pod["spec"].get("securityContext", {}), c["securityContext"]
+    assert psc.get("runAsNonRoot") and psc.get("runAsUser", 0) != 0
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+
+    # Listening where the Service and the probes look; liveness on nginx itself.
+    port = c["ports"][0]
+    assert re.search(rf"^\s*listen\s+{port['containerPort']};", conf, re.M)
+    assert svc["spec"]["ports"][0]["targetPort"] in ("http", port["containerPort"]) and port["name"] == "http"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert re.search(rf"location = {c['livenessProbe']['httpGet']['path']} {{", conf)
+
+    # The upstream: each StatefulSet pod by its DNS name under the headless Service, re-resolved,
+    # on the server's port; maxReplicas names with autoscaling.
+    servers = re.findall(r"^\s*server\s+(\S+)\s+resolve\s+max_fails=(\d+)\s+fail_timeout=(\S+);", conf, re.M)
+    count = vals["autoscaling"]["maxReplicas"] if vals["autoscaling"]["enabled"] else vals["replicaCount"]
+    name, ns = sts["metadata"]["name"], sts["metadata"]["namespace"]
+    domain = vals["router"]["clusterDomain"]
+    server_port = one(server, "ConfigMap")["data"]["colibri.toml"]
+    server_port = int(re.search(r"^port = (\d+)$", server_port, re.M).group(1))
+    assert [s[0] for s in servers] == [
+        f"{name}-{i}.{headless[0]['metadata']['name']}.{ns}.svc.{domain}:{server_port}" for i in range(count)
+    ]
+    assert all(s[1:] == (str(vals["router"]["maxFails"]), vals["router"]["failTimeout"]) for s in servers)
+    assert re.search(r"^\s*zone\s+\S+\s+\S+;", conf, re.M), "`resolve` needs a shared memory zone"
+    assert re.search(rf"^\s*resolver\s+{re.escape(vals['router']['resolver'])}\b", conf, re.M)
+    balance = "hash $colibri_conversation_key consistent;" if vals["router"]["balance"] == "hash" else "least_conn;"
+    assert re.search(rf"^\s*{re.escape(balance)}$", conf, re.M), balance
+    fallback = "$remote_addr" if vals["router"]["fallbackKey"] == "clientAddress" else "$request_id"
+    assert re.search(rf"map \S+ \$colibri_key_fallback {{\s*default {re.escape(fallback)};\s*}}", conf)
+
+    # The router's stop outlasts the server's drain.
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= int(vals["config"]["drain_secs"]), "nginx is stopped before the drain ends"
+    return data
+
+
+def test_router_values():
+    _, docs = rendered_set("router")
+    vals = chart_values(load_values("router"))
+    check_workload(docs)
+    check_router(docs, vals)
+    assert one([d for d in docs if is_router(d)], "Deployment")["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    "router",
+    [
+        {},
+        {"balance": "leastConn", "fallbackKey": "clientAddress"},
+        {"clusterDomain": "k8s.example", "resolver": "10.96.0.10", "maxFails": 0, "failTimeout": "10s"},
+    ],
+)
+@pytest.mark.parametrize("autoscaling", [False, True])
+def test_router_renders(router, autoscaling):
+    values = {
+        "kind": "StatefulSet",
+        "replicaCount": 2,
+        "router": {"enabled": True} | router,
+        "autoscaling": {"enabled": autoscaling, "maxReplicas": 5},
+    }
+    docs = manifests(template_stream(render(values)))
+    check_workload(docs)
+    check_router(docs, chart_values(values))
+    for doc in docs:
+        validate_schema(doc, K8S_VERSIONS[-1])
+
+
+def test_router_off_by_default():
+    _, docs = rendered_set("default")
+    assert not [d for d in docs if is_router(d)]
+    assert not [d for d in rendered_set("statefulset")[1] if is_router(d)]
+
+
+ROUTER_BAD = {
+    "router on a Deployment": ({"router": {"enabled": True}}, "router.enabled needs kind: StatefulSet"),
+    "router and TLS": (
+        {"kind": "StatefulSet", "router": {"enabled": True}, "config": {"tls_cert": "/c.pem", "tls_key": "/k.pem"}},
+        "plain-HTTP replicas",
+    ),
+    "router balance": ({"kind": "StatefulSet", "router": {"enabled": True, "balance": "random"}}, "router.balance must be"),
+    "router fallback": ({"kind": "StatefulSet", "router": {"enabled": True, "fallbackKey": "cookie"}}, "router.fallbackKey must be"),
+    "router resolver": ({"kind": "StatefulSet", "router": {"enabled": True, "resolver": ""}}, "router.resolver must name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTER_BAD))
+def test_router_refuses(case):
+    values, message = ROUTER_BAD[case]
+    with pytest.raises(helm_python.HelmError) as e:
+        render(values)
+    assert message in str(e.value)
+
+
+def conversation_key_regex() -> re.Pattern:
+    """The map of files/router/conversation-key.conf that reads `user` from the body, as a
+    Python regex (nginx's PCRE syntax for it is the same but for `(?<name>` / `(?P<name>`)."""
+    text = (ROUTER_FILES / "conversation-key.conf").read_text(encoding="utf-8")
+    block = re.search(r"map \$request_body \$colibri_body_user \{\s*'~([^']*)' \$colibri_user;", text)
+    assert block, "the map of $request_body is not in conversation-key.conf"
+    return re.compile(block.group(1).replace("(?<", "(?P<"))
+
+
+@pytest.mark.parametrize(
+    "body,key",
+    [
+        ({"model": "m", "user": "alice", "messages": [{"role": "user", "content": "hi"}]}, "alice"),
+        ({"messages": [{"role": "user", "content": "hi"}], "user": "u-42"}, "u-42"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, None),
+        ({"messages": [{"role": "user", "content": 'say "user": "mallory"'}]}, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "user": ""}, None),
+        ({"messages": [{"role": "user", "name": "user", "content": "hi"}]}, None),
+    ],
+)
+def test_router_conversation_key_from_body(body, key):
+    """The body's OpenAI `user` field is the key; the word "user" elsewhere (a role, a name, a
+    quoted `"user": "..."` inside a message) is not; no `user` falls back."""
+    for text in (json.dumps(body), json.dumps(body, separators=(",", ":"))):
+        m = conversation_key_regex().search(text)
+        assert (m.group("colibri_user") if m else None) == key, text
+
+
+def test_router_snippets_parse(tmp_path):
+    """The shared snippets in a minimal configuration pass `nginx -t` (when nginx is installed;
+    docker/replicas.sh runs them for real)."""
+    nginx = shutil.which("nginx")
+    if not nginx:
+        pytest.skip("no nginx binary")
+    conf = tmp_path / "nginx.conf"
+    conf.write_text(
+        f"""pid {tmp_path}/nginx.pid;
+error_log stderr;
+events {{}}
+http {{
+    access_log off;
+    client_body_temp_path {tmp_path}/body;
+    proxy_temp_path {tmp_path}/proxy;
+    fastcgi_temp_path {tmp_path}/fastcgi;
+    uwsgi_temp_path {tmp_path}/uwsgi;
+    scgi_temp_path {tmp_path}/scgi;
+    include {ROUTER_FILES}/conversation-key.conf;
+    map $remote_addr $colibri_key_fallback {{ default $remote_addr; }}
+    upstream colibri {{
+        hash $colibri_conversation_key consistent;
+        server 127.0.0.1:9 max_fails=1 fail_timeout=5s;
+        server 127.0.0.2:9 max_fails=1 fail_timeout=5s;
+    }}
+    server {{
+        listen unix:{tmp_path}/nginx.sock;
+        location / {{ include {ROUTER_FILES}/proxy.conf; }}
+    }}
+}}
+""",
+        encoding="utf-8",
+    )
+    result = subprocess.run([nginx, "-t", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def built(overlay: str) -> list[dict]:
     if overlay not in _BUILD_CACHE:
         _BUILD_CACHE[overlay] = kustomize_build(overlay)
@@ -1174,7 +1393,7 @@ def deployment_docs(which: str) -> list[dict]:
 def test_server_accepts_the_configuration(which, tmp_path):
     """`coli config --show` with the pod's arguments, configuration file and environment:
     the server refuses unknown keys and invalid values at start, so this is what it would do."""
-    docs = deployment_docs(which)
+    docs = [d for d in deployment_docs(which) if not is_router(d)]
     work = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")][0]
     container = work["spec"]["template"]["spec"]["containers"][0]
     config = write_config(docs, tmp_path)

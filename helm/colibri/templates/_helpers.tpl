@@ -225,3 +225,119 @@ Checks the values it is built from.
 {{- end }}
 {{- printf "/models/%s" $dir }}
 {{- end }}
+
+{{/*
+The router (values `router`): its name, labels and the nginx configuration around the shared
+snippets of files/router/ (the same files docker/replicas.sh mounts into its nginx).
+Its pods have their own app.kubernetes.io/name, so that the server's Services, its
+PodDisruptionBudget and its workload's selector never select them.
+*/}}
+{{- define "colibri.routerName" -}}
+{{- printf "%s-router" (include "colibri.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "colibri.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "colibri.name" . | trunc 56 | trimSuffix "-" }}-router
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "colibri.routerLabels" -}}
+helm.sh/chart: {{ include "colibri.chart" . }}
+{{ include "colibri.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: router
+app.kubernetes.io/part-of: {{ include "colibri.name" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+The replicas the router knows, as `server` lines of the upstream block: each StatefulSet pod by
+its DNS name under the headless Service, re-resolved by nginx (`resolve`), so a restarted pod's
+new address is picked up and a pod that is not ready (no DNS record: the headless Service does
+not publish unready pods) is left out. With autoscaling, every name up to maxReplicas: those of
+pods that do not exist do not resolve and get no requests.
+*/}}
+{{- define "colibri.routerServers" -}}
+{{- $r := .Values.router }}
+{{- $n := int64 .Values.replicaCount }}
+{{- if .Values.autoscaling.enabled }}
+{{- $n = int64 .Values.autoscaling.maxReplicas }}
+{{- end }}
+{{- $full := include "colibri.fullname" . }}
+{{- $lines := list }}
+{{- range $i := until (int $n) }}
+{{- $lines = append $lines (printf "server %s-%d.%s-headless.%s.svc.%s:%d\n    resolve max_fails=%d fail_timeout=%s;" $full $i $full $.Release.Namespace $r.clusterDomain (int64 $.Values.containerPort) (int64 $r.maxFails) (toString $r.failTimeout)) }}
+{{- end }}
+{{- join "\n" $lines }}
+{{- end }}
+
+{{/*
+The router's nginx.conf: paths under /tmp (read-only root file system, any non-root user), the
+shared snippets from /etc/nginx/colibri, the upstream of the StatefulSet's pods.
+*/}}
+{{- define "colibri.routerNginxConf" -}}
+{{- $r := .Values.router }}
+{{- if ne (include "colibri.kind" .) "StatefulSet" }}
+{{- fail "router.enabled needs kind: StatefulSet: the router addresses each replica by its stable DNS name under the headless Service" }}
+{{- end }}
+{{- if .Values.config.tls_cert }}
+{{- fail "router.enabled needs plain-HTTP replicas (config.tls_cert unset): terminate TLS in front of the router" }}
+{{- end }}
+{{- if not (has $r.balance (list "hash" "leastConn")) }}
+{{- fail (printf "router.balance must be hash or leastConn, found %q" (toString $r.balance)) }}
+{{- end }}
+{{- if not (has $r.fallbackKey (list "clientAddress" "requestId")) }}
+{{- fail (printf "router.fallbackKey must be clientAddress or requestId, found %q" (toString $r.fallbackKey)) }}
+{{- end }}
+{{- if not $r.resolver }}
+{{- fail "router.resolver must name the cluster's DNS service (e.g. kube-dns.kube-system.svc.cluster.local)" }}
+{{- end -}}
+# nginx.conf of the colibri router, rendered by the colibri chart (values `router`). The
+# snippets it includes are files/router/*.conf of the chart, which docker/replicas.sh uses too.
+worker_processes {{ $r.workerProcesses }};
+pid /tmp/nginx.pid;
+events {
+    worker_connections {{ int64 $r.workerConnections }};
+}
+http {
+    log_format colibri '$remote_addr [$time_local] "$request" $status $body_bytes_sent '
+                       'rt=$request_time upstream=$upstream_addr upstream_status=$upstream_status';
+    access_log /dev/stdout colibri;
+    client_body_temp_path /tmp/client_body;
+    proxy_temp_path /tmp/proxy;
+    fastcgi_temp_path /tmp/fastcgi;
+    uwsgi_temp_path /tmp/uwsgi;
+    scgi_temp_path /tmp/scgi;
+    # The cluster's DNS: the replicas' names are looked up again every `valid`.
+    resolver {{ $r.resolver }} valid={{ $r.resolverValid }};
+
+    include /etc/nginx/colibri/conversation-key.conf;
+    # Requests with neither x-session-id nor `user` (router.fallbackKey).
+    map $remote_addr $colibri_key_fallback {
+        default {{ ternary "$remote_addr" "$request_id" (eq $r.fallbackKey "clientAddress") }};
+    }
+
+    upstream colibri {
+        zone colibri 1m;
+        {{- if eq $r.balance "hash" }}
+        hash $colibri_conversation_key consistent;
+        {{- else }}
+        least_conn;
+        {{- end }}
+        {{- include "colibri.routerServers" . | nindent 8 }}
+        keepalive {{ int64 $r.keepalive }};
+    }
+
+    server {
+        listen {{ int64 $r.containerPort }};
+        # nginx itself (the liveness probe); /ready goes to a replica like any request.
+        location = /router/health {
+            access_log off;
+            return 200 "ok\n";
+        }
+        location / {
+            include /etc/nginx/colibri/proxy.conf;
+        }
+    }
+}
+{{- end }}
