@@ -6,7 +6,9 @@
 #
 # e.g. engine/benches/plan_vs_bench.sh -m ~/models/Qwen3-30B-A3B -r 8G -r 16G -- --gen-tokens 64
 #
-# COLI (default: target/release/coli, else `coli` on the PATH) is the binary run. Flags after
+# COLI (default: target/release/coli, else `coli` on the PATH) is the binary run; REPS
+# (default 1) bench runs per row, back to back, of which the median decode speed and its hit
+# rate are shown (the machine is shared and noisy: see docs/benchmarks.md). Flags after
 # `--` go to both commands when both take them (engine flags: --threads, --io, --mirror, ...;
 # bench-only flags such as --gen-tokens are given to bench only). A budget of `mmap` plans and
 # benches with --mmap instead of --ram. Each bench run records the usage history the next plan
@@ -14,6 +16,7 @@
 set -euo pipefail
 
 coli="${COLI:-}"
+reps="${REPS:-1}"
 if [[ -z "$coli" ]]; then
   if [[ -x target/release/coli ]]; then coli=target/release/coli; else coli=coli; fi
 fi
@@ -24,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     -m|--model) models+=("$2"); shift 2 ;;
     -r|--ram) budgets+=("$2"); shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -70,11 +73,15 @@ for m in "${models[@]}"; do
       echo "| $(basename "$m") | $b | refused | - | - | - | - |"
       continue
     fi
-    bench=$("$coli" bench -m "$m" "${budget[@]}" ${bench_flags[@]+"${bench_flags[@]}"} --json)
+    runs=()
+    for ((r = 0; r < reps; r++)); do
+      bench=$("$coli" bench -m "$m" "${budget[@]}" ${bench_flags[@]+"${bench_flags[@]}"} --json)
+      runs+=("$(field decode_tok_per_s <<<"$bench") $(field decode_byte_hit_rate <<<"$bench")")
+    done
     p=$(field prediction.decode_tok_per_s <<<"$plan")
     ph=$(field prediction.ram_hit_fraction <<<"$plan")
-    t=$(field decode_tok_per_s <<<"$bench")
-    th=$(field decode_byte_hit_rate <<<"$bench")
+    # The median run by decode speed, and its hit rate.
+    read -r t th < <(printf '%s\n' "${runs[@]}" | sort -g | sed -n "$(( (${#runs[@]} + 1) / 2 ))p")
     python3 -c 'import sys
 m,b,p,t,ph,th=sys.argv[1:]
 p,t,ph,th=float(p),float(t),float(ph),float(th)

@@ -12,16 +12,32 @@
 //! The prediction, for one sequence decoding:
 //!
 //! ```text
-//! seconds per token = resident bytes read per token / memory bandwidth
-//!                   + active-expert bytes hit in RAM / memory bandwidth
-//!                   + active-expert bytes missed     / disk bandwidth
+//! seconds per token = resident bytes read per token / dense compute rate
+//!                   + active-expert bytes (hits and misses) / expert compute rate
+//!                   + active-expert bytes missed × (from page cache / page-cache rate
+//!                                                   + from disk / disk bandwidth)
+//! compute rate      = the decode kernel's rate on the model's matrices (dense, or routed
+//!                     experts'), at most the memory bandwidth
 //! ```
 //!
-//! with the bandwidths `coli bench --remeasure` measures ([`crate::machine`]; measured now if
-//! none are cached), the disk's multiplied by the drives' relative weights when mirrors are
-//! configured, and the hit fractions from the usage history's counts (each layer's routing
-//! distribution; the RAM cache assumed to hold the hottest experts that fit it) or, without a
-//! history, uniform routing (hit fraction = cache bytes / routed-expert bytes). The resident
+//! with the rates [`crate::machine`] measures (memory, disk and page-cache reads by `coli
+//! bench --remeasure`, measured now if none are cached; the decode kernel per matrix format,
+//! shape and thread count the first time a plan needs it, [`crate::machine::kernel_rates`]).
+//! A compute rate is the kernels' harmonic mean over the model's matrix shapes
+//! ([`colibri::model::matrix_shapes`]) weighted by their bytes, each shape timed the way decode
+//! runs it (a dense matrix alone, a MoE layer's active experts of one shape in one parallel
+//! step): on a machine whose cores cannot keep up with its memory, and with small matrices
+//! whose steps cost more than their bytes, decode runs below the memory roofline.
+//! The disk bandwidth is multiplied by the drives' relative weights when mirrors are
+//! configured. A miss is read from the page cache when the reads are buffered (no
+//! `direct_io`) and the file is there: the share assumed so is the memory left beside the
+//! plan's RAM total (the machine's available memory, which counts the page cache, less that
+//! total) over the routed-expert bytes, at most 1; with `direct_io` every miss is a disk read.
+//! Pinned experts always hit; the rest of the cache holds what recent tokens used (LRU), whose
+//! hit probabilities follow Che's approximation under each layer's routing distribution from
+//! the usage history's counts, or uniform routing without a history (hit fraction = cache
+//! bytes / routed-expert bytes). Prefetching hides reads, it does not save them: a prefetched
+//! expert is still read, so it counts as a miss here (`coli bench` counts it as a hit). The resident
 //! bytes read per token are the resident set less the input embedding table (a token reads
 //! one row of it), that table estimated at the checkpoint's mean bytes per parameter. Bytes
 //! in VRAM are computed on the device, whose bandwidth is not measured: they are left out of
@@ -91,9 +107,19 @@ pub struct Placement {
     #[serde(skip)]
     tied_embeddings: bool,
     #[serde(skip)]
-    uniform: bool,
-    #[serde(skip)]
     mirror_weights: Vec<f64>,
+    /// The model's weight matrices by format and shape (what the kernels are timed on).
+    #[serde(skip)]
+    matrices: Vec<colibri::model::MatrixShape>,
+    /// Compute threads (0: every core).
+    #[serde(skip)]
+    threads: usize,
+    /// Experts read with O_DIRECT (never from the page cache).
+    #[serde(skip)]
+    direct_io: bool,
+    /// The machine's available memory now (page cache included), if known.
+    #[serde(skip)]
+    available_memory: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +128,9 @@ struct ExpertFacts {
     /// Probability that one of the layer's routed slots picks this expert.
     share: f64,
     place: Place,
+    /// Probability that it is in RAM when a token needs it (1 pinned or mapped; the
+    /// cache's LRU steady state otherwise, [`lru_hit_probabilities`]).
+    hit: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,6 +187,16 @@ pub struct DiskTier {
 #[derive(Debug, Clone, Serialize)]
 pub struct Prediction {
     pub memory_gb_per_s: f64,
+    /// The decode kernel's measured rate on each of the model's matrix shapes at the
+    /// configured threads.
+    pub kernels: Vec<KernelRate>,
+    /// The rates dense weights and active experts are computed at (GB/s of weight bytes).
+    pub dense_compute_gb_per_s: f64,
+    pub expert_compute_gb_per_s: f64,
+    /// Expert-sized reads from the page cache through the store's reader (GB/s), and the
+    /// share of the misses assumed to be served so (0 with `direct_io`).
+    pub page_cache_gb_per_s: f64,
+    pub page_cache_miss_fraction: f64,
     /// Disk bandwidth of all drives together (the measured one times the drives' weights).
     pub disk_gb_per_s: f64,
     pub disk_source: String,
@@ -175,6 +214,21 @@ pub struct Prediction {
     pub decode_tok_per_s: f64,
 }
 
+/// The decode kernel's rate on the matrices of one shape of the model.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelRate {
+    pub format: String,
+    pub rows: usize,
+    pub cols: usize,
+    /// Routed experts' matrices (else dense), and how many one parallel step multiplies.
+    pub expert: bool,
+    pub group: usize,
+    /// Bytes of these matrices in the model.
+    pub bytes: u64,
+    /// Measured GB/s (`None`: no plain kernel; counted at the memory bandwidth).
+    pub gb_per_s: Option<f64>,
+}
+
 /// The plan: the placement and its prediction.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -187,9 +241,9 @@ pub struct Plan {
 pub fn run(args: PlanArgs) -> Result<()> {
     let loaded = crate::config::load(&args.flags)?;
     let placement = placement(&loaded.config)?;
-    let bw = crate::machine::bandwidths(false)?;
+    let (bw, page_cache, kernels) = kernel_rates(&placement)?;
     let plan = Plan {
-        prediction: predict(&placement, &bw),
+        prediction: predict(&placement, &bw, page_cache, &kernels),
         placement,
     };
     if args.json {
@@ -198,6 +252,50 @@ pub fn run(args: PlanArgs) -> Result<()> {
         print_plan(&plan, &bw);
     }
     Ok(())
+}
+
+/// The decode kernel's rate on each matrix shape of `p`'s model at its threads (measured
+/// now where `machine.json` has none), with the machine's bandwidths.
+pub fn kernel_rates(p: &Placement) -> Result<(Bandwidths, f64, Vec<KernelRate>)> {
+    let per_layer = (p.routed_experts * p.moe_layers).max(1);
+    // Between two uses of a matrix the rest of a token's weights stream through the caches:
+    // each shape is timed cycling through as many bytes as all the model's matrices (at most
+    // 256 MiB), not only its own.
+    let model_bytes: u64 = p.matrices.iter().map(|m| m.bytes).sum();
+    let shapes: Vec<crate::machine::KernelShape> = p
+        .matrices
+        .iter()
+        .map(|m| crate::machine::KernelShape {
+            dtype: m.dtype,
+            rows: m.rows,
+            cols: m.cols,
+            // A layer's active experts' matrices of this shape go in one step (gate and up
+            // together when they have one shape).
+            group: if m.expert {
+                p.active_experts.max(1)
+                    * (m.count as f64 / per_layer as f64).round().max(1.0) as usize
+            } else {
+                1
+            },
+            working_set: model_bytes,
+        })
+        .collect();
+    let (bw, page_cache, rates) = crate::machine::kernel_rates(&shapes, p.threads)?;
+    let kernels = shapes
+        .iter()
+        .zip(&p.matrices)
+        .zip(rates)
+        .map(|((s, m), r)| KernelRate {
+            format: m.dtype.to_string(),
+            rows: m.rows,
+            cols: m.cols,
+            expert: m.expert,
+            group: s.group,
+            bytes: m.bytes,
+            gb_per_s: r,
+        })
+        .collect();
+    Ok((bw, page_cache, kernels))
 }
 
 /// The model directory `config` names (the demo model, synthesized on first use, when none),
@@ -284,7 +382,6 @@ pub fn placement_of(
         ),
         (Some(_), false) => crate::mirror_cmd::load_history(dir, &experts_per_layer),
     };
-    let uniform = history.is_none();
     let bytes_of = |l: usize, x: usize| layout.map_or(0, |lay| lay.expert_bytes(l, x));
     let mut place: Vec<Vec<Place>> = experts_per_layer
         .iter()
@@ -298,6 +395,12 @@ pub fn placement_of(
     });
     let bytes_per_param = checkpoint_bytes as f64 / total_params;
     let embedding_params = (info.vocab_size * info.hidden_size) as u64;
+    let matrices = colibri::model::matrix_shapes(dir).with_context(|| {
+        format!(
+            "cannot read the weight matrices of the model in {}",
+            dir.display()
+        )
+    })?;
     let tied_embeddings = colibri::format::config::ModelConfig::from_model_dir(dir)
         .ok()
         .and_then(|c| c.bool_or("tie_word_embeddings", false).ok())
@@ -374,14 +477,6 @@ pub fn placement_of(
                         place[l][x] = Place::Pinned;
                     }
                 }
-                let mut left = s.cache.saturating_sub(ram.pinned_bytes);
-                for (l, x) in h.hottest(|_, _| 0, 0) {
-                    let b = bytes_of(l, x);
-                    if place[l][x] == Place::Disk && b <= left {
-                        left -= b;
-                        place[l][x] = Place::Cached;
-                    }
-                }
             }
         }
     }
@@ -405,7 +500,29 @@ pub fn placement_of(
                 bytes: bytes_of(l, x),
                 share,
                 place: p,
+                hit: match p {
+                    Place::Pinned | Place::Vram => 1.0,
+                    _ if split.is_none() => 1.0,
+                    _ => 0.0,
+                },
             });
+        }
+    }
+    // The cache's unpinned part holds what recent tokens used (LRU).
+    if let Some(s) = split {
+        let lru: Vec<usize> = (0..experts.len())
+            .filter(|&i| matches!(experts[i].place, Place::Cached | Place::Disk))
+            .collect();
+        let uses: Vec<(f64, f64)> = lru
+            .iter()
+            .map(|&i| {
+                let x = &experts[i];
+                (info.active_experts as f64 * x.share, x.bytes as f64)
+            })
+            .collect();
+        let capacity = s.cache.saturating_sub(ram.pinned_bytes) as f64;
+        for (&i, h) in lru.iter().zip(lru_hit_probabilities(&uses, capacity)) {
+            experts[i].hit = h;
         }
     }
     let mirror_weights = if e.mirror_weights.is_empty() {
@@ -441,13 +558,66 @@ pub fn placement_of(
         embedding_params,
         hidden_size: info.hidden_size,
         tied_embeddings,
-        uniform,
         mirror_weights,
+        matrices,
+        threads: e.threads,
+        direct_io: e.direct_io,
+        available_memory: colibri::store::budget::available_memory(),
     })
 }
 
-/// The decode speed `p` predicts with bandwidths `bw` (see the module comment).
-pub fn predict(p: &Placement, bw: &Bandwidths) -> Prediction {
+/// Che's approximation of an LRU cache of `capacity` bytes: for items each used `rate` times
+/// per token (independently) with `bytes` each, the probability each is in the cache when
+/// used, `1 − exp(−rate · T)`, where the characteristic time `T` (tokens) fills the cache:
+/// `Σ bytes · (1 − exp(−rate · T)) = capacity`. Everything hits when all that is ever used
+/// fits. (For equal rates and sizes this is `capacity / total bytes`, uniform routing's
+/// fraction.)
+fn lru_hit_probabilities(items: &[(f64, f64)], capacity: f64) -> Vec<f64> {
+    let used: f64 = items
+        .iter()
+        .filter(|&&(rate, _)| rate > 0.0)
+        .map(|&(_, b)| b)
+        .sum();
+    if capacity >= used {
+        return items
+            .iter()
+            .map(|&(rate, _)| if rate > 0.0 { 1.0 } else { 0.0 })
+            .collect();
+    }
+    let filled = |t: f64| -> f64 {
+        items
+            .iter()
+            .map(|&(rate, b)| b * -(-rate * t).exp_m1())
+            .sum()
+    };
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    while filled(hi) < capacity && hi < 1e18 {
+        hi *= 2.0;
+    }
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if filled(mid) < capacity {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let t = 0.5 * (lo + hi);
+    items
+        .iter()
+        .map(|&(rate, _)| -(-rate * t).exp_m1())
+        .collect()
+}
+
+/// The decode speed `p` predicts with bandwidths `bw`, the page cache's read rate
+/// `page_cache_gb_per_s` and the decode kernel's rates `kernels`
+/// ([`kernel_rates`]; see the module comment).
+pub fn predict(
+    p: &Placement,
+    bw: &Bandwidths,
+    page_cache_gb_per_s: f64,
+    kernels: &[KernelRate],
+) -> Prediction {
     let k = p.active_experts as f64;
     // Active-expert bytes per token, and how they split over the tiers.
     let (mut vram_b, mut ram_b, mut miss_b) = (0.0f64, 0.0f64, 0.0f64);
@@ -455,23 +625,13 @@ pub fn predict(p: &Placement, bw: &Bandwidths) -> Prediction {
         let b = k * x.share * x.bytes as f64;
         match x.place {
             Place::Vram => vram_b += b,
-            Place::Pinned | Place::Cached => ram_b += b,
-            Place::Disk => miss_b += b,
+            _ => {
+                ram_b += b * x.hit;
+                miss_b += b * (1.0 - x.hit);
+            }
         }
     }
     let active = vram_b + ram_b + miss_b;
-    if p.uniform && p.mode == "tiered" && active > 0.0 {
-        // Uniform routing: hit fraction = cache bytes / routed-expert bytes outside VRAM.
-        let outside = (p.routed_expert_bytes - p.vram.expert_bytes) as f64;
-        let f = if outside > 0.0 {
-            (p.ram.cache_bytes as f64 / outside).min(1.0)
-        } else {
-            1.0
-        };
-        let rest = ram_b + miss_b;
-        ram_b = rest * f;
-        miss_b = rest - ram_b;
-    }
     let embedding = if p.tied_embeddings {
         0.0
     } else {
@@ -485,11 +645,47 @@ pub fn predict(p: &Placement, bw: &Bandwidths) -> Prediction {
     };
     let resident = (p.dense_bytes as f64 - embedding + row - p.vram.dense_bytes as f64).max(0.0);
     let memory = bw.memory_gb_per_s * 1e9;
+    // The kernels' rate over the model's dense or expert matrices: their bytes over the
+    // seconds each shape's bytes take (a format without a kernel at the memory bandwidth).
+    let compute = |expert: bool| {
+        let (bytes, secs) =
+            kernels
+                .iter()
+                .filter(|k| k.expert == expert)
+                .fold((0.0f64, 0.0f64), |(b, t), k| {
+                    let rate = k.gb_per_s.map_or(memory, |r| (r * 1e9).min(memory));
+                    (b + k.bytes as f64, t + k.bytes as f64 / rate)
+                });
+        if secs > 0.0 {
+            (bytes / secs).min(memory)
+        } else {
+            memory
+        }
+    };
+    let (dense_rate, expert_rate) = (compute(false), compute(true));
     let disk = bw.disk_gb_per_s * 1e9 * (1.0 + p.mirror_weights.iter().sum::<f64>());
-    let seconds = resident / memory + ram_b / memory + miss_b / disk;
+    let page_cache = page_cache_gb_per_s * 1e9;
+    // Misses served by the page cache: buffered reads, as much of the expert files as the
+    // memory beside the plan's own holds.
+    let cached_share = match (p.direct_io, p.available_memory) {
+        (true, _) | (_, None) => 0.0,
+        _ if p.disk.expert_bytes == 0 => 0.0,
+        (false, Some(avail)) => {
+            (avail.saturating_sub(p.ram.total_bytes) as f64 / p.disk.expert_bytes as f64).min(1.0)
+        }
+    };
+    let seconds = resident / dense_rate
+        + (ram_b + miss_b) / expert_rate
+        + miss_b * cached_share / page_cache
+        + miss_b * (1.0 - cached_share) / disk;
     let frac = |b: f64| if active > 0.0 { b / active } else { 0.0 };
     Prediction {
         memory_gb_per_s: bw.memory_gb_per_s,
+        kernels: kernels.to_vec(),
+        dense_compute_gb_per_s: dense_rate / 1e9,
+        expert_compute_gb_per_s: expert_rate / 1e9,
+        page_cache_gb_per_s: page_cache / 1e9,
+        page_cache_miss_fraction: cached_share,
         disk_gb_per_s: disk / 1e9,
         disk_source: bw.disk_source.clone(),
         resident_bytes_per_token: resident,
@@ -593,14 +789,35 @@ fn print_plan(plan: &Plan, bw: &Bandwidths) {
         q.seconds_per_token * 1e3
     );
     println!(
-        "  = 1 / ({} resident / {:.1} GB/s + {} expert hits / {:.1} GB/s + {} expert misses / {:.2} GB/s)",
+        "  = 1 / ({} resident / {:.1} GB/s + {} active experts / {:.1} GB/s + reading the {} missed: {:.0} % from the page cache at {:.1} GB/s, the rest from disk at {:.2} GB/s)",
         size(q.resident_bytes_per_token as u64),
-        q.memory_gb_per_s,
-        size(q.expert_hit_bytes_per_token as u64),
-        q.memory_gb_per_s,
+        q.dense_compute_gb_per_s,
+        size((q.expert_hit_bytes_per_token + q.expert_miss_bytes_per_token) as u64),
+        q.expert_compute_gb_per_s,
         size(q.expert_miss_bytes_per_token as u64),
+        q.page_cache_miss_fraction * 100.0,
+        q.page_cache_gb_per_s,
         q.disk_gb_per_s
     );
+    println!(
+        "  compute: the decode kernel on each matrix shape (memory {:.1} GB/s at most):",
+        q.memory_gb_per_s
+    );
+    for k in &q.kernels {
+        println!(
+            "    {:<7} {:>6} x {:<6} {:<6} {:>3} per step  {:>10}  {}",
+            k.format,
+            k.rows,
+            k.cols,
+            if k.expert { "expert" } else { "dense" },
+            k.group,
+            size(k.bytes),
+            k.gb_per_s
+                .map_or("no kernel: memory rate".to_string(), |r| format!(
+                    "{r:.1} GB/s"
+                ))
+        );
+    }
     println!(
         "  active-expert bytes: {:.1} % in VRAM (not timed), {:.1} % RAM hits, {:.1} % disk misses",
         q.vram_fraction * 100.0,

@@ -1,7 +1,8 @@
-//! `coli plan` on a small synthetic MoE with known bandwidths (a `machine.json` in the cache
-//! directory): the text names every tier, `--json` parses and holds the resident set and cache
-//! a real load reports, the uniform-routing hit fraction and the predicted tok/s by the
-//! documented formula; a too-small `--ram` is refused with the numbers; a usage history
+//! `coli plan` on a small synthetic MoE with known bandwidths and kernel rate (a
+//! `machine.json` in the cache directory): the text names every tier, `--json` parses and
+//! holds the resident set and cache a real load reports, the uniform-routing hit fraction and
+//! the predicted tok/s by the documented formula, with buffered and O_DIRECT reads; a kernel
+//! rate not cached is measured and kept; a too-small `--ram` is refused with the numbers; a usage history
 //! recorded by `coli run` is used for the pins and hit rates.
 
 mod support;
@@ -37,6 +38,7 @@ fn ok(out: &Output, what: &str) -> String {
 
 const MEMORY_GB_S: f64 = 10.0;
 const DISK_GB_S: f64 = 0.5;
+const PAGE_CACHE_GB_S: f64 = 2.0;
 
 struct Setup {
     _tmp: tempfile::TempDir,
@@ -58,6 +60,7 @@ fn setup() -> Setup {
             "memory_gb_per_s": MEMORY_GB_S,
             "disk_source": "test",
             "measured_unix": 0,
+            "page_cache_gb_per_s": PAGE_CACHE_GB_S,
         })
         .to_string(),
     )
@@ -108,7 +111,11 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
     let m = s.model.to_str().unwrap();
 
     let text = ok(
-        &coli_with(&s.cache, &s.state, &["plan", "-m", m, "--ram", &ram]),
+        &coli_with(
+            &s.cache,
+            &s.state,
+            &["plan", "-m", m, "--ram", &ram, "--threads", "1"],
+        ),
         "plan",
     );
     for tier in ["VRAM", "RAM", "disk"] {
@@ -130,6 +137,8 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
                 "--ram",
                 &ram,
                 "--json",
+                "--threads",
+                "1",
                 "--slots",
                 "3",
                 "--context",
@@ -162,14 +171,103 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
     assert!((hit_b + miss_b - active).abs() < 1.0, "{q:#}");
     let resident = q["resident_bytes_per_token"].as_f64().unwrap();
     assert!(resident > 0.0 && resident <= dense as f64, "{q:#}");
-    let seconds =
-        resident / (MEMORY_GB_S * 1e9) + hit_b / (MEMORY_GB_S * 1e9) + miss_b / (DISK_GB_S * 1e9);
+    // The decode kernel was timed on every matrix shape of the model: q, k, v, o (one
+    // shape), the router, the LM head (dense); gate and up (one shape, both of a layer's two
+    // active experts in one step) and down (experts).
+    let kernels = q["kernels"].as_array().unwrap();
+    let find = |rows: u64, cols: u64, expert: bool| {
+        kernels
+            .iter()
+            .find(|k| {
+                k["rows"].as_u64() == Some(rows)
+                    && k["cols"].as_u64() == Some(cols)
+                    && k["expert"].as_bool() == Some(expert)
+            })
+            .unwrap_or_else(|| panic!("no {rows}x{cols} kernel: {q:#}"))
+    };
+    assert_eq!(find(128, 128, false)["group"].as_u64(), Some(1), "{q:#}");
+    assert_eq!(find(512, 128, false)["format"], "f32", "{q:#}");
+    assert_eq!(find(64, 128, true)["group"].as_u64(), Some(4), "{q:#}");
+    assert_eq!(find(128, 64, true)["group"].as_u64(), Some(2), "{q:#}");
+    let expert_bytes: u64 = kernels
+        .iter()
+        .filter(|k| k["expert"] == true)
+        .map(|k| k["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(expert_bytes, routed, "{q:#}");
+    // Each rate is measured, and the compute rates are their byte-weighted harmonic means
+    // capped at the memory bandwidth.
+    let rate_of = |expert: bool| {
+        let (b, t) =
+            kernels
+                .iter()
+                .filter(|k| k["expert"] == expert)
+                .fold((0.0, 0.0), |(b, t), k| {
+                    let r = k["gb_per_s"].as_f64().unwrap();
+                    assert!(r > 0.0 && r.is_finite(), "{q:#}");
+                    let n = k["bytes"].as_f64().unwrap();
+                    (b + n, t + n / r.min(MEMORY_GB_S))
+                });
+        (b / t).min(MEMORY_GB_S)
+    };
+    let (dense_rate, expert_rate) = (rate_of(false), rate_of(true));
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.max(1.0);
+    assert!(
+        close(q["dense_compute_gb_per_s"].as_f64().unwrap(), dense_rate),
+        "{q:#}"
+    );
+    assert!(
+        close(q["expert_compute_gb_per_s"].as_f64().unwrap(), expert_rate),
+        "{q:#}"
+    );
+    // Resident weights at the dense rate, every active expert at the expert rate, and reading
+    // the misses: from the page cache (buffered reads) for the share the free memory holds,
+    // the rest from disk.
+    let share = q["page_cache_miss_fraction"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&share), "{q:#}");
+    let seconds = resident / (dense_rate * 1e9)
+        + (hit_b + miss_b) / (expert_rate * 1e9)
+        + miss_b * share / (PAGE_CACHE_GB_S * 1e9)
+        + miss_b * (1.0 - share) / (DISK_GB_S * 1e9);
+    let tok_s = q["decode_tok_per_s"].as_f64().unwrap();
+    assert!((tok_s - 1.0 / seconds).abs() / tok_s < 1e-9, "{q:#}");
+
+    // With O_DIRECT reads no miss comes from the page cache.
+    let json = ok(
+        &coli_with(
+            &s.cache,
+            &s.state,
+            &[
+                "plan",
+                "-m",
+                m,
+                "--ram",
+                &ram,
+                "--json",
+                "--threads",
+                "1",
+                "--direct-io",
+            ],
+        ),
+        "plan --direct-io --json",
+    );
+    let q: serde_json::Value =
+        serde_json::from_str::<serde_json::Value>(&json).unwrap()["prediction"].clone();
+    assert_eq!(q["page_cache_miss_fraction"].as_f64(), Some(0.0), "{q:#}");
+    let miss_b = q["expert_miss_bytes_per_token"].as_f64().unwrap();
+    let seconds = resident / (dense_rate * 1e9)
+        + (hit_b + miss_b) / (expert_rate * 1e9)
+        + miss_b / (DISK_GB_S * 1e9);
     let tok_s = q["decode_tok_per_s"].as_f64().unwrap();
     assert!((tok_s - 1.0 / seconds).abs() / tok_s < 1e-9, "{q:#}");
 
     // A budget below the resident set: refused, with the numbers and the fix.
     let small = (dense / 2).to_string();
-    let out = coli_with(&s.cache, &s.state, &["plan", "-m", m, "--ram", &small]);
+    let out = coli_with(
+        &s.cache,
+        &s.state,
+        &["plan", "-m", m, "--ram", &small, "--threads", "1"],
+    );
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -184,7 +282,11 @@ fn plan_prints_every_tier_predicts_by_the_formula_and_refuses_a_small_budget() {
 
     // Memory-mapped: every expert in RAM, nothing read from disk.
     let json = ok(
-        &coli_with(&s.cache, &s.state, &["plan", "-m", m, "--mmap", "--json"]),
+        &coli_with(
+            &s.cache,
+            &s.state,
+            &["plan", "-m", m, "--mmap", "--json", "--threads", "1"],
+        ),
         "plan --mmap",
     );
     let p: serde_json::Value = serde_json::from_str(&json).unwrap();
@@ -238,4 +340,33 @@ fn plan_uses_the_usage_history_for_pins_and_hits() {
     let q = &p["prediction"];
     let sum = q["ram_hit_fraction"].as_f64().unwrap() + q["miss_fraction"].as_f64().unwrap();
     assert!((sum - 1.0).abs() < 1e-9, "{q:#}");
+    // The kernel rates measured are kept in machine.json beside the bandwidths given,
+    // keyed by format, shape, step, working set (the model's matrices together) and threads.
+    let model_bytes: u64 = q["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["bytes"].as_u64().unwrap())
+        .sum();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let machine: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(s.cache.join("machine.json")).unwrap())
+            .unwrap();
+    assert_eq!(machine["memory_gb_per_s"].as_f64(), Some(MEMORY_GB_S));
+    let kept = machine["kernel_gb_per_s"].as_object().unwrap();
+    for k in q["kernels"].as_array().unwrap() {
+        let key = format!(
+            "{} {}x{} x{} {}@{cores}",
+            k["format"].as_str().unwrap(),
+            k["rows"],
+            k["cols"],
+            k["group"],
+            model_bytes
+        );
+        assert_eq!(
+            kept.get(&key).and_then(|v| v.as_f64()),
+            k["gb_per_s"].as_f64(),
+            "{key}: {machine:#}"
+        );
+    }
 }

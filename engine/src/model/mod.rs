@@ -273,6 +273,65 @@ pub fn describe(dir: &Path, opts: &LoadOptions) -> Result<Described> {
     })
 }
 
+/// The weight matrices of one shape and format in a model: routed experts' (a tensor named
+/// `….experts.…`, or a three-dimensional stack of them) or dense ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MatrixShape {
+    pub dtype: crate::tensor::DType,
+    pub rows: usize,
+    pub cols: usize,
+    /// Routed experts' matrices.
+    pub expert: bool,
+    /// How many matrices of this shape, and their bytes together.
+    pub count: usize,
+    pub bytes: u64,
+}
+
+/// The weight matrices of the model in `dir` (a directory or a GGUF file) grouped by format,
+/// shape and kind (dense or routed expert), from the headers alone: what a token's forward
+/// pass multiplies, for `coli plan` to time with the decode kernel's rate on each. The input
+/// embedding table (`*embed_tokens.weight`) is left out when the checkpoint has a separate
+/// `lm_head.weight` (a token reads one row of it), and so are tensors of more than three
+/// dimensions (split FP4 blocks, counted by the caller at the memory bandwidth).
+pub fn matrix_shapes(dir: &Path) -> Result<Vec<MatrixShape>> {
+    let ckpt = if crate::format::gguf::is_gguf(dir) {
+        gguf::open(dir, Access::Mapped)?.2
+    } else {
+        Checkpoint::open_with(dir, Access::Mapped)?
+    };
+    let tensors = ckpt.tensors();
+    let untied = tensors.keys().any(|n| n.ends_with("lm_head.weight"));
+    let mut shapes: Vec<MatrixShape> = Vec::new();
+    for (name, t) in tensors {
+        if untied && name.ends_with("embed_tokens.weight") {
+            continue;
+        }
+        let (count, rows, cols, expert) = match t.shape[..] {
+            [rows, cols] => (1, rows, cols, name.contains(".experts.")),
+            [n, rows, cols] => (n, rows, cols, true),
+            _ => continue,
+        };
+        let same = |m: &&mut MatrixShape| {
+            (m.dtype, m.rows, m.cols, m.expert) == (t.dtype, rows, cols, expert)
+        };
+        match shapes.iter_mut().find(|m| same(m)) {
+            Some(m) => {
+                m.count += count;
+                m.bytes += t.len as u64;
+            }
+            None => shapes.push(MatrixShape {
+                dtype: t.dtype,
+                rows,
+                cols,
+                expert,
+                count,
+                bytes: t.len as u64,
+            }),
+        }
+    }
+    Ok(shapes)
+}
+
 /// Load the model in `dir`, placing routed experts as `opts` says.
 pub fn load_with(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     let Some(backend) = crate::tensor::device::open(opts.device)? else {
