@@ -4,8 +4,8 @@
 //! not hold, an unwritable state directory, an absurd configuration value, a corrupt GGUF
 //! header, a mirror copy of the wrong size, an LFS pointer instead of weights — with exit 2
 //! and an `error:` line naming the file or key. `--deep` finds a NaN written into a tensor
-//! (which the header checks cannot see) and a file that no longer matches `coli pull`'s
-//! receipt.
+//! (which the header checks cannot see), a file that no longer matches `coli pull`'s
+//! receipt, and one flipped bit in a shard's tensor data under a receipt of its true hash.
 
 mod support;
 
@@ -285,7 +285,7 @@ fn doctor_passes_a_good_model_and_names_each_broken_file_or_key() {
 }
 
 #[test]
-fn deep_finds_a_nan_and_a_receipt_mismatch() {
+fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
     let base_tmp = tempfile::tempdir().unwrap();
     let base = base_tmp.path().join("base");
     synth(&base);
@@ -335,5 +335,53 @@ fn deep_finds_a_nan_and_a_receipt_mismatch() {
     std::fs::write(c.model.join("coli-pull.json"), receipt.to_string()).unwrap();
     let out = c.doctor(&[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_error(&c.doctor(&["--deep"]), shard, "coli-pull.json says");
+
+    // One flipped bit in the middle of a shard's tensor data, under a receipt that held the
+    // shard's true SHA-256: the value stays finite (the low bit of a mantissa byte), the
+    // headers stay intact, and only --deep's hash sees it.
+    let c = Case::new(&base);
+    let path = c.model.join(shard);
+    let (sha256, size) =
+        colibri::store::staging::sha256_file(&path, false, &mut |_, _, _| {}).unwrap();
+    let receipt = serde_json::json!({
+        "format": 1,
+        "endpoint": "https://huggingface.co",
+        "repo": "test/model",
+        "revision": "main",
+        "commit": "0123456789abcdef0123456789abcdef01234567",
+        "include": [],
+        "complete": true,
+        "files": [{"path": shard, "size": size, "sha256": sha256}],
+    });
+    std::fs::write(c.model.join("coli-pull.json"), receipt.to_string()).unwrap();
+    let out = c.doctor(&["--deep"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the true hash passes:\n{}",
+        text(&out)
+    );
+    let (start, h) = header(&path);
+    let info = h
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, v)| *k != "__metadata__" && v["dtype"] == "F32")
+        .map(|(_, v)| v.clone())
+        .expect("an f32 tensor");
+    let [begin, end] = [0, 1].map(|i| info["data_offsets"][i].as_u64().unwrap() as usize);
+    // The lowest byte of an f32 in the middle of the tensor: its last mantissa bits.
+    let at = start + begin + ((end - begin) / 8) * 4;
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let out = c.doctor(&[]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "headers alone pass:\n{}",
+        text(&out)
+    );
     assert_error(&c.doctor(&["--deep"]), shard, "coli-pull.json says");
 }
