@@ -59,14 +59,14 @@ const VERSION_MARK: &str = "# Written by the crash test: version ";
 fn setting(k: u64) -> Setting {
     Setting {
         threads: 1 + (k % 64) as usize,
-        io: if k % 2 == 0 {
+        io: if k.is_multiple_of(2) {
             ReaderKind::Pool
         } else {
             ReaderKind::Uring
         },
-        direct_io: k % 3 == 0,
-        prefetch: k % 5 != 0,
-        pin_budget: (k % 4 != 0).then(|| format!("{}M", 16 + k % 1000).parse().unwrap()),
+        direct_io: k.is_multiple_of(3),
+        prefetch: !k.is_multiple_of(5),
+        pin_budget: (!k.is_multiple_of(4)).then(|| format!("{}M", 16 + k % 1000).parse().unwrap()),
         prefill_chunk: 64 << (k % 4),
     }
 }
@@ -653,7 +653,7 @@ fn mirror_stage_survives_kills() {
             // time after it; a run with none to copy runs to its end.
             let to_copy = m.chosen.iter().filter(|n| !to.join(n).exists()).count() as u64;
             let kill = (to_copy > 0).then(|| KillAt {
-                nth: if rng.next() % 2 == 0 {
+                nth: if rng.next().is_multiple_of(2) {
                     1
                 } else {
                     1 + (rng.next() % to_copy) as usize
