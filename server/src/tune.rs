@@ -97,16 +97,16 @@ pub struct TuneArgs {
 /// that noise does not move the configuration away from what was set.
 const MIN_GAIN: f64 = 0.02;
 
-/// One point of the grid: the values of the tuned keys.
+/// One point of the grid: the values of the tuned keys (public for [`write_profile`]).
 #[derive(Debug, Clone, PartialEq)]
-struct Setting {
-    threads: usize,
-    io: ReaderKind,
-    direct_io: bool,
-    prefetch: bool,
+pub struct Setting {
+    pub threads: usize,
+    pub io: ReaderKind,
+    pub direct_io: bool,
+    pub prefetch: bool,
     /// `None`: the default (half of the cache).
-    pin_budget: Option<Size>,
-    prefill_chunk: usize,
+    pub pin_budget: Option<Size>,
+    pub prefill_chunk: usize,
 }
 
 impl Setting {
@@ -955,9 +955,11 @@ fn toml_value(v: &serde_json::Value) -> Option<toml_edit::Value> {
 }
 
 /// Write `[profiles.NAME]` with the setting `s`, the model and the `given` options into
-/// `file`, atomically, keeping everything else in it; refuses to replace an existing profile
-/// unless `force`.
-fn write_profile(
+/// `file`, atomically ([`colibri::format::write::write_atomic`]), keeping everything else in
+/// it, with `comment` above the table; refuses to replace an existing profile unless `force`.
+/// What `coli tune` writes with (public for the crash-consistency test,
+/// server/tests/crash_consistency.rs).
+pub fn write_profile(
     file: &Path,
     name: &str,
     model: &str,
