@@ -41,6 +41,28 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// Why the decoder `d` (or a decoder of its `Sequence`) cannot be used, if it cannot: a
+/// `Strip` decoder with `stop` > 0 makes the tokenizers crate index before the start of a
+/// token shorter than `stop` characters (an empty one, say) and panic while decoding, which
+/// no load-time check of the crate catches (found by the `tokenizer` fuzz target).
+fn unsafe_decoder(d: &serde_json::Value) -> Option<String> {
+    match d.get("type").and_then(|t| t.as_str()) {
+        Some("Sequence") => d
+            .get("decoders")
+            .and_then(|v| v.as_array())
+            .and_then(|all| all.iter().find_map(unsafe_decoder)),
+        Some("Strip") => match d.get("stop").and_then(|v| v.as_u64()) {
+            Some(stop) if stop > 0 => Some(format!(
+                "decoder: a Strip decoder with \"stop\": {stop} is not supported (the tokenizers \
+                 crate panics decoding a token shorter than {stop} characters); tokenizers of \
+                 released models strip at the start only (\"stop\": 0)"
+            )),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 impl Tokenizer {
     /// Load a `tokenizer.json`. A missing or unreadable file is [`Error::Io`]; a file that is
     /// not JSON (a syntax error, nesting deeper than serde_json's 128 levels) is
@@ -52,6 +74,9 @@ impl Tokenizer {
     /// builds from it is built under `catch_unwind`: a panic in there becomes an error too.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
         let json = crate::error::read_json(path)?;
+        if let Some(why) = json.get("decoder").and_then(unsafe_decoder) {
+            return Err(Error::corrupt(path, why));
+        }
         let built = std::panic::catch_unwind(move || {
             <tokenizers::Tokenizer as serde::Deserialize>::deserialize(json)
         });
@@ -445,6 +470,37 @@ mod tests {
         let err = Tokenizer::from_file(&path).unwrap_err();
         assert!(matches!(err, Error::Corrupt { .. }), "{err}");
         assert!(err.to_string().contains(&path.display().to_string()));
+    }
+
+    #[test]
+    fn a_strip_decoder_that_panics_when_decoding_is_refused_at_load() {
+        // Found by the `tokenizer` fuzz target: Strip with stop > 0 panics in the crate's
+        // decode on a token shorter than `stop` (here, inside a Sequence).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let mut json: serde_json::Value =
+            serde_json::from_str(&trained().inner().to_string(false).unwrap()).unwrap();
+        let strip = |stop: u64| serde_json::json!({"type": "Strip", "content": " ", "start": 1, "stop": stop});
+        json["decoder"] =
+            serde_json::json!({"type": "Sequence", "decoders": [{"type": "Fuse"}, strip(5)]});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let err = Tokenizer::from_file(&path).unwrap_err();
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&path.display().to_string())
+                && msg.contains("Strip")
+                && msg.contains("\"stop\": 5"),
+            "{msg}"
+        );
+        // Stripping at the start only (Llama's and Mistral's decoders) loads and decodes.
+        json["decoder"] =
+            serde_json::json!({"type": "Sequence", "decoders": [{"type": "Fuse"}, strip(0)]});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let tok = Tokenizer::from_file(&path).unwrap();
+        let ids = tok.encode("hello world", false).unwrap();
+        assert!(!ids.is_empty());
+        tok.decode(&ids, false).unwrap();
     }
 
     #[test]
