@@ -284,6 +284,35 @@ fn doctor_passes_a_good_model_and_names_each_broken_file_or_key() {
     assert_error(&out, "nowhere", "does not exist");
 }
 
+/// The name of the first f32 tensor of the safetensors file `f`, and where its data begins
+/// and ends in the file.
+fn first_f32_tensor(f: &Path) -> (String, usize, usize) {
+    let (start, h) = header(f);
+    let (name, info) = h
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, v)| *k != "__metadata__" && v["dtype"] == "F32")
+        .expect("an f32 tensor");
+    let [begin, end] = [0, 1].map(|i| info["data_offsets"][i].as_u64().unwrap() as usize);
+    (name.clone(), start + begin, start + end)
+}
+
+/// A `coli pull` receipt in `model` saying `shard` has `size` bytes and SHA-256 `sha256`.
+fn write_receipt(model: &Path, shard: &str, size: u64, sha256: &str) {
+    let receipt = serde_json::json!({
+        "format": 1,
+        "endpoint": "https://huggingface.co",
+        "repo": "test/model",
+        "revision": "main",
+        "commit": "0123456789abcdef0123456789abcdef01234567",
+        "include": [],
+        "complete": true,
+        "files": [{"path": shard, "size": size, "sha256": sha256}],
+    });
+    std::fs::write(model.join("coli-pull.json"), receipt.to_string()).unwrap();
+}
+
 #[test]
 fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
     let base_tmp = tempfile::tempdir().unwrap();
@@ -294,16 +323,10 @@ fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
     // A NaN written over the first value of an f32 tensor: the headers are intact.
     let c = Case::new(&base);
     let f = c.model.join(all[0].file_name().unwrap());
-    let (start, h) = header(&f);
-    let (name, info) = h
-        .as_object()
-        .unwrap()
-        .iter()
-        .find(|(k, v)| *k != "__metadata__" && v["dtype"] == "F32")
-        .expect("an f32 tensor");
-    let begin = info["data_offsets"][0].as_u64().unwrap() as usize;
+    let (name, begin, _) = first_f32_tensor(&f);
+    let name = name.as_str();
     let mut bytes = std::fs::read(&f).unwrap();
-    bytes[start + begin..start + begin + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    bytes[begin..begin + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&f, &bytes).unwrap();
     let out = c.doctor(&[]);
     assert_eq!(
@@ -318,21 +341,7 @@ fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
     let c = Case::new(&base);
     let shard = all[1].file_name().unwrap().to_str().unwrap();
     let size = std::fs::metadata(c.model.join(shard)).unwrap().len();
-    let receipt = serde_json::json!({
-        "format": 1,
-        "endpoint": "https://huggingface.co",
-        "repo": "test/model",
-        "revision": "main",
-        "commit": "0123456789abcdef0123456789abcdef01234567",
-        "include": [],
-        "complete": true,
-        "files": [{
-            "path": shard,
-            "size": size,
-            "sha256": "00".repeat(32),
-        }],
-    });
-    std::fs::write(c.model.join("coli-pull.json"), receipt.to_string()).unwrap();
+    write_receipt(&c.model, shard, size, &"00".repeat(32));
     let out = c.doctor(&[]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert_error(&c.doctor(&["--deep"]), shard, "coli-pull.json says");
@@ -344,17 +353,7 @@ fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
     let path = c.model.join(shard);
     let (sha256, size) =
         colibri::store::staging::sha256_file(&path, false, &mut |_, _, _| {}).unwrap();
-    let receipt = serde_json::json!({
-        "format": 1,
-        "endpoint": "https://huggingface.co",
-        "repo": "test/model",
-        "revision": "main",
-        "commit": "0123456789abcdef0123456789abcdef01234567",
-        "include": [],
-        "complete": true,
-        "files": [{"path": shard, "size": size, "sha256": sha256}],
-    });
-    std::fs::write(c.model.join("coli-pull.json"), receipt.to_string()).unwrap();
+    write_receipt(&c.model, shard, size, &sha256);
     let out = c.doctor(&["--deep"]);
     assert_eq!(
         out.status.code(),
@@ -362,17 +361,9 @@ fn deep_finds_a_nan_a_receipt_mismatch_and_a_flipped_bit() {
         "the true hash passes:\n{}",
         text(&out)
     );
-    let (start, h) = header(&path);
-    let info = h
-        .as_object()
-        .unwrap()
-        .iter()
-        .find(|(k, v)| *k != "__metadata__" && v["dtype"] == "F32")
-        .map(|(_, v)| v.clone())
-        .expect("an f32 tensor");
-    let [begin, end] = [0, 1].map(|i| info["data_offsets"][i].as_u64().unwrap() as usize);
+    let (_, begin, end) = first_f32_tensor(&path);
     // The lowest byte of an f32 in the middle of the tensor: its last mantissa bits.
-    let at = start + begin + ((end - begin) / 8) * 4;
+    let at = begin + ((end - begin) / 8) * 4;
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[at] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
