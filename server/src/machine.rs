@@ -208,7 +208,9 @@ fn kernel_rate(shape: &KernelShape) -> Option<f64> {
         DType::Quant(q) => q.row_bytes(cols).ok()?,
         _ => return None,
     };
-    if cols == 0 || shape.rows == 0 || row_bytes == 0 {
+    // A row larger than the largest matrix timed (an absurd shape from a hostile file) is
+    // not timed: its bytes count at the memory bandwidth, and nothing huge is allocated.
+    if cols == 0 || shape.rows == 0 || row_bytes == 0 || row_bytes > LARGEST {
         return None;
     }
     let group = shape.group.max(1);
