@@ -396,3 +396,168 @@ fn a_killed_server_keeps_its_last_saved_history_and_the_next_start_cleans_up() {
     kv_file::load(&slot0, &fp).expect("the slot saved at shutdown is valid");
     drop(sharer);
 }
+
+/// A file's bytes, or `None` when it cannot be read.
+fn bytes_of(path: &Path) -> Option<Vec<u8>> {
+    std::fs::read(path).ok()
+}
+
+/// Every file under `dir` (relative path, bytes), sorted: temporaries show as themselves.
+fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_path_buf();
+                out.push((rel, bytes_of(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A state directory and prefix-cache directory that refuse every write, for real — full
+/// (`ENOSPC`: a tmpfs holding the old state, filled to its last block) or a read-only volume
+/// (`EROFS`: a read-only bind mount) — cost warnings naming the file, never a request: the
+/// server answers with the tokens a server with writable state gives, `/health` stays 200, the
+/// old state stays byte for byte with no temporary beside it, and SIGTERM still ends it
+/// cleanly. The mounts are made in a private user and mount namespace (`unshare -Urm`); where
+/// that is not allowed the test says "skipped" and why.
+#[test]
+fn a_state_directory_that_refuses_writes_costs_warnings_not_requests() {
+    let probe = Command::new("unshare")
+        .args(["-Urm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"])
+        .output();
+    match probe {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => {
+            eprintln!(
+                "skipped: no private user and mount namespace here (unshare -Urm): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            return;
+        }
+        Err(e) => {
+            eprintln!("skipped: unshare (util-linux) cannot run: {e}");
+            return;
+        }
+    }
+    let dirs = Dirs::new();
+    const PROMPT: &str = "State that cannot be written";
+
+    // The reference, with writable state: its stop leaves a history and a slot file, the
+    // old state the refusing servers must keep.
+    let mut server = Server::start(&dirs);
+    let reference = server.complete(PROMPT, 6);
+    assert!(server.terminate().success(), "{}", server.log());
+    let old_state = tree(&dirs.state);
+    let old_prefix = tree(&dirs.prefix);
+    assert!(old_state.iter().any(|(p, _)| dirs.history().ends_with(p)));
+    assert!(old_prefix.iter().any(|(p, _)| p.ends_with("slot-0.kv")));
+
+    // Mount over each directory, then exec `coli serve`: `full` copies the old state into a
+    // small tmpfs and fills the rest; `ro` bind-mounts it read-only.
+    let script = r#"set -e
+mode="$1"; shift
+for d in "$STATE" "$PREFIX"; do
+  if [ "$mode" = full ]; then
+    keep="$WORK/kept-$(basename "$d")"
+    mkdir "$keep"
+    cp -a "$d/." "$keep/"
+    mount -t tmpfs -o size=512k tmpfs "$d"
+    cp -a "$keep/." "$d/"
+    dd if=/dev/zero of="$d/filler" bs=64k 2>/dev/null || true
+  else
+    mount --bind "$d" "$d"
+    mount -o remount,bind,ro "$d"
+  fi
+done
+exec "$@""#;
+    for (mode, reason) in [
+        ("full", "No space left on device"),
+        ("ro", "Read-only file system"),
+    ] {
+        let mut cmd = Command::new("unshare");
+        cmd.args(["-Urm", "sh", "-c", script, "sh", mode])
+            .arg(env!("CARGO_BIN_EXE_coli"))
+            .args(["serve", "--model"])
+            .arg(&dirs.model)
+            .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
+            .args(["--threads", "1", "--drain-secs", "5"])
+            .arg("--history-save-secs")
+            .arg(SAVE_SECS.to_string())
+            .arg("--prefix-cache-dir")
+            .arg(&dirs.prefix)
+            .env("STATE", &dirs.state)
+            .env("PREFIX", &dirs.prefix)
+            .env("WORK", &dirs.work)
+            .env("COLI_STATE_DIR", &dirs.state)
+            .env("COLI_CACHE_DIR", &dirs.cache)
+            .current_dir(&dirs.work);
+        let mut server = Server(Served::spawn(&mut cmd).wait_ready());
+        // The server's own view of its directories (its mount namespace).
+        let root = PathBuf::from(format!("/proc/{}/root", server.child.id()));
+        let seen = |d: &Path| root.join(d.strip_prefix("/").unwrap());
+
+        for _ in 0..3 {
+            let answer = server.complete(PROMPT, 6);
+            assert_eq!(
+                answer["choices"][0]["text"], reference["choices"][0]["text"],
+                "{mode}: the same greedy text as with writable state"
+            );
+        }
+        // Idle after a request, it tries to save the history, and says why it cannot.
+        let history = dirs.history();
+        let warning = wait_for(60, "the warning of the refused history save", || {
+            server.check_running();
+            let log = server.log();
+            log.lines()
+                .find(|l| l.contains("saving the expert usage history"))
+                .map(str::to_string)
+        });
+        assert!(
+            warning.contains(&history.file_name().unwrap().to_string_lossy().to_string())
+                && warning.contains(reason),
+            "{mode}: {warning}"
+        );
+        let (status, _) = support::http(server.port, "GET", "/health", "").unwrap();
+        assert_eq!(status, 200, "{mode}: /health");
+        // The old state as it was, and nothing beside it (but the filler of `full`).
+        let without_filler = |t: Vec<(PathBuf, Vec<u8>)>| -> Vec<(PathBuf, Vec<u8>)> {
+            t.into_iter()
+                .filter(|(p, _)| p != Path::new("filler"))
+                .collect()
+        };
+        assert!(
+            without_filler(tree(&seen(&dirs.state))) == old_state,
+            "{mode}: the state directory changed: {:?}",
+            names(&seen(&dirs.state))
+        );
+        assert!(
+            without_filler(tree(&seen(&dirs.prefix))) == old_prefix,
+            "{mode}: the prefix-cache directory changed: {:?}",
+            names(&seen(&dirs.prefix))
+        );
+
+        // A clean stop: the slot cannot be saved either; a warning, exit status 0.
+        let status = server.terminate();
+        let log = server.log();
+        assert!(status.success(), "{mode}: {status}\n{log}");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("slot 0 not saved") && l.contains(reason)),
+            "{mode}: the refused slot save is reported:\n{log}"
+        );
+        assert!(!log.contains("panicked"), "{mode}:\n{log}");
+        for line in log.lines().filter(|l| l.contains(reason)) {
+            eprintln!("{mode}: {line}");
+        }
+    }
+    // Nothing the refusing servers did reached the real directories.
+    assert!(tree(&dirs.state) == old_state && tree(&dirs.prefix) == old_prefix);
+}
