@@ -498,6 +498,31 @@ fn misaligned_and_overlapping_tensors() {
         .bytes(&[0; 128]);
     let e = open_err(&r.save(dir.path(), "o.gguf"));
     assert!(e.contains("overlaps"), "{e}");
+
+    // An empty tensor (a zero dimension: no bytes) may sit anywhere, even inside another's
+    // bytes; but one between two overlapping tensors does not hide their overlap (found by
+    // the `gguf` fuzz target: the check compared only neighbours in offset order).
+    let mut r = Raw::header(3, 2, 0);
+    r.tensor("a", &[16], 0, 0)
+        .tensor("empty", &[0, 4], 0, 32)
+        .pad(32)
+        .bytes(&[0; 64]);
+    let g = GgufFile::open(&r.save(dir.path(), "e.gguf")).unwrap();
+    assert_eq!(
+        g.tensors().iter().map(|t| t.len).collect::<Vec<_>>(),
+        [64, 0]
+    );
+    let mut r = Raw::header(3, 3, 0);
+    r.tensor("a", &[16], 0, 0)
+        .tensor("empty", &[0], 0, 32)
+        .tensor("b", &[8], 0, 32)
+        .pad(32)
+        .bytes(&[0; 128]);
+    let e = open_err(&r.save(dir.path(), "h.gguf"));
+    assert!(
+        e.contains("`b`") && e.contains("overlaps tensor `a`"),
+        "{e}"
+    );
 }
 
 #[test]

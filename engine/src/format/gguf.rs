@@ -1015,11 +1015,14 @@ impl GgufFile {
                 len,
             });
         }
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        // Tensors with data are disjoint. Empty ones (a zero dimension) hold no bytes and may
+        // sit anywhere; they are left out of the order altogether, so that one between two
+        // tensors never hides their overlap.
+        let mut order: Vec<usize> = (0..tensors.len()).filter(|&i| tensors[i].len > 0).collect();
         order.sort_by_key(|&i| (tensors[i].offset, tensors[i].len));
         for w in order.windows(2) {
             let (a, b) = (&tensors[w[0]], &tensors[w[1]]);
-            if a.len > 0 && b.len > 0 && a.offset + a.len > b.offset {
+            if a.offset + a.len > b.offset {
                 return Err(Error::tensor(
                     path,
                     &b.name,
