@@ -3,6 +3,7 @@
 # (fuzz/corpus/<target>/, never modified) with its dictionary (fuzz/dict/<target>.dict).
 #
 #   fuzz/run.sh SECONDS [TARGET...]
+#   fuzz/run.sh build        (only the build; CI starts it early, in the background)
 #
 # Limits: RSS 2048 MiB, a single allocation 1024 MiB (-malloc_limit_mb), 10 s per input.
 # A crash, leak, timeout or limit hit fails the run: its input is copied to
@@ -12,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-secs="${1:?usage: fuzz/run.sh SECONDS [TARGET...]}"
+secs="${1:?usage: fuzz/run.sh SECONDS|build [TARGET...]}"
 shift
 if [ "$#" -gt 0 ]; then
   targets=("$@")
@@ -25,6 +26,7 @@ echo "== fuzz: building ${#targets[@]} targets"
 build_start=$SECONDS
 CARGO_BUILD_JOBS="${FUZZ_JOBS:-2}" cargo +nightly fuzz build --debug-assertions
 echo "== fuzz: built in $((SECONDS - build_start)) s"
+if [ "$secs" = build ]; then exit 0; fi
 
 # Scratch files of the targets (and the corpus copies) on tmpfs when there is one.
 base="${TMPDIR:-/tmp}"
