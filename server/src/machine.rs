@@ -192,7 +192,6 @@ pub fn kernel_rates(
 fn kernel_rate(shape: &KernelShape) -> Option<f64> {
     use colibri::tensor::matmul::{matmul_groups, MatmulGroup};
     use colibri::tensor::quant::QuantType;
-    use colibri::tensor::{WeightData, WeightView};
     let total = shape.working_set();
     const LARGEST: usize = 64 << 20;
     let cols = shape.cols;
@@ -216,40 +215,9 @@ fn kernel_rate(shape: &KernelShape) -> Option<f64> {
     let group = shape.group.max(1);
     let rows = shape.rows.min((LARGEST / row_bytes).max(1));
     let count = total.div_ceil(rows * row_bytes).div_ceil(group) * group;
-    let x: Vec<f32> = (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
-    // Every byte 0x3C: normal, finite values in every format (f32 0x3C3C3C3C ≈ 0.0115,
-    // f16/bf16 0x3C3C, the blocks' scales alike), so no pass runs on NaNs or subnormals.
-    let (w32, w16, wbf, wq);
-    fn view(rows: usize, cols: usize, data: WeightData<'_>) -> WeightView<'_> {
-        WeightView { rows, cols, data }
-    }
-    let matrices: Vec<WeightView<'_>> = match f {
-        DType::F32 => {
-            w32 = vec![f32::from_bits(0x3C3C_3C3C); count * rows * cols];
-            w32.chunks(rows * cols)
-                .map(|d| view(rows, cols, WeightData::F32(d)))
-                .collect()
-        }
-        DType::F16 => {
-            w16 = vec![half::f16::from_bits(0x3C3C); count * rows * cols];
-            w16.chunks(rows * cols)
-                .map(|d| view(rows, cols, WeightData::F16(d)))
-                .collect()
-        }
-        DType::BF16 => {
-            wbf = vec![half::bf16::from_bits(0x3C3C); count * rows * cols];
-            wbf.chunks(rows * cols)
-                .map(|d| view(rows, cols, WeightData::BF16(d)))
-                .collect()
-        }
-        DType::Quant(q) => {
-            wq = vec![0x3Cu8; count * rows * row_bytes];
-            wq.chunks(rows * row_bytes)
-                .map(|d| view(rows, cols, WeightData::Quant(q, d)))
-                .collect()
-        }
-        _ => return None,
-    };
+    let x = probe_activations(cols);
+    let weights = ProbeWeights::new(f, count * rows, cols)?;
+    let matrices = weights.matrices(rows);
     let mut outs = vec![vec![0f32; rows]; group];
     let bytes = (count * rows * row_bytes) as f64;
     let mut rates = Vec::new();
@@ -276,6 +244,64 @@ fn kernel_rate(shape: &KernelShape) -> Option<f64> {
         }
     }
     Some(median(&mut rates))
+}
+
+/// The activation row the compute probes multiply by: small, varied, finite values.
+fn probe_activations(cols: usize) -> Vec<f32> {
+    (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect()
+}
+
+/// Weight rows of one format for the compute probes ([`kernel_rate`], the page-cache probe's
+/// compute), every byte 0x3C: normal, finite values in every format (f32 0x3C3C3C3C ≈ 0.0115,
+/// f16/bf16 0x3C3C, the blocks' scales alike), so no pass runs on NaNs or subnormals.
+enum ProbeWeights {
+    F32(Vec<f32>, usize),
+    F16(Vec<half::f16>, usize),
+    BF16(Vec<half::bf16>, usize),
+    /// The format, the bytes, the columns and the bytes of a row.
+    Quant(colibri::tensor::quant::QuantType, Vec<u8>, usize, usize),
+}
+
+impl ProbeWeights {
+    /// `rows × cols` in format `f`; `None` for a format without a plain matrix kernel.
+    fn new(f: DType, rows: usize, cols: usize) -> Option<ProbeWeights> {
+        Some(match f {
+            DType::F32 => ProbeWeights::F32(vec![f32::from_bits(0x3C3C_3C3C); rows * cols], cols),
+            DType::F16 => ProbeWeights::F16(vec![half::f16::from_bits(0x3C3C); rows * cols], cols),
+            DType::BF16 => {
+                ProbeWeights::BF16(vec![half::bf16::from_bits(0x3C3C); rows * cols], cols)
+            }
+            DType::Quant(q) => {
+                let row_bytes = q.row_bytes(cols).ok()?;
+                ProbeWeights::Quant(q, vec![0x3Cu8; rows * row_bytes], cols, row_bytes)
+            }
+            _ => return None,
+        })
+    }
+
+    /// The rows cut into matrices of `rows` rows each.
+    fn matrices(&self, rows: usize) -> Vec<colibri::tensor::WeightView<'_>> {
+        use colibri::tensor::{WeightData, WeightView};
+        let view = |cols, data| WeightView { rows, cols, data };
+        match self {
+            ProbeWeights::F32(w, cols) => w
+                .chunks(rows * cols)
+                .map(|d| view(*cols, WeightData::F32(d)))
+                .collect(),
+            ProbeWeights::F16(w, cols) => w
+                .chunks(rows * cols)
+                .map(|d| view(*cols, WeightData::F16(d)))
+                .collect(),
+            ProbeWeights::BF16(w, cols) => w
+                .chunks(rows * cols)
+                .map(|d| view(*cols, WeightData::BF16(d)))
+                .collect(),
+            ProbeWeights::Quant(q, w, cols, row_bytes) => w
+                .chunks(rows * row_bytes)
+                .map(|d| view(*cols, WeightData::Quant(*q, d)))
+                .collect(),
+        }
+    }
 }
 
 /// GB/s summing a 1 GiB buffer on every thread of the current pool (best of 3 passes).
@@ -328,7 +354,6 @@ fn page_cache_bandwidth(dir: &std::path::Path) -> Result<f64> {
 fn time_reads_during_compute(path: &std::path::Path, mut probe: std::fs::File) -> Result<f64> {
     use colibri::store::reader::{open_reader, ByteRange, ReaderOptions};
     use colibri::tensor::matmul::matmul;
-    use colibri::tensor::{WeightData, WeightView};
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     const RANGE: usize = 1 << 20;
     const RANGES: usize = 256;
@@ -364,16 +389,10 @@ fn time_reads_during_compute(path: &std::path::Path, mut probe: std::fs::File) -
 
     // The compute: one activation row through 64 MiB of bf16 matrices, `passes` times.
     let (rows, cols, count) = (4096, 1024, 8);
-    let weights = vec![half::bf16::from_bits(0x3C3C); count * rows * cols];
-    let matrices: Vec<WeightView<'_>> = weights
-        .chunks(rows * cols)
-        .map(|d| WeightView {
-            rows,
-            cols,
-            data: WeightData::BF16(d),
-        })
-        .collect();
-    let x: Vec<f32> = (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
+    let weights =
+        ProbeWeights::new(DType::BF16, count * rows, cols).context("bf16 probe matrices")?;
+    let matrices = weights.matrices(rows);
+    let x = probe_activations(cols);
     let mut out = vec![0f32; rows];
     let mut compute = |passes: usize| {
         let t = Instant::now();
