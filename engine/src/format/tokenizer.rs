@@ -74,9 +74,6 @@ impl Tokenizer {
     /// builds from it is built under `catch_unwind`: a panic in there becomes an error too.
     pub fn from_file(path: &Path) -> Result<Tokenizer> {
         let json = crate::error::read_json(path)?;
-        if let Some(why) = json.get("decoder").and_then(unsafe_decoder) {
-            return Err(Error::corrupt(path, why));
-        }
         let built = std::panic::catch_unwind(move || {
             <tokenizers::Tokenizer as serde::Deserialize>::deserialize(json)
         });
@@ -102,6 +99,15 @@ impl Tokenizer {
                 ));
             }
         };
+        // What the crate built, not what the file says, is checked: the crate matches a
+        // decoder by its fields as well as its "type" (a "Striz" with Strip's fields builds a
+        // Strip), so the decoder is read back from the built tokenizer.
+        let built_decoder = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok());
+        if let Some(why) = built_decoder.as_ref().and_then(unsafe_decoder) {
+            return Err(Error::corrupt(path, why));
+        }
         Ok(Tokenizer::from_inner(inner, path))
     }
 
@@ -501,6 +507,18 @@ mod tests {
         let ids = tok.encode("hello world", false).unwrap();
         assert!(!ids.is_empty());
         tok.decode(&ids, false).unwrap();
+        // Found by the long fuzz campaign: the crate builds a Strip from any decoder with
+        // Strip's fields, whatever its "type" says ("Striz" here); that is refused too.
+        json["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [
+            {"type": "Fuse"},
+            {"type": "Striz", "content": " ", "start": 1, "stop": 5},
+        ]});
+        std::fs::write(&path, json.to_string()).unwrap();
+        let msg = Tokenizer::from_file(&path).unwrap_err().to_string();
+        assert!(
+            msg.contains("Strip") && msg.contains("\"stop\": 5"),
+            "{msg}"
+        );
     }
 
     #[test]
