@@ -259,6 +259,7 @@ elif mode == "chat":
     parts, usage = [], None
     for chunk in client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Count to five."}], max_tokens=32,
+            temperature=0, extra_body={"ignore_eos": True},
             stream=True, stream_options={"include_usage": True}):
         if chunk.choices and chunk.choices[0].delta.content:
             parts.append(chunk.choices[0].delta.content)
