@@ -13,6 +13,8 @@
 //! there (told so by [`CHILD_DIR`]). Where user namespaces are not allowed, it says "skipped"
 //! and why.
 
+mod namespace;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -240,23 +242,10 @@ fn state_writes_refused_by_the_file_system_keep_the_old_file() {
         child(Path::new(&base));
         return;
     }
-    let probe = Command::new("unshare")
-        .args(["-Urm", "sh", "-c"])
-        .arg("mount -t tmpfs tmpfs /mnt && setpriv --bounding-set=-dac_override true")
-        .output();
-    match probe {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => {
-            eprintln!(
-                "skipped: no private user and mount namespace here (unshare -Urm): {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            return;
-        }
-        Err(e) => {
-            eprintln!("skipped: unshare (util-linux) cannot run: {e}");
-            return;
-        }
+    if !namespace::private_mounts_or_skip(
+        "mount -t tmpfs tmpfs /mnt && setpriv --bounding-set=-dac_override true",
+    ) {
+        return;
     }
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();

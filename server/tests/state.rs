@@ -6,6 +6,8 @@
 //! process, and refuses a KV file whose checksum is right but whose values are not finite,
 //! naming the file.
 
+#[path = "../../engine/tests/namespace/mod.rs"]
+mod namespace;
 mod support;
 use support::{wait_for, Served};
 
@@ -121,21 +123,23 @@ impl std::ops::DerefMut for Server {
 impl Server {
     /// Start a server on `dirs` and wait until it is ready.
     fn start(dirs: &Dirs) -> Server {
-        let served = Served::spawn(
-            coli()
-                .args(["serve", "--model"])
-                .arg(&dirs.model)
-                .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
-                .args(["--threads", "1", "--drain-secs", "5"])
-                .arg("--history-save-secs")
-                .arg(SAVE_SECS.to_string())
-                .arg("--prefix-cache-dir")
-                .arg(&dirs.prefix)
-                .env("COLI_STATE_DIR", &dirs.state)
-                .env("COLI_CACHE_DIR", &dirs.cache)
-                .current_dir(&dirs.work),
-        );
-        Server(served.wait_ready())
+        Server(Served::spawn(Server::serve(&mut coli(), dirs)).wait_ready())
+    }
+
+    /// `cmd` (`coli`, or a wrapper that ends by running it) given `serve` and its arguments
+    /// and environment on `dirs`.
+    fn serve<'a>(cmd: &'a mut Command, dirs: &Dirs) -> &'a mut Command {
+        cmd.args(["serve", "--model"])
+            .arg(&dirs.model)
+            .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
+            .args(["--threads", "1", "--drain-secs", "5"])
+            .arg("--history-save-secs")
+            .arg(SAVE_SECS.to_string())
+            .arg("--prefix-cache-dir")
+            .arg(&dirs.prefix)
+            .env("COLI_STATE_DIR", &dirs.state)
+            .env("COLI_CACHE_DIR", &dirs.cache)
+            .current_dir(&dirs.work)
     }
 
     /// One request on a new connection: (status, body), or `None` if it could not be sent.
@@ -430,22 +434,8 @@ fn tree(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 /// that is not allowed the test says "skipped" and why.
 #[test]
 fn a_state_directory_that_refuses_writes_costs_warnings_not_requests() {
-    let probe = Command::new("unshare")
-        .args(["-Urm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"])
-        .output();
-    match probe {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => {
-            eprintln!(
-                "skipped: no private user and mount namespace here (unshare -Urm): {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            return;
-        }
-        Err(e) => {
-            eprintln!("skipped: unshare (util-linux) cannot run: {e}");
-            return;
-        }
+    if !namespace::private_mounts_or_skip("mount -t tmpfs tmpfs /mnt") {
+        return;
     }
     let dirs = Dirs::new();
     const PROMPT: &str = "State that cannot be written";
@@ -485,20 +475,10 @@ exec "$@""#;
         let mut cmd = Command::new("unshare");
         cmd.args(["-Urm", "sh", "-c", script, "sh", mode])
             .arg(env!("CARGO_BIN_EXE_coli"))
-            .args(["serve", "--model"])
-            .arg(&dirs.model)
-            .args(["--host", "127.0.0.1", "--port", "0", "--slots", "1"])
-            .args(["--threads", "1", "--drain-secs", "5"])
-            .arg("--history-save-secs")
-            .arg(SAVE_SECS.to_string())
-            .arg("--prefix-cache-dir")
-            .arg(&dirs.prefix)
             .env("STATE", &dirs.state)
             .env("PREFIX", &dirs.prefix)
-            .env("WORK", &dirs.work)
-            .env("COLI_STATE_DIR", &dirs.state)
-            .env("COLI_CACHE_DIR", &dirs.cache)
-            .current_dir(&dirs.work);
+            .env("WORK", &dirs.work);
+        Server::serve(&mut cmd, &dirs);
         let mut server = Server(Served::spawn(&mut cmd).wait_ready());
         // The server's own view of its directories (its mount namespace).
         let root = PathBuf::from(format!("/proc/{}/root", server.child.id()));
