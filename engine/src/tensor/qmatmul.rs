@@ -1261,6 +1261,38 @@ mod avx2 {
         (ub, mv)
     }
 
+    /// Each i32 lane `v` (a value that fits i16) as the i16 pair `(v, v)`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn i16_pairs(v: __m256i) -> __m256i {
+        _mm256_or_si256(
+            _mm256_and_si256(v, _mm256_set1_epi32(0xffff)),
+            _mm256_slli_epi32(v, 16),
+        )
+    }
+
+    /// Vector `j`: every i16 lane holds lane `j` of `v` (eight i32 lanes that fit i16), the
+    /// scale vectors `madd` takes for a 32-element group with one scale.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn broadcast_i16_pairs(v: __m256i) -> [__m256i; 8] {
+        let p = i16_pairs(v);
+        std::array::from_fn(|j| _mm256_permutevar8x32_epi32(p, _mm256_set1_epi32(j as i32)))
+    }
+
+    /// Vector `k`: i16 lanes of the low 128 bits hold lane `2k` of `v`, of the high 128 bits
+    /// lane `2k + 1` (eight i32 lanes that fit i16): the scale vectors `madd` takes for a
+    /// 32-element group with one scale per 16 elements.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn quarter_pairs(v: __m256i) -> [__m256i; 4] {
+        let p = i16_pairs(v);
+        std::array::from_fn(|k| {
+            let (a, c) = (2 * k as i32, 2 * k as i32 + 1);
+            _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(a, a, a, a, c, c, c, c))
+        })
+    }
+
     /// # Safety
     /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits
     /// `w`: codes `b·256..+256`, `pairs[b·8..+8]` and `d[b]` exist for every block `b < nb`.
@@ -1275,10 +1307,9 @@ mod avx2 {
             prefetch(wb.as_ptr(), 2 * bb + 64);
             prefetch(wb.as_ptr(), 2 * bb + 128);
             let (ub, mv) = q4k_scales_mins(wb);
-            let mut scv = [_mm256_setzero_si256(); 8];
-            for j in 0..8 {
-                scv[j] = _mm256_set1_epi16(ub[j] as i16);
-            }
+            // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
+            let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
+            let scv = broadcast_i16_pairs(_mm256_cvtepu8_epi32(sc8));
             let mut nib = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
                 // SAFETY: bytes 16 + 32c..48 + 32c (at most 144) of the 144-byte block.
@@ -1316,6 +1347,21 @@ mod avx2 {
         fold_rows(acc)
     }
 
+    /// For [`dot_q4k_512`]'s `scv[k]`: i16 lane `l` takes the scale of group `2k + l / 16`.
+    const Q4K_HALVES: [[i16; 32]; 4] = {
+        let mut t = [[0i16; 32]; 4];
+        let mut k = 0;
+        while k < 4 {
+            let mut l = 0;
+            while l < 32 {
+                t[k][l] = (2 * k + l / 16) as i16;
+                l += 1;
+            }
+            k += 1;
+        }
+        t
+    };
+
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
     /// eight-lane integer sums, and so the results, are identical.
     ///
@@ -1331,11 +1377,14 @@ mod avx2 {
             prefetch(wb.as_ptr(), 2 * bb + 64);
             prefetch(wb.as_ptr(), 2 * bb + 128);
             let (ub, mv) = q4k_scales_mins(wb);
+            // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
+            let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
+            let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
             let mut scv = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
-                let lo = _mm256_set1_epi16(ub[2 * k] as i16);
-                let hi = _mm256_set1_epi16(ub[2 * k + 1] as i16);
-                scv[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                // SAFETY: the 64 bytes of one row of the table.
+                let idx = unsafe { _mm512_loadu_si512(Q4K_HALVES[k].as_ptr() as *const __m512i) };
+                scv[k] = _mm512_permutexvar_epi16(idx, sc16);
             }
             // Groups (2k, 2k + 1) side by side: the low nibbles of chunk k, then its high ones.
             let m4z = _mm512_set1_epi8(0xf);
@@ -1724,23 +1773,21 @@ mod avx2 {
             }
         }
         let sc = &wb[192..208];
-        let mut scv = [_mm256_setzero_si256(); 8];
-        for k in 0..8 {
-            let (a, c) = (sc[2 * k] as i8 as i16, sc[2 * k + 1] as i8 as i16);
-            scv[k] = _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a));
-        }
         // SAFETY: bytes 0..8 and 8..16 of the 16 scale bytes.
         let (sc_lo, sc_hi) = unsafe {
             (
-                _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
-                _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i)),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i)),
             )
         };
+        // Group k's two 16-element halves take scales 2k and 2k + 1.
+        let (lo, hi) = (quarter_pairs(sc_lo), quarter_pairs(sc_hi));
+        let scv = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]];
         Q6kBlock {
             codes,
             scv,
-            sc_lo: _mm256_cvtepi8_epi32(sc_lo),
-            sc_hi: _mm256_cvtepi8_epi32(sc_hi),
+            sc_lo,
+            sc_hi,
             d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
                 u16::from_le_bytes([wb[208], wb[209]]) as i32,
             ))),
@@ -1800,6 +1847,87 @@ mod avx2 {
         fold_rows(acc)
     }
 
+    /// For [`q6k_block_512`]'s `zs[k]`: i16 lane `l` takes the scale of quarter `4k + l / 8`.
+    const Q6K_QUARTERS: [[i16; 32]; 4] = {
+        let mut t = [[0i16; 32]; 4];
+        let mut k = 0;
+        while k < 4 {
+            let mut l = 0;
+            while l < 32 {
+                t[k][l] = (4 * k + l / 8) as i16;
+                l += 1;
+            }
+            k += 1;
+        }
+        t
+    };
+
+    /// One Q6_K super-block unpacked for [`dot_q6k_512`]: [`Q6kBlock`]'s codes and scales,
+    /// two 32-element groups per register.
+    struct Q6kBlock512 {
+        /// Groups `2k` (low half) and `2k + 1` (high half) of the codes, 0..64.
+        z: [__m512i; 4],
+        /// The scales of those groups' four 16-element quarters as i16 for `madd`.
+        zs: [__m512i; 4],
+        sc_lo: __m256i,
+        sc_hi: __m256i,
+        d: f32,
+    }
+
+    /// [`q6k_block`] in 512-bit steps: the same codes and scales, unpacked with a quarter of
+    /// the instructions (a decode reads each block once, so the unpacking is most of its work).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512bw")]
+    fn q6k_block_512(wb: &[u8]) -> Q6kBlock512 {
+        let wb: &[u8; 210] = wb.try_into().expect("a Q6_K block is 210 bytes");
+        let m4 = _mm512_set1_epi8(0xf);
+        let m30 = _mm512_set1_epi8(0x30);
+        let mut z = [_mm512_setzero_si512(); 4];
+        for h in 0..2 {
+            // SAFETY: bytes 64h..64h + 64 (ql) and 128 + 32h..160 + 32h (qh), h < 2, of the
+            // 210-byte block.
+            let (ql, qh) = unsafe {
+                (
+                    _mm512_loadu_si512(wb.as_ptr().add(64 * h) as *const __m512i),
+                    _mm256_loadu_si256(wb.as_ptr().add(128 + 32 * h) as *const __m256i),
+                )
+            };
+            // The 32 qh bytes in both halves; their 2-bit fields moved to bits 4..6: fields
+            // 0 | 1 for groups 4h, 4h + 1, fields 2 | 3 for groups 4h + 2, 4h + 3 (shifts of
+            // 64-bit lanes: the bits a shift carries across bytes are masked off).
+            let q = _mm512_broadcast_i64x4(qh);
+            let hi01 = _mm512_and_si512(
+                _mm512_sllv_epi64(q, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)),
+                m30,
+            );
+            let hi23 = _mm512_and_si512(
+                _mm512_srlv_epi64(q, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)),
+                m30,
+            );
+            z[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, m4), hi01);
+            z[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), hi23);
+        }
+        // SAFETY: bytes 192..208 of the block (the 16 scales).
+        let sc = unsafe { _mm_loadu_si128(wb.as_ptr().add(192) as *const __m128i) };
+        let s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+        let mut zs = [_mm512_setzero_si512(); 4];
+        for (k, zs) in zs.iter_mut().enumerate() {
+            // i16 lane l takes scale 4k + l / 8 (eight lanes = 16 bytes = a quarter).
+            // SAFETY: the 64 bytes of one row of the table.
+            let idx = unsafe { _mm512_loadu_si512(Q6K_QUARTERS[k].as_ptr() as *const __m512i) };
+            *zs = _mm512_permutexvar_epi16(idx, s16);
+        }
+        Q6kBlock512 {
+            z,
+            zs,
+            sc_lo: _mm256_cvtepi8_epi32(sc),
+            sc_hi: _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)),
+            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                u16::from_le_bytes([wb[208], wb[209]]) as i32,
+            ))),
+        }
+    }
+
     /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results.
     ///
     /// # Safety
@@ -1814,20 +1942,13 @@ mod avx2 {
             prefetch(wb.as_ptr(), 2 * bb + 64);
             prefetch(wb.as_ptr(), 2 * bb + 128);
             prefetch(wb.as_ptr(), 2 * bb + 192);
-            let Q6kBlock {
-                codes,
-                scv,
+            let Q6kBlock512 {
+                z,
+                zs,
                 sc_lo,
                 sc_hi,
                 d,
-            } = q6k_block(wb);
-            let mut z = [_mm512_setzero_si512(); 4];
-            let mut zs = [_mm512_setzero_si512(); 4];
-            for k in 0..4 {
-                z[k] =
-                    _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * k]), codes[2 * k + 1], 1);
-                zs[k] = _mm512_inserti64x4(_mm512_castsi256_si512(scv[2 * k]), scv[2 * k + 1], 1);
-            }
+            } = q6k_block_512(wb);
             for r in 0..R {
                 let xr = x[r];
                 // SAFETY: the row fits `w` and b < nb: codes b·256..+256, bsums b·16..+16 and
