@@ -537,7 +537,7 @@ fn q2k_code(wb: &[u8], e: usize) -> i32 {
 /// Dot products of one weight row against `R` activation rows (the tests' entry; products
 /// check the rows once per task and call [`dot_fitted_rows`]).
 #[cfg(test)]
-fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+fn dot_rows<const R: usize>(isa: Isa, ty: QuantType, w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
     assert!(
         x.iter().all(|x| row_fits(ty, w, x)),
         "qmatmul: activation rows do not fit the {ty} weight row"
@@ -555,7 +555,7 @@ unsafe fn dot_fitted_rows<const R: usize>(
     isa: Isa,
     ty: QuantType,
     w: &[u8],
-    x: [ActRow<'_>; R],
+    x: &[ActRow<'_>; R],
 ) -> [f32; R] {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
@@ -564,7 +564,7 @@ unsafe fn dot_fitted_rows<const R: usize>(
         return unsafe { avx2::dot_rows::<R>(ty, w, x) };
     }
     let _ = isa;
-    x.map(|x| dot_ref(ty, w, x))
+    std::array::from_fn(|r| dot_ref(ty, w, x[r]))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -727,7 +727,8 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                         let w = w_row(j);
                         let mut i = i0;
                         while i + ROW_GROUP <= i1 {
-                            let rows = std::array::from_fn(|r| act_rows[i + r]);
+                            // Borrowed, not copied: an `ActRow` is five slices.
+                            let rows = act_rows[i..i + ROW_GROUP].try_into().unwrap();
                             // SAFETY: every activation row fits a row of this job (asserted
                             // above).
                             let v = unsafe { dot_fitted_rows::<ROW_GROUP>(isa, ty, w, rows) };
@@ -738,7 +739,7 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                         }
                         while i < i1 {
                             // SAFETY: as above.
-                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, [act_rows[i]]) };
+                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, &[act_rows[i]]) };
                             put(i, j, v[0]);
                             i += 1;
                         }
@@ -970,7 +971,7 @@ mod avx2 {
     pub unsafe fn dot_rows<const R: usize>(
         ty: QuantType,
         w: &[u8],
-        x: [ActRow<'_>; R],
+        x: &[ActRow<'_>; R],
     ) -> [f32; R] {
         let wide = super::avx512();
         // SAFETY: the caller's contract; `wide` only where `avx512` detected AVX-512 F and BW.
@@ -985,7 +986,7 @@ mod avx2 {
     pub unsafe fn dot_rows_with<const R: usize>(
         ty: QuantType,
         w: &[u8],
-        x: [ActRow<'_>; R],
+        x: &[ActRow<'_>; R],
         wide: bool,
     ) -> [f32; R] {
         match ty {
@@ -1026,7 +1027,7 @@ mod avx2 {
     unsafe fn dot32<const R: usize>(
         ty: QuantType,
         w: &[u8],
-        x: [ActRow<'_>; R],
+        x: &[ActRow<'_>; R],
         vnni: bool,
     ) -> [f32; R] {
         // SAFETY: the caller's contract (features, rows fitting `w`, VNNI where `vnni`) is
@@ -1081,7 +1082,7 @@ mod avx2 {
     macro_rules! dot32_kernel {
         ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
             $(#[$attr])*
-            unsafe fn $name<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+            unsafe fn $name<const R: usize, const T: u8>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
             let ty = match T {
                 0 => QuantType::Q8_0,
                 1 => QuantType::Q4_0,
@@ -1297,7 +1298,7 @@ mod avx2 {
     /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits
     /// `w`: codes `b·256..+256`, `pairs[b·8..+8]` and `d[b]` exist for every block `b < nb`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q4k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    unsafe fn dot_q4k<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
@@ -1368,7 +1369,7 @@ mod avx2 {
     /// # Safety
     /// As [`dot_q4k`], and AVX-512 F and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q4_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
@@ -1630,7 +1631,7 @@ mod avx2 {
     /// codes `b·256..+256` and `d[b]` exist for every block `b < nb`, and `pairs[b·8..+8]`
     /// (Q5_K) or `bsums[b·16..+16]` (Q3_K, Q2_K).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_k<const R: usize, const T: u8>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    unsafe fn dot_k<const R: usize, const T: u8>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
         let bb = k_type(T).block_bytes();
         let signed = T == 1;
         let mut acc = [_mm256_setzero_ps(); R];
@@ -1798,7 +1799,7 @@ mod avx2 {
     /// As [`dot_rows`]. `w` is `nb` whole blocks (`chunks_exact`), and the row fits
     /// `w`: codes `b·256..+256`, `bsums[b·16..+16]` and `d[b]` exist for every block `b < nb`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q6k<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    unsafe fn dot_q6k<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
@@ -1933,7 +1934,7 @@ mod avx2 {
     /// # Safety
     /// As [`dot_q6k`], and AVX-512 F and BW must be available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: [ActRow<'_>; R]) -> [f32; R] {
+    unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
@@ -2082,12 +2083,12 @@ mod tests {
             .collect();
         for isa in [Isa::Scalar, Isa::best_available()] {
             for i in 0..m {
-                let got = dot_rows::<1>(isa, ty, w, [acts.row(i)])[0];
+                let got = dot_rows::<1>(isa, ty, w, &[acts.row(i)])[0];
                 assert_eq!(got.to_bits(), want[i], "{ty} {isa:?} {what} row {i}");
             }
             for i0 in (0..m.saturating_sub(3)).step_by(4) {
                 let four: [ActRow; 4] = std::array::from_fn(|r| acts.row(i0 + r));
-                for (r, v) in dot_rows::<4>(isa, ty, w, four).into_iter().enumerate() {
+                for (r, v) in dot_rows::<4>(isa, ty, w, &four).into_iter().enumerate() {
                     assert_eq!(v.to_bits(), want[i0 + r], "{ty} {isa:?} {what} x4 row {r}");
                 }
             }
@@ -2099,7 +2100,7 @@ mod tests {
                     assert!(row_fits(ty, w, &acts.row(i)));
                     // SAFETY: AVX2, FMA and F16C were detected (`best_available`), the row
                     // fits (asserted), and `wide` only where `avx512` detected F and BW.
-                    let got = unsafe { avx2::dot_rows_with::<1>(ty, w, [acts.row(i)], wide) };
+                    let got = unsafe { avx2::dot_rows_with::<1>(ty, w, &[acts.row(i)], wide) };
                     assert_eq!(got[0].to_bits(), want[i], "{ty} wide={wide} {what} row {i}");
                 }
             }
@@ -2220,7 +2221,7 @@ mod tests {
                 for j in 0..3 {
                     let wr = &bytes[j * rb..(j + 1) * rb];
                     let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
-                    let got4 = dot_rows::<4>(isa, ty, wr, four);
+                    let got4 = dot_rows::<4>(isa, ty, wr, &four);
                     #[cfg(target_arch = "x86_64")]
                     if isa == Isa::Avx2 {
                         // The AVX2-only kernels too, where dispatch picks the 512-bit ones.
@@ -2228,7 +2229,7 @@ mod tests {
                             let want = dot_ref(ty, wr, acts.row(i));
                             // SAFETY: AVX2 was detected; `wide` is off.
                             let narrow =
-                                unsafe { avx2::dot_rows_with::<1>(ty, wr, [acts.row(i)], false) };
+                                unsafe { avx2::dot_rows_with::<1>(ty, wr, &[acts.row(i)], false) };
                             assert_eq!(
                                 narrow[0].to_bits(),
                                 want.to_bits(),
@@ -2238,7 +2239,7 @@ mod tests {
                     }
                     for i in 0..5 {
                         let want = dot_ref(ty, wr, acts.row(i));
-                        let one = dot_rows::<1>(isa, ty, wr, [acts.row(i)])[0];
+                        let one = dot_rows::<1>(isa, ty, wr, &[acts.row(i)])[0];
                         assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
                         if i < 4 {
                             assert_eq!(got4[i].to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
@@ -2267,10 +2268,10 @@ mod tests {
                 // One row, in a boxed slice of exactly its size.
                 let row: Box<[u8]> = bytes.clone().into_boxed_slice();
                 let four: [ActRow; 4] = std::array::from_fn(|i| acts.row(i));
-                let got4 = dot_rows::<4>(isa, ty, &row, four);
+                let got4 = dot_rows::<4>(isa, ty, &row, &four);
                 for (i, got) in got4.into_iter().enumerate() {
                     let want = dot_ref(ty, &row, acts.row(i));
-                    let one = dot_rows::<1>(isa, ty, &row, [acts.row(i)])[0];
+                    let one = dot_rows::<1>(isa, ty, &row, &[acts.row(i)])[0];
                     assert_eq!(one.to_bits(), want.to_bits(), "{ty} k={k} row {i}");
                     assert_eq!(got.to_bits(), want.to_bits(), "{ty} k={k} x4 row {i}");
                     #[cfg(target_arch = "x86_64")]
@@ -2280,7 +2281,7 @@ mod tests {
                         // SAFETY: AVX2, FMA and F16C were detected (`best_available`), the row
                         // fits (asserted), and `wide` is off.
                         let narrow =
-                            unsafe { avx2::dot_rows_with::<1>(ty, &row, [acts.row(i)], false) };
+                            unsafe { avx2::dot_rows_with::<1>(ty, &row, &[acts.row(i)], false) };
                         assert_eq!(
                             narrow[0].to_bits(),
                             want.to_bits(),
@@ -2340,7 +2341,7 @@ mod tests {
         for x in [no_sums.row(0), short.row(0)] {
             assert!(!row_fits(QuantType::Q4_1, &w, &x));
             let run = std::panic::AssertUnwindSafe(|| {
-                dot_rows::<1>(Isa::best_available(), QuantType::Q4_1, &w, [x])
+                dot_rows::<1>(Isa::best_available(), QuantType::Q4_1, &w, &[x])
             });
             assert!(std::panic::catch_unwind(run).is_err());
         }
