@@ -738,8 +738,9 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                             i += ROW_GROUP;
                         }
                         while i < i1 {
+                            let one = act_rows[i..=i].try_into().unwrap();
                             // SAFETY: as above.
-                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, &[act_rows[i]]) };
+                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, one) };
                             put(i, j, v[0]);
                             i += 1;
                         }
