@@ -1460,13 +1460,6 @@ mod avx2 {
         }
     }
 
-    /// Two scales side by side: `a` for the low 16 bytes' pairs, `c` for the high ones.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn scale_pair(a: i16, c: i16) -> __m256i {
-        _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a))
-    }
-
     /// The 32 bytes of `wb` from `off` (`off + 32 ≤ N`).
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -1491,135 +1484,160 @@ mod avx2 {
         )
     }
 
-    /// Unpack one super-block of `k_type(T)`.
-    #[inline]
+    /// [`k_block`] as a function call.
+    #[inline(never)]
     #[target_feature(enable = "avx2,f16c")]
-    fn k_block<const T: u8>(wb: &[u8]) -> KBlock {
-        let one = _mm256_set1_epi8(1);
-        let three = _mm256_set1_epi8(3);
-        let m4 = _mm256_set1_epi8(0xf);
-        let mut codes = [_mm256_setzero_si256(); 8];
-        let mut scv = [_mm256_setzero_si256(); 8];
-        let (mut aux_lo, mut aux_hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-        let (d, dmin);
-        // The 2-bit fields of Q3_K / Q2_K: group g = 4n + s is bits 2s of the 32 bytes n.
-        let low2 = |q: [__m256i; 2], g: usize| {
-            let v = q[g / 4];
-            let v = match g % 4 {
-                0 => v,
-                1 => _mm256_srli_epi16(v, 2),
-                2 => _mm256_srli_epi16(v, 4),
-                _ => _mm256_srli_epi16(v, 6),
-            };
-            _mm256_and_si256(v, three)
-        };
-        // Bit g of each byte of `h`, moved to bit `to`.
-        let bit = |h: __m256i, g: usize, to: i32| {
-            let v = match g {
-                0 => h,
-                1 => _mm256_srli_epi16(h, 1),
-                2 => _mm256_srli_epi16(h, 2),
-                3 => _mm256_srli_epi16(h, 3),
-                4 => _mm256_srli_epi16(h, 4),
-                5 => _mm256_srli_epi16(h, 5),
-                6 => _mm256_srli_epi16(h, 6),
-                _ => _mm256_srli_epi16(h, 7),
-            };
-            let v = _mm256_and_si256(v, one);
-            if to == 4 {
-                _mm256_slli_epi16(v, 4)
-            } else {
-                _mm256_slli_epi16(v, 2)
-            }
-        };
-        match T {
-            0 => {
-                let wb: &[u8; 176] = wb.try_into().expect("a Q5_K block is 176 bytes");
-                let (ub, mv) = q4k_scales_mins(wb);
-                let qh = load32(wb, 16);
-                for c in 0..4 {
-                    let q = load32(wb, 48 + 32 * c);
-                    let lo = _mm256_and_si256(q, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                    codes[2 * c] = _mm256_or_si256(lo, bit(qh, 2 * c, 4));
-                    codes[2 * c + 1] = _mm256_or_si256(hi, bit(qh, 2 * c + 1, 4));
-                }
-                for j in 0..8 {
-                    scv[j] = _mm256_set1_epi16(ub[j] as i16);
-                }
-                aux_lo = mv;
-                d = f16_le(wb, 0);
-                dmin = f16_le(wb, 2);
-            }
-            1 => {
-                let wb: &[u8; 136] = wb.try_into().expect("an IQ4_XS block is 136 bytes");
-                let blk = BlockIq4Xs::from_bytes(wb);
-                // SAFETY: the 16 bytes of the 16-entry i8 table.
-                let kv = unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i) };
-                let kv = _mm256_broadcastsi128_si256(kv);
-                for j in 0..8 {
-                    codes[j] = _mm256_shuffle_epi8(kv, nibbles16(wb, 8 + 16 * j));
-                    scv[j] = _mm256_set1_epi16(blk.scale(j) as i16);
-                }
-                d = blk.d.to_f32();
-                dmin = 0.0;
-            }
-            2 => {
-                let wb: &[u8; 110] = wb.try_into().expect("a Q3_K block is 110 bytes");
-                let hm = load32(wb, 0);
-                let q = [load32(wb, 32), load32(wb, 64)];
-                for g in 0..8 {
-                    codes[g] = _mm256_or_si256(low2(q, g), bit(hm, g, 2));
-                }
-                let sc = q3k_scales(wb[96..108].try_into().expect("12 bytes"));
-                for g in 0..8 {
-                    scv[g] = scale_pair(sc[2 * g] as i16, sc[2 * g + 1] as i16);
-                }
-                // SAFETY: bytes 0..8 and 8..16 of the 16-byte array `sc`.
-                let (lo, hi) = unsafe {
-                    (
-                        _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
-                        _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
-                    )
+    fn k_block_call<const T: u8>(wb: &[u8]) -> KBlock {
+        // SAFETY: AVX2 and F16C are enabled here.
+        unsafe { k_block::<T>(wb) }
+    }
+
+    /// Unpack one super-block of `k_type(T)`.
+    ///
+    /// Not a `target_feature` function, so that it can be always inlined into [`dot_k`]: as a
+    /// call it returned the unpacked block through memory, a third of the kernel's time.
+    ///
+    /// # Safety
+    /// AVX2 and F16C must be available.
+    #[inline(always)]
+    unsafe fn k_block<const T: u8>(wb: &[u8]) -> KBlock {
+        // SAFETY: AVX2 and F16C are available (the caller's contract), which is all the
+        // vector operations below need.
+        unsafe {
+            let one = _mm256_set1_epi8(1);
+            let three = _mm256_set1_epi8(3);
+            let m4 = _mm256_set1_epi8(0xf);
+            let mut codes = [_mm256_setzero_si256(); 8];
+            let scv;
+            let (mut aux_lo, mut aux_hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+            let (d, dmin);
+            // The 2-bit fields of Q3_K / Q2_K: group g = 4n + s is bits 2s of the 32 bytes n.
+            let low2 = |q: [__m256i; 2], g: usize| {
+                let v = q[g / 4];
+                let v = match g % 4 {
+                    0 => v,
+                    1 => _mm256_srli_epi16(v, 2),
+                    2 => _mm256_srli_epi16(v, 4),
+                    _ => _mm256_srli_epi16(v, 6),
                 };
-                aux_lo = _mm256_cvtepi8_epi32(lo);
-                aux_hi = _mm256_cvtepi8_epi32(hi);
-                d = f16_le(wb, 108);
-                dmin = 0.0;
-            }
-            _ => {
-                let wb: &[u8; 84] = wb.try_into().expect("a Q2_K block is 84 bytes");
-                let q = [load32(wb, 16), load32(wb, 48)];
-                let mut sc = [0u8; 16];
-                let mut mins = [0u8; 16];
-                for i in 0..16 {
-                    sc[i] = wb[i] & 0xf;
-                    mins[i] = wb[i] >> 4;
-                }
-                for g in 0..8 {
-                    codes[g] = low2(q, g);
-                    scv[g] = scale_pair(sc[2 * g] as i16, sc[2 * g + 1] as i16);
-                }
-                // SAFETY: bytes 0..8 and 8..16 of the 16-byte array `mins`.
-                let (lo, hi) = unsafe {
-                    (
-                        _mm_loadl_epi64(mins.as_ptr() as *const __m128i),
-                        _mm_loadl_epi64(mins.as_ptr().add(8) as *const __m128i),
-                    )
+                _mm256_and_si256(v, three)
+            };
+            // Bit g of each byte of `h`, moved to bit `to`.
+            let bit = |h: __m256i, g: usize, to: i32| {
+                let v = match g {
+                    0 => h,
+                    1 => _mm256_srli_epi16(h, 1),
+                    2 => _mm256_srli_epi16(h, 2),
+                    3 => _mm256_srli_epi16(h, 3),
+                    4 => _mm256_srli_epi16(h, 4),
+                    5 => _mm256_srli_epi16(h, 5),
+                    6 => _mm256_srli_epi16(h, 6),
+                    _ => _mm256_srli_epi16(h, 7),
                 };
-                aux_lo = _mm256_cvtepu8_epi32(lo);
-                aux_hi = _mm256_cvtepu8_epi32(hi);
-                d = f16_le(wb, 80);
-                dmin = f16_le(wb, 82);
+                let v = _mm256_and_si256(v, one);
+                if to == 4 {
+                    _mm256_slli_epi16(v, 4)
+                } else {
+                    _mm256_slli_epi16(v, 2)
+                }
+            };
+            match T {
+                0 => {
+                    let wb: &[u8; 176] = wb.try_into().expect("a Q5_K block is 176 bytes");
+                    let (ub, mv) = q4k_scales_mins(wb);
+                    let qh = load32(wb, 16);
+                    for c in 0..4 {
+                        let q = load32(wb, 48 + 32 * c);
+                        let lo = _mm256_and_si256(q, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                        codes[2 * c] = _mm256_or_si256(lo, bit(qh, 2 * c, 4));
+                        codes[2 * c + 1] = _mm256_or_si256(hi, bit(qh, 2 * c + 1, 4));
+                    }
+                    // In bounds: bytes 0..8 of the 16-byte array `ub` (the scales).
+                    let sc8 = _mm_loadl_epi64(ub.as_ptr() as *const __m128i);
+                    scv = broadcast_i16_pairs(_mm256_cvtepu8_epi32(sc8));
+                    aux_lo = mv;
+                    d = f16_le(wb, 0);
+                    dmin = f16_le(wb, 2);
+                }
+                1 => {
+                    let wb: &[u8; 136] = wb.try_into().expect("an IQ4_XS block is 136 bytes");
+                    let blk = BlockIq4Xs::from_bytes(wb);
+                    // In bounds: the 16 bytes of the 16-entry i8 table.
+                    let kv = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr() as *const __m128i);
+                    let kv = _mm256_broadcastsi128_si256(kv);
+                    let mut sc = [0i32; 8];
+                    for j in 0..8 {
+                        codes[j] = _mm256_shuffle_epi8(kv, nibbles16(wb, 8 + 16 * j));
+                        sc[j] = blk.scale(j);
+                    }
+                    // In bounds: the 32 bytes of the array `sc`.
+                    scv = broadcast_i16_pairs(_mm256_loadu_si256(sc.as_ptr() as *const __m256i));
+                    d = blk.d.to_f32();
+                    dmin = 0.0;
+                }
+                2 => {
+                    let wb: &[u8; 110] = wb.try_into().expect("a Q3_K block is 110 bytes");
+                    let hm = load32(wb, 0);
+                    let q = [load32(wb, 32), load32(wb, 64)];
+                    for g in 0..8 {
+                        codes[g] = _mm256_or_si256(low2(q, g), bit(hm, g, 2));
+                    }
+                    let sc = q3k_scales(wb[96..108].try_into().expect("12 bytes"));
+                    // In bounds: bytes 0..8 and 8..16 of the 16-byte array `sc`.
+                    let (lo, hi) = {
+                        (
+                            _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
+                            _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
+                        )
+                    };
+                    aux_lo = _mm256_cvtepi8_epi32(lo);
+                    aux_hi = _mm256_cvtepi8_epi32(hi);
+                    // Group g's halves take scales 2g and 2g + 1.
+                    let (l, h) = (quarter_pairs(aux_lo), quarter_pairs(aux_hi));
+                    scv = [l[0], l[1], l[2], l[3], h[0], h[1], h[2], h[3]];
+                    d = f16_le(wb, 108);
+                    dmin = 0.0;
+                }
+                _ => {
+                    let wb: &[u8; 84] = wb.try_into().expect("a Q2_K block is 84 bytes");
+                    let q = [load32(wb, 16), load32(wb, 48)];
+                    let mut sc = [0u8; 16];
+                    let mut mins = [0u8; 16];
+                    for i in 0..16 {
+                        sc[i] = wb[i] & 0xf;
+                        mins[i] = wb[i] >> 4;
+                    }
+                    for g in 0..8 {
+                        codes[g] = low2(q, g);
+                    }
+                    // In bounds: bytes 0..8 and 8..16 of the 16-byte arrays `sc` and `mins`.
+                    let (sc_lo, sc_hi, lo, hi) = {
+                        (
+                            _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
+                            _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
+                            _mm_loadl_epi64(mins.as_ptr() as *const __m128i),
+                            _mm_loadl_epi64(mins.as_ptr().add(8) as *const __m128i),
+                        )
+                    };
+                    // Group g's halves take scales 2g and 2g + 1.
+                    let l = quarter_pairs(_mm256_cvtepu8_epi32(sc_lo));
+                    let h = quarter_pairs(_mm256_cvtepu8_epi32(sc_hi));
+                    scv = [l[0], l[1], l[2], l[3], h[0], h[1], h[2], h[3]];
+                    aux_lo = _mm256_cvtepu8_epi32(lo);
+                    aux_hi = _mm256_cvtepu8_epi32(hi);
+                    d = f16_le(wb, 80);
+                    dmin = f16_le(wb, 82);
+                }
             }
-        }
-        KBlock {
-            codes,
-            scv,
-            aux_lo,
-            aux_hi,
-            d,
-            dmin,
+            KBlock {
+                codes,
+                scv,
+                aux_lo,
+                aux_hi,
+                d,
+                dmin,
+            }
         }
     }
 
@@ -1641,7 +1659,14 @@ mod avx2 {
             prefetch(wb.as_ptr(), 2 * bb);
             prefetch(wb.as_ptr(), 2 * bb + 64);
             prefetch(wb.as_ptr(), 2 * bb + 128);
-            let k = k_block::<T>(wb);
+            // One row: the block unpacked in registers; several: by a call (inlined, their
+            // loop spills more than it saves).
+            let k = if R == 1 {
+                // SAFETY: this kernel runs with AVX2 and F16C.
+                unsafe { k_block::<T>(wb) }
+            } else {
+                k_block_call::<T>(wb)
+            };
             let mut abs = [_mm256_setzero_si256(); 8];
             if signed {
                 for j in 0..8 {
