@@ -1349,20 +1349,28 @@ mod avx2 {
         fold_rows(acc)
     }
 
-    /// For [`dot_q4k_512`]'s `scv[k]`: i16 lane `l` takes the scale of group `2k + l / 16`.
-    const Q4K_HALVES: [[i16; 32]; 4] = {
+    /// Index vectors for `vpermw` that spread a block's i16 scales over the 512-bit scale
+    /// registers of the kernels: in vector `k`, lane `l` takes scale `(32 / span)·k + l / span`,
+    /// each scale covering `span` i16 lanes (`2·span` bytes of codes).
+    const fn scale_spread(span: usize) -> [[i16; 32]; 4] {
         let mut t = [[0i16; 32]; 4];
         let mut k = 0;
         while k < 4 {
             let mut l = 0;
             while l < 32 {
-                t[k][l] = (2 * k + l / 16) as i16;
+                t[k][l] = (32 / span * k + l / span) as i16;
                 l += 1;
             }
             k += 1;
         }
         t
-    };
+    }
+
+    /// For [`dot_q4k_512`]'s `scv[k]`: groups `2k` and `2k + 1`, one scale per 32 codes.
+    const Q4K_HALVES: [[i16; 32]; 4] = scale_spread(16);
+
+    /// For [`q6k_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes.
+    const Q6K_QUARTERS: [[i16; 32]; 4] = scale_spread(8);
 
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
     /// eight-lane integer sums, and so the results, are identical.
@@ -1873,21 +1881,6 @@ mod avx2 {
         }
         fold_rows(acc)
     }
-
-    /// For [`q6k_block_512`]'s `zs[k]`: i16 lane `l` takes the scale of quarter `4k + l / 8`.
-    const Q6K_QUARTERS: [[i16; 32]; 4] = {
-        let mut t = [[0i16; 32]; 4];
-        let mut k = 0;
-        while k < 4 {
-            let mut l = 0;
-            while l < 32 {
-                t[k][l] = (4 * k + l / 8) as i16;
-                l += 1;
-            }
-            k += 1;
-        }
-        t
-    };
 
     /// One Q6_K super-block unpacked for [`dot_q6k_512`]: [`Q6kBlock`]'s codes and scales,
     /// two 32-element groups per register.
