@@ -126,9 +126,10 @@ impl QuantizedActs {
         let blocks = x.len() / bs;
         let mut qs = vec![0i8; x.len()];
         let mut d = Vec::with_capacity(blocks);
-        let mut sums = Vec::new();
-        let mut bsums: Vec<i32> = Vec::new();
-        let mut pairs = Vec::new();
+        let mut sums = Vec::with_capacity(if format == ActFormat::Q8_1 { blocks } else { 0 });
+        let k_blocks = if format == ActFormat::Q8K { blocks } else { 0 };
+        let mut bsums: Vec<i32> = Vec::with_capacity(k_blocks * (QK_K / 16));
+        let mut pairs = Vec::with_capacity(k_blocks * 8);
         for (xb, qb) in x.chunks_exact(bs).zip(qs.chunks_exact_mut(bs)) {
             match format {
                 ActFormat::Q8_0 | ActFormat::Q8_1 => {
@@ -147,13 +148,11 @@ impl QuantizedActs {
                     }
                 }
                 ActFormat::Q8K => {
-                    let (mut amax, mut max) = (0.0f32, 0.0f32);
-                    for &v in xb {
-                        if v.abs() > amax {
-                            amax = v.abs();
-                            max = v;
-                        }
-                    }
+                    // The value of largest magnitude, the first one where several tie (NaN
+                    // never counts): the greatest magnitude first (a maximum, in any order, so
+                    // vectorized), then where it first occurs.
+                    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    let max = xb.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0);
                     if amax == 0.0 {
                         d.push(0.0);
                         bsums.extend([0i32; QK_K / 16]);
@@ -2589,5 +2588,17 @@ mod tests {
         let total: i32 = k.qs.iter().map(|&q| q as i32).sum();
         assert_eq!(k.bsums.iter().sum::<i32>(), total);
         assert!(k.qs.iter().any(|&q| q == 127 || q == -127));
+        // Q8_K scales by the value of largest magnitude, the first where two tie: here −2
+        // (before +2), so iscale = −127 / −2 = 63.5 and −2 → −127, +2 → 127 (clamped at 127).
+        let mut x = vec![0.0f32; 256];
+        x[..4].copy_from_slice(&[0.5, -2.0, 1.0, 2.0]);
+        let k = QuantizedActs::quantize(ActFormat::Q8K, &x, 256);
+        assert_eq!(&k.qs[..4], &[32, -127, 64, 127]);
+        assert_eq!(k.d[0], 1.0 / 63.5f32);
+        // A NaN is never that value: the scale comes from the largest number (here +1).
+        x[..4].copy_from_slice(&[f32::NAN, 1.0, -0.5, 0.25]);
+        let k = QuantizedActs::quantize(ActFormat::Q8K, &x, 256);
+        assert_eq!(k.d[0], 1.0 / -127.0f32);
+        assert_eq!(&k.qs[1..4], &[-127, 64, -32]);
     }
 }
