@@ -1348,17 +1348,21 @@ mod avx2 {
         fold_rows(acc)
     }
 
-    /// Index vectors for `vpermw` that spread a block's i16 scales over the 512-bit scale
-    /// registers of the kernels: in vector `k`, lane `l` takes scale `(32 / span)·k + l / span`,
-    /// each scale covering `span` i16 lanes (`2·span` bytes of codes).
-    const fn scale_spread(span: usize) -> [[i16; 32]; 4] {
-        let mut t = [[0i16; 32]; 4];
+    /// Byte-shuffle controls (`vpshufb`, within each 128-bit lane) that spread a block's i16
+    /// scales over the 512-bit scale registers of the kernels: in vector `k`, i16 lane `l`
+    /// takes scale `s = (32 / span)·k + l / span`, each scale covering `span` i16 lanes
+    /// (`2·span` bytes of codes), from a register holding scales `8·(s / 8)..+8` in every
+    /// 128-bit lane. An in-lane shuffle of a broadcast, not a cross-lane `vpermw`: the same
+    /// vectors for fewer micro-operations.
+    const fn scale_spread(span: usize) -> [[u8; 64]; 4] {
+        let mut t = [[0u8; 64]; 4];
         let mut k = 0;
         while k < 4 {
-            let mut l = 0;
-            while l < 32 {
-                t[k][l] = (32 / span * k + l / span) as i16;
-                l += 1;
+            let mut byte = 0;
+            while byte < 64 {
+                let s = 32 / span * k + byte / 2 / span;
+                t[k][byte] = (2 * (s % 8) + byte % 2) as u8;
+                byte += 1;
             }
             k += 1;
         }
@@ -1366,10 +1370,11 @@ mod avx2 {
     }
 
     /// For [`dot_q4k_512`]'s `scv[k]`: groups `2k` and `2k + 1`, one scale per 32 codes.
-    const Q4K_HALVES: [[i16; 32]; 4] = scale_spread(16);
+    const Q4K_HALVES: [[u8; 64]; 4] = scale_spread(16);
 
-    /// For [`q6k_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes.
-    const Q6K_QUARTERS: [[i16; 32]; 4] = scale_spread(8);
+    /// For [`q6k_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes (scales
+    /// 0..8 for `k < 2`, 8..16 for `k ≥ 2`).
+    const Q6K_QUARTERS: [[u8; 64]; 4] = scale_spread(8);
 
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
     /// eight-lane integer sums, and so the results, are identical.
@@ -1388,12 +1393,12 @@ mod avx2 {
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
             let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
-            let sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(sc8));
+            let sc16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sc8));
             let mut scv = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
                 // SAFETY: the 64 bytes of one row of the table.
-                let idx = unsafe { _mm512_loadu_si512(Q4K_HALVES[k].as_ptr() as *const __m512i) };
-                scv[k] = _mm512_permutexvar_epi16(idx, sc16);
+                let ctl = unsafe { _mm512_loadu_si512(Q4K_HALVES[k].as_ptr() as *const __m512i) };
+                scv[k] = _mm512_shuffle_epi8(sc16, ctl);
             }
             // Groups (2k, 2k + 1) side by side: the low nibbles of chunk k, then its high ones.
             let m4z = _mm512_set1_epi8(0xf);
@@ -1928,13 +1933,17 @@ mod avx2 {
         }
         // SAFETY: bytes 192..208 of the block (the 16 scales).
         let sc = unsafe { _mm_loadu_si128(wb.as_ptr().add(192) as *const __m128i) };
-        let s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+        // Scales 0..8 and 8..16 as i16, each in every 128-bit lane.
+        let s16 = [
+            _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc)),
+            _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8))),
+        ];
         let mut zs = [_mm512_setzero_si512(); 4];
         for (k, zs) in zs.iter_mut().enumerate() {
             // i16 lane l takes scale 4k + l / 8 (eight lanes = 16 bytes = a quarter).
             // SAFETY: the 64 bytes of one row of the table.
-            let idx = unsafe { _mm512_loadu_si512(Q6K_QUARTERS[k].as_ptr() as *const __m512i) };
-            *zs = _mm512_permutexvar_epi16(idx, s16);
+            let ctl = unsafe { _mm512_loadu_si512(Q6K_QUARTERS[k].as_ptr() as *const __m512i) };
+            *zs = _mm512_shuffle_epi8(s16[k / 2], ctl);
         }
         Q6kBlock512 {
             z,
