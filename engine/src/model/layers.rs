@@ -521,21 +521,40 @@ pub fn attend(
     let kv_dim = kv_heads * head_dim;
     let (keys, values) = (kv_rows(&kv.k), kv_rows(&kv.v));
     let mut out = vec![0.0f32; q.len()];
-    // Task `idx` = (token t, key/value head g): query heads g·group .. (g + 1)·group of token
-    // t, whose outputs are one contiguous run of `out`.
+    let tokens = q.len() / (heads * head_dim);
+    let parallel = q.len() * (start + tokens) >= 1 << 16;
+    // A task takes `per_task` query heads of one key/value head's group (a divisor of the
+    // group): the whole group, unless there are too few groups to keep every thread busy
+    // (decode with few key/value heads), then smaller parts of it. Each head's scores and
+    // values are computed alone (the kernels work row by row), so the split changes no bit.
+    let per_task = if parallel && tokens * kv_heads < 2 * rayon::current_num_threads() {
+        let parts = (2 * rayon::current_num_threads()).div_ceil(tokens * kv_heads);
+        (1..=group)
+            .rev()
+            .find(|h| group.is_multiple_of(*h) && group / h >= parts.min(group))
+            .unwrap_or(1)
+    } else {
+        group
+    };
+    // Task `idx` = (token t, query heads h0 .. h0 + per_task, all of key/value head g), whose
+    // outputs are one contiguous run of `out`.
     let work = |(idx, o): (usize, &mut [f32])| {
-        let (t, g) = (idx / kv_heads, idx % kv_heads);
+        let (t, h0) = (
+            idx / (heads / per_task),
+            idx % (heads / per_task) * per_task,
+        );
+        let g = h0 / group;
         let pos = start + t;
         let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let n = pos + 1 - first;
-        let q0 = (t * heads + g * group) * head_dim;
-        let qg = &q[q0..q0 + group * head_dim];
+        let q0 = (t * heads + h0) * head_dim;
+        let qg = &q[q0..q0 + per_task * head_dim];
         // This group's keys and values from key `first` on: row j at (j − first) · kv_dim.
         let from = first * kv_dim + g * head_dim;
-        let mut scores = vec![0.0f32; group * n];
+        let mut scores = vec![0.0f32; per_task * n];
         group_scores(isa, qg, head_dim, keys.from(from), kv_dim, n, &mut scores);
-        for (r, row) in scores.chunks_mut(n.max(1)).take(group).enumerate() {
-            let hh = g * group + r;
+        for (r, row) in scores.chunks_mut(n.max(1)).take(per_task).enumerate() {
+            let hh = h0 + r;
             let at = t * heads + hh;
             for s in row.iter_mut() {
                 *s *= scale;
@@ -560,11 +579,11 @@ pub fn attend(
         }
         group_weighted_values(isa, &scores, n, values.from(from), kv_dim, head_dim, o);
     };
-    let tasks_out = group * head_dim;
-    if q.len() * (start + q.len() / (heads * head_dim)) < 1 << 16 {
-        out.chunks_mut(tasks_out).enumerate().for_each(work);
-    } else {
+    let tasks_out = per_task * head_dim;
+    if parallel {
         out.par_chunks_mut(tasks_out).enumerate().for_each(work);
+    } else {
+        out.chunks_mut(tasks_out).enumerate().for_each(work);
     }
     out
 }
