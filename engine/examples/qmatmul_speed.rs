@@ -4,7 +4,9 @@
 //! [THREADS]` quantizes a random `ROWS × COLS` matrix to TYPE (q8_0, q4_k, q6_k, ...) and
 //! multiplies `M` activation rows by it `REPS` times; prints the process CPU time per product
 //! and the weight bytes streamed per CPU nanosecond. A matrix of a few hundred KiB stays in
-//! cache (the kernel's compute rate); one of hundreds of MiB streams from memory.
+//! cache (the kernel's compute rate); one of hundreds of MiB streams from memory. With
+//! `QMATMUL_AB=1` it alternates the tiled prefill kernels and the row kernels product by
+//! product and prints the median time of each.
 
 use colibri::tensor::qmatmul::qmatmul;
 use colibri::tensor::quant::{quantize_row, QuantType};
@@ -68,6 +70,28 @@ fn main() {
         t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
     };
     qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+    if std::env::var_os("QMATMUL_AB").is_some() {
+        // The tiled prefill kernels against the row kernels, alternating product by product
+        // (the same bits; the time of each, robust to a machine whose speed drifts).
+        let mut ns = [Vec::new(), Vec::new()];
+        for r in 0..2 * reps {
+            colibri::tensor::qmatmul::set_tiled_kernels(r % 2 == 0);
+            let t0 = cpu();
+            qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+            ns[r % 2].push(cpu() - t0);
+        }
+        colibri::tensor::qmatmul::set_tiled_kernels(true);
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2] / 1e3
+        };
+        let (tiled, rows_k) = (med(&mut ns[0]), med(&mut ns[1]));
+        println!(
+            "{ty} {rows}×{cols}, {m} rows, {threads} threads: tiled {tiled:.1} µs, row kernels {rows_k:.1} µs (medians of {reps}), ratio {:.2}",
+            rows_k / tiled
+        );
+        return;
+    }
     let t0 = cpu();
     for _ in 0..reps {
         qmatmul(&x, ty, &bytes, rows, cols, &mut out);

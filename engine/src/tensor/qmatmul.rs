@@ -37,7 +37,10 @@
 //!
 //! Kernels: the scalar reference (`dot_ref`, which defines the results) and AVX2 for every
 //! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW
-//! 512-bit integer steps for Q4_K and Q6_K (the others' AVX2 kernels run there). There are no
+//! 512-bit integer steps for Q4_K and Q6_K (the others' AVX2 kernels run there); with AVX-512
+//! VNNI, Q4_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows (prefill) go
+//! through [`tiled`]: eight weight rows unpacked once against sixteen activation rows per
+//! register, the same lanes and float steps, so the same bits. There are no
 //! NEON kernels for the block formats: aarch64 computes them by the scalar reference (this
 //! workspace is built and tested on x86-64 only and cannot compile aarch64).
 //!
@@ -70,6 +73,15 @@ const ROW_GROUP: usize = 4;
 
 /// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
 const X_CHUNK_BYTES: usize = 24 * 1024;
+
+/// From this many activation rows on, Q4_K and Q6_K products go through the tiled kernels
+/// where they run (AVX-512 VNNI). Unpacking a tile costs about as much as the row kernels
+/// spend on a few dozen rows: below this the row kernels are as fast or faster (measured with
+/// `QMATMUL_AB=1 qmatmul_speed`, docs/benchmarks.md §19).
+const TILED_MIN_ROWS: usize = 64;
+
+#[cfg(target_arch = "x86_64")]
+mod tiled;
 
 /// How activations are quantized for a weight type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -579,6 +591,23 @@ fn vnni() -> bool {
     })
 }
 
+/// Whether Q4_K and Q6_K products of many rows go through [`tiled`] (AVX-512 F, BW and VNNI
+/// detected, and the 512-bit kernels allowed).
+#[cfg(target_arch = "x86_64")]
+fn tiled_kernels() -> bool {
+    vnni() && TILED_ON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether the tiled kernels may run where they can ([`set_tiled_kernels`]).
+static TILED_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Allow or forbid the tiled prefill kernels (default: allowed). Results are bit-identical
+/// either way; this exists so that kernel work can compare the two paths in one process
+/// (`examples/qmatmul_speed.rs`), alternating, on a machine whose speed drifts.
+pub fn set_tiled_kernels(on: bool) {
+    TILED_ON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// `out[i·n + j] = Σ_k x[i, k] · W[j, k]` for a quantized `W` (`n × k_dim`, `bytes` holding
 /// `n` rows of `ty`).
 pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, out: &mut [f32]) {
@@ -690,10 +719,36 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
     };
     match format {
         Some(format) => {
-            let acts: Vec<QuantizedActs> = xs
+            // Groups the tiled kernels take get their rows laid out in bands as well.
+            #[cfg(target_arch = "x86_64")]
+            let banded: Vec<bool> = groups
                 .iter()
-                .map(|x| QuantizedActs::quantize(format, x, k_dim))
+                .map(|g| {
+                    tiled_kernels()
+                        && g.x.len() / k_dim >= TILED_MIN_ROWS
+                        && g.mats.iter().any(|q| tiled::takes(q.ty))
+                })
                 .collect();
+            #[cfg(not(target_arch = "x86_64"))]
+            let banded = vec![false; groups.len()];
+            // Each set is quantized on its own (the same bits on any thread): in parallel when
+            // there are several, so a MoE layer's experts are not prepared one by one.
+            let prepare = |(x, banded): (&&[f32], &bool)| {
+                let acts = QuantizedActs::quantize(format, x, k_dim);
+                #[cfg(target_arch = "x86_64")]
+                let bands = banded.then(|| tiled::Bands::new(&acts));
+                #[cfg(not(target_arch = "x86_64"))]
+                let bands: Option<()> = banded.then_some(());
+                (acts, bands)
+            };
+            let prepared: Vec<_> = if xs.len() > 1 && rayon::current_num_threads() > 1 {
+                xs.par_iter().zip(&banded).map(prepare).collect()
+            } else {
+                xs.iter().zip(&banded).map(prepare).collect()
+            };
+            let (acts, bands): (Vec<QuantizedActs>, Vec<_>) = prepared.into_iter().unzip();
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = bands;
             let act_rows: Vec<Vec<ActRow<'_>>> = xs
                 .iter()
                 .zip(&acts)
@@ -713,6 +768,27 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 // one task (the one owning row j of this job).
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                #[cfg(target_arch = "x86_64")]
+                if let (true, Some(bands)) = (tiled::takes(ty), &bands[job.group]) {
+                    let mut tile = tiled::Tile::new(ty, k_dim / QK_K);
+                    let mut lanes = [[0.0f32; tiled::BAND]; tiled::TILE];
+                    for t0 in (j0..j1).step_by(tiled::TILE) {
+                        let t1 = (t0 + tiled::TILE).min(j1);
+                        tile.fill((t0..t1).map(w_row));
+                        for q in 0..bands.bands() {
+                            // SAFETY: `bands` exists only where `tiled_kernels` detected
+                            // AVX-512 F, BW and VNNI.
+                            unsafe { tiled::band(&tile, bands, q, &mut lanes) };
+                            for (w, lane) in lanes[..t1 - t0].iter().enumerate() {
+                                let i1 = (q * tiled::BAND + tiled::BAND).min(m);
+                                for i in q * tiled::BAND..i1 {
+                                    put(i, t0 + w, lane[i - q * tiled::BAND]);
+                                }
+                            }
+                        }
+                    }
+                    return;
+                }
                 // Every weight row of the job has the same length: the rows are checked once
                 // here, not at every product.
                 assert!(
@@ -2446,6 +2522,101 @@ mod tests {
                         "{ty}: row {i} alone vs in a batch of {rows}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Q4_K and Q6_K products of many rows (the tiled kernels, where AVX-512 VNNI runs) give
+    /// every element the scalar reference's bits, so a row's result is the same alone or in a
+    /// batch: full and partial bands (64, 65, 80, 97 rows), tiles of 8 and single weight rows
+    /// (heights 8, 12, 13, 29), one to eight super-blocks, random and extreme blocks (largest
+    /// codes and scales, zero, subnormal scales) against random, zero, saturated and tiny
+    /// activations, through `qmatmul` and through a grouped step beside a small group and the
+    /// other format.
+    #[test]
+    fn many_row_k_quant_products_give_the_reference_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if !tiled_kernels() {
+            eprintln!("note: no AVX-512 VNNI here: the tiled Q4_K/Q6_K kernels are not exercised");
+        }
+        let check = |ty: QuantType, w: &[u8], n: usize, x: &[f32], out: &[f32], what: &str| {
+            let k = x.len() / (out.len() / n);
+            let m = x.len() / k;
+            let acts = QuantizedActs::quantize(ActFormat::Q8K, x, k);
+            let rb = w.len() / n;
+            for i in 0..m {
+                for j in 0..n {
+                    let want = dot_ref(ty, &w[j * rb..(j + 1) * rb], acts.row(i));
+                    assert_eq!(
+                        out[i * n + j].to_bits(),
+                        want.to_bits(),
+                        "{ty} {what}: row {i} of {m}, weight row {j} of {n}, k {k}"
+                    );
+                }
+            }
+        };
+        let shapes = [(29, 512, 64), (12, 256, 80), (13, 2048, 65), (8, 768, 97)];
+        for (ty, other) in [
+            (QuantType::Q4_K, QuantType::Q6_K),
+            (QuantType::Q6_K, QuantType::Q4_K),
+        ] {
+            for (s, &(n, k, m)) in shapes.iter().enumerate() {
+                let seed = 300 + 10 * s as u64;
+                let mut x = edge_activations(k, seed);
+                while x.len() < m * k {
+                    x.extend(values(k, seed + x.len() as u64));
+                }
+                x.truncate(m * k);
+                let nb = n * k / QK_K;
+                let weights = [
+                    quantized(ty, &values(n * k, seed + 1), k),
+                    blocks(ty, nb, seed + 2, Fill::Random, 0.01),
+                    blocks(ty, nb, seed + 3, Fill::Max, 65504.0),
+                    blocks(ty, nb, seed + 4, Fill::Zero, 1.0),
+                    blocks(ty, nb, seed + 5, Fill::Random, 6e-8),
+                ];
+                for (c, w) in weights.iter().enumerate() {
+                    // Both paths (other tests running meanwhile get the same bits either way).
+                    for tiled in [true, false] {
+                        set_tiled_kernels(tiled);
+                        let mut out = vec![0.0f32; m * n];
+                        qmatmul(&x, ty, w, n, k, &mut out);
+                        set_tiled_kernels(true);
+                        check(
+                            ty,
+                            w,
+                            n,
+                            &x,
+                            &out,
+                            &format!("qmatmul, weights {c}, {tiled}"),
+                        );
+                    }
+                }
+                // A grouped step: this group with a matrix of the other format, beside a small
+                // group.
+                let small = values(3 * k, seed + 6);
+                let w2 = quantized(other, &values(n * k, seed + 7), k);
+                let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
+                let mut c = vec![0.0; 3 * n];
+                let mat = |ty, bytes, out| QMat { ty, bytes, n, out };
+                let mut big = vec![mat(ty, &weights[0], &mut a), mat(other, &w2, &mut b)];
+                let mut little = vec![mat(ty, &weights[1], &mut c)];
+                qmatmul_groups(
+                    k,
+                    &mut [
+                        QGroup {
+                            x: &x,
+                            mats: &mut big,
+                        },
+                        QGroup {
+                            x: &small,
+                            mats: &mut little,
+                        },
+                    ],
+                );
+                check(ty, &weights[0], n, &x, &a, "grouped");
+                check(other, &w2, n, &x, &b, "grouped, other format");
+                check(ty, &weights[1], n, &small, &c, "grouped, small group");
             }
         }
     }
