@@ -732,7 +732,8 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
             #[cfg(not(target_arch = "x86_64"))]
             let banded = vec![false; groups.len()];
             // Each set is quantized on its own (the same bits on any thread): in parallel when
-            // there are several, so a MoE layer's experts are not prepared one by one.
+            // there are several with many rows in all (a MoE layer's prefill), so its experts
+            // are not prepared one by one; decode's few rows are not worth a hand-off.
             let prepare = |(x, banded): (&&[f32], &bool)| {
                 let acts = QuantizedActs::quantize(format, x, k_dim);
                 #[cfg(target_arch = "x86_64")]
@@ -741,7 +742,10 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 let bands: Option<()> = banded.then_some(());
                 (acts, bands)
             };
-            let prepared: Vec<_> = if xs.len() > 1 && rayon::current_num_threads() > 1 {
+            let rows: usize = xs.iter().map(|x| x.len() / k_dim).sum();
+            let parallel =
+                xs.len() > 1 && rows >= TILED_MIN_ROWS && rayon::current_num_threads() > 1;
+            let prepared: Vec<_> = if parallel {
                 xs.par_iter().zip(&banded).map(prepare).collect()
             } else {
                 xs.iter().zip(&banded).map(prepare).collect()
