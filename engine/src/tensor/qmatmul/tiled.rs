@@ -5,12 +5,15 @@
 //! activation rows and finish every (weight row, activation row) pair with its own float steps.
 //! Here the weight codes of a tile are unpacked once per task, already multiplied by their
 //! scale (Q4_K `sc·q` ≤ 63·15, Q6_K `sc·q` ≤ 128·63 in magnitude: i16), and the activation
-//! codes of a band are laid out
-//! so that one 512-bit register holds the same two elements of sixteen rows: one `vpdpwssd`
-//! with a weight pair broadcast then adds `sc·(q₀y₀ + q₁y₁)` to sixteen lane sums at once, and
-//! the float steps run on sixteen rows per instruction. Q6_K's `−32·(sc_u·bsum_u +
-//! sc_{8+u}·bsum_{8+u})` is one more such step, a pair of the tile's (`−32·sc`) against a pair
-//! of the band's 16-code sums.
+//! codes of a band are laid out so that one 512-bit register holds the same two elements of
+//! sixteen rows: one `vpdpwssd` with a weight pair broadcast then adds `sc·(q₀y₀ + q₁y₁)` to
+//! sixteen lane sums at once, and the float steps run on sixteen rows per instruction. Q6_K's
+//! `−32·(sc_u·bsum_u + sc_{8+u}·bsum_{8+u})` is one more such step, a pair of the tile's
+//! (`−32·sc`) against a pair of the band's 16-code sums.
+//!
+//! Speed: the scale of every 4-element lane segment (the canonical order) is applied inside a
+//! 16-bit multiply-add, 32 products per port-0 µop, as in the row kernels; what the tiles save
+//! is the unpacking and float work beside it, 1.0–1.25× from 64 rows (docs/benchmarks.md §19).
 //!
 //! The bits are the scalar reference's ([`dot_ref`](super::dot_ref)): lane `u`'s integer sum
 //! over the super-block is the same exact integer (a sum of the same products, in i32 as the
