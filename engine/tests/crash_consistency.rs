@@ -200,8 +200,10 @@ fn kill(mode: &str, seed: u64) {
     );
     assert!(
         counts.inside() * 2 > KILLS,
-        "{mode}: only {} of {KILLS} kills landed inside a write",
-        counts.inside()
+        "{mode}: only {} of {} kills landed inside a write (at least {} needed)",
+        counts.inside(),
+        counts.kills,
+        KILLS / 2 + 1
     );
 }
 

@@ -196,7 +196,11 @@ impl Counts {
 
 /// `kills` rounds of: start a writer, let it commit 1 to 3 versions, kill it at a random moment
 /// within `max_pause` after that, check the target and the temporaries (see the module
-/// documentation). Panics on a torn file or a stale temporary.
+/// documentation). Panics on a torn file or a stale temporary. Where fewer than half of the
+/// kills landed inside a write (a loaded machine stretches the moments between writes), more
+/// rounds follow until more than `kills / 2` did, up to `4 × kills` rounds in all: callers
+/// assert that many, so the test still checks what it says and still fails where kills never
+/// land inside a write.
 pub fn kill_writers(t: &Target, kills: usize, seed: u64) -> Counts {
     let t0 = Instant::now();
     let mode = t.mode;
@@ -204,7 +208,8 @@ pub fn kill_writers(t: &Target, kills: usize, seed: u64) -> Counts {
     let mut last_committed: Option<u64> = None;
     let mut left_by_killed: Vec<String> = Vec::new();
     let (mut before_rename, mut after_rename) = (0, 0);
-    for round in 0..kills {
+    let mut round = 0;
+    while round < kills || ((before_rename + after_rename) * 2 <= kills && round < 4 * kills) {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", &format!("{mode}_writer"), "--nocapture"])
             .env(CHILD_MODE, mode)
@@ -281,6 +286,7 @@ pub fn kill_writers(t: &Target, kills: usize, seed: u64) -> Counts {
         before_rename += usize::from(!left.is_empty());
         left_by_killed = left;
         last_committed = committed;
+        round += 1;
     }
     (t.clean_write)();
     assert_eq!(
@@ -289,13 +295,13 @@ pub fn kill_writers(t: &Target, kills: usize, seed: u64) -> Counts {
         "{mode}: after a clean write"
     );
     let counts = Counts {
-        kills,
+        kills: round,
         before_rename,
         after_rename,
         wall: t0.elapsed(),
     };
     eprintln!(
-        "{mode}: {kills} kills, {} inside a write ({before_rename} before the rename: the \
+        "{mode}: {round} kills, {} inside a write ({before_rename} before the rename: the \
          temporary left; {after_rename} after it: a version committed but not reported), \
          0 torn files, 0 stale temporaries, {:.1} s",
         counts.inside(),
