@@ -493,13 +493,17 @@ pub struct RelBias<'a> {
 /// Scaled dot-product attention of queries `q` (`[T, H, hd]`, at positions `start..`) over
 /// the cached keys and values, causal, optionally windowed, biased and with sinks (`shape`); with
 /// `probs_f16` the attention probabilities are rounded to f16 before weighting the values
-/// (llama.cpp's f16 KV path). One task per (token, key/value head) takes the query heads that
-/// share that key/value head together ([`group_scores`], [`group_weighted_values`]: each cached
-/// row read once for all of them), and computes for each head, in a fixed order, what it would
-/// alone: its scores (each the canonical [`dot`](crate::tensor::kernels::dot) of the query and
-/// one key), the softmax over its row, then the probability-weighted value sum in ascending key
-/// order — so a token's result never depends on the tokens beside it, the threads, or how a
-/// prompt was split into calls.
+/// (llama.cpp's f16 KV path). The query heads that share a key/value head are taken together
+/// ([`group_scores`], [`group_weighted_values`]: each cached row read once for all of them), and
+/// each head gets, in a fixed order, what it would alone: its scores (each the canonical
+/// [`dot`](crate::tensor::kernels::dot) of the query and one key), the softmax over its row,
+/// then the probability-weighted value sum in ascending key order — so a token's result never
+/// depends on the tokens beside it, the threads, or how a prompt was split into calls.
+///
+/// How the work is cut into parallel tasks changes no bit: one task per (token, key/value head)
+/// when there are enough of them; for decode with few key/value heads, parts of a group's query
+/// heads, or — over long caches — [`attend_split_keys`]'s cut of the keys and the value
+/// elements, which reads each cached row once whatever the threads.
 pub fn attend(
     q: &[f32],
     kv: &LayerKv,
@@ -507,28 +511,29 @@ pub fn attend(
     start: usize,
     probs_f16: bool,
 ) -> Vec<f32> {
-    let AttendShape {
-        heads,
-        kv_heads,
-        head_dim,
-        window,
-        scale,
-        sinks,
-        bias,
-    } = shape;
+    let (heads, kv_heads, head_dim) = (shape.heads, shape.kv_heads, shape.head_dim);
     let isa = Isa::detect();
     let group = heads / kv_heads;
     let kv_dim = kv_heads * head_dim;
     let (keys, values) = (kv_rows(&kv.k), kv_rows(&kv.v));
-    let mut out = vec![0.0f32; q.len()];
     let tokens = q.len() / (heads * head_dim);
     let parallel = q.len() * (start + tokens) >= 1 << 16;
+    let threads = rayon::current_num_threads();
+    let few_groups = parallel && tokens * kv_heads < 2 * threads;
+    let fewest_keys = (start..start + tokens)
+        .map(|pos| visible_keys(shape.window, pos).1)
+        .min()
+        .unwrap_or(0);
+    if few_groups && fewest_keys >= SPLIT_KEYS_FROM {
+        return attend_split_keys(q, kv, shape, start, probs_f16, threads);
+    }
+    let mut out = vec![0.0f32; q.len()];
     // A task takes `per_task` query heads of one key/value head's group (a divisor of the
     // group): the whole group, unless there are too few groups to keep every thread busy
     // (decode with few key/value heads), then smaller parts of it. Each head's scores and
     // values are computed alone (the kernels work row by row), so the split changes no bit.
-    let per_task = if parallel && tokens * kv_heads < 2 * rayon::current_num_threads() {
-        let parts = (2 * rayon::current_num_threads()).div_ceil(tokens * kv_heads);
+    let per_task = if few_groups {
+        let parts = (2 * threads).div_ceil(tokens * kv_heads);
         (1..=group)
             .rev()
             .find(|h| group.is_multiple_of(*h) && group / h >= parts.min(group))
@@ -544,38 +549,18 @@ pub fn attend(
             idx % (heads / per_task) * per_task,
         );
         let g = h0 / group;
-        let pos = start + t;
-        let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let n = pos + 1 - first;
+        let (first, n) = visible_keys(shape.window, start + t);
+        if n == 0 {
+            return; // a window of 0 sees no key: the output stays 0, as in the reference
+        }
         let q0 = (t * heads + h0) * head_dim;
         let qg = &q[q0..q0 + per_task * head_dim];
         // This group's keys and values from key `first` on: row j at (j − first) · kv_dim.
         let from = first * kv_dim + g * head_dim;
         let mut scores = vec![0.0f32; per_task * n];
         group_scores(isa, qg, head_dim, keys.from(from), kv_dim, n, &mut scores);
-        for (r, row) in scores.chunks_mut(n.max(1)).take(per_task).enumerate() {
-            let hh = h0 + r;
-            let at = t * heads + hh;
-            for s in row.iter_mut() {
-                *s *= scale;
-            }
-            if let Some(b) = bias {
-                for (s, j) in row.iter_mut().zip(first..) {
-                    if pos - j < b.extent {
-                        *s += b.profiles[at * b.extent + pos - j];
-                    }
-                }
-            }
-            let sink = match sinks {
-                Some(Sinks::PerHead(sinks)) => Some(sinks[hh]),
-                Some(Sinks::PerToken(sinks)) => Some(sinks[at]),
-                None => None,
-            };
-            softmax(row, sink);
-        }
-        if probs_f16 {
-            // llama.cpp multiplies its f16 values by probabilities converted to f16.
-            round_to_f16(&mut scores);
+        for (r, row) in scores.chunks_mut(n).enumerate() {
+            finish_scores(&shape, start, t, h0 + r, first, probs_f16, row);
         }
         group_weighted_values(isa, &scores, n, values.from(from), kv_dim, head_dim, o);
     };
@@ -584,6 +569,156 @@ pub fn attend(
         out.par_chunks_mut(tasks_out).enumerate().for_each(work);
     } else {
         out.chunks_mut(tasks_out).enumerate().for_each(work);
+    }
+    out
+}
+
+/// From how many visible keys [`attend`] cuts a decode step's groups by keys and value
+/// elements ([`attend_split_keys`]) rather than by query heads.
+const SPLIT_KEYS_FROM: usize = 512;
+
+/// The first key a query at position `pos` sees, and how many it sees.
+fn visible_keys(window: Option<usize>, pos: usize) -> (usize, usize) {
+    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    (first, pos + 1 - first)
+}
+
+/// Turn the raw scores of query token `t`, head `hh` (`row`: keys `first..=start + t`) into
+/// attention probabilities: scaled, biased, the softmax with the head's sink, rounded to f16
+/// when `probs_f16`.
+fn finish_scores(
+    shape: &AttendShape<'_>,
+    start: usize,
+    t: usize,
+    hh: usize,
+    first: usize,
+    probs_f16: bool,
+    row: &mut [f32],
+) {
+    let pos = start + t;
+    let at = t * shape.heads + hh;
+    for s in row.iter_mut() {
+        *s *= shape.scale;
+    }
+    if let Some(b) = shape.bias {
+        for (s, j) in row.iter_mut().zip(first..) {
+            if pos - j < b.extent {
+                *s += b.profiles[at * b.extent + pos - j];
+            }
+        }
+    }
+    let sink = match shape.sinks {
+        Some(Sinks::PerHead(sinks)) => Some(sinks[hh]),
+        Some(Sinks::PerToken(sinks)) => Some(sinks[at]),
+        None => None,
+    };
+    softmax(row, sink);
+    if probs_f16 {
+        // llama.cpp multiplies its f16 values by probabilities converted to f16.
+        round_to_f16(row);
+    }
+}
+
+/// [`attend`] for few (token, key/value head) groups over a long cache (decode), in three
+/// parallel steps that keep each group's query heads together, so every cached key and value
+/// row is read once, by one thread: (1) the scores of consecutive runs of keys, (2) each
+/// head's softmax, (3) the weighted value sums of runs of the head's elements. A score is one
+/// [`dot`](crate::tensor::kernels::dot) whatever run its key falls in, and an output element
+/// sums over every key in ascending order whatever run of elements holds it, so the bits are
+/// [`attend`]'s whatever the cut.
+fn attend_split_keys(
+    q: &[f32],
+    kv: &LayerKv,
+    shape: AttendShape<'_>,
+    start: usize,
+    probs_f16: bool,
+    threads: usize,
+) -> Vec<f32> {
+    let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let isa = Isa::detect();
+    let group = heads / kv_heads;
+    let kv_dim = kv_heads * hd;
+    let (keys, values) = (kv_rows(&kv.k), kv_rows(&kv.v));
+    let tokens = q.len() / (heads * hd);
+    let groups = tokens * kv_heads;
+    let parts = (2 * threads).div_ceil(groups).max(1);
+    // (1) Scores: task (group gi = t · kv_heads + g, key run c), runs of whole 16-key steps.
+    let run_of = |n: usize| n.div_ceil(parts).next_multiple_of(16);
+    let runs: Vec<(usize, usize)> = (0..groups)
+        .flat_map(|gi| {
+            let n = visible_keys(shape.window, start + gi / kv_heads).1;
+            let run = run_of(n);
+            (0..n.div_ceil(run)).map(move |c| (gi, c))
+        })
+        .collect();
+    let run_scores: Vec<Vec<f32>> = runs
+        .par_iter()
+        .map(|&(gi, c)| {
+            let (t, g) = (gi / kv_heads, gi % kv_heads);
+            let (first, n) = visible_keys(shape.window, start + t);
+            let run = run_of(n);
+            let (j0, len) = (c * run, run.min(n - c * run));
+            let q0 = (t * heads + g * group) * hd;
+            let from = (first + j0) * kv_dim + g * hd;
+            let mut s = vec![0.0f32; group * len];
+            group_scores(
+                isa,
+                &q[q0..q0 + group * hd],
+                hd,
+                keys.from(from),
+                kv_dim,
+                len,
+                &mut s,
+            );
+            s
+        })
+        .collect();
+    // Each group's scores as rows of its heads, `[group, n]`.
+    let mut scores: Vec<Vec<f32>> = (0..groups)
+        .map(|gi| vec![0.0f32; group * visible_keys(shape.window, start + gi / kv_heads).1])
+        .collect();
+    for (&(gi, c), s) in runs.iter().zip(&run_scores) {
+        let n = scores[gi].len() / group;
+        let (j0, len) = (c * run_of(n), s.len() / group);
+        for r in 0..group {
+            scores[gi][r * n + j0..r * n + j0 + len].copy_from_slice(&s[r * len..(r + 1) * len]);
+        }
+    }
+    // (2) Each head's probabilities.
+    scores.par_iter_mut().enumerate().for_each(|(gi, s)| {
+        let (t, g) = (gi / kv_heads, gi % kv_heads);
+        let (first, n) = visible_keys(shape.window, start + t);
+        s.par_chunks_mut(n).enumerate().for_each(|(r, row)| {
+            finish_scores(&shape, start, t, g * group + r, first, probs_f16, row);
+        });
+    });
+    // (3) Weighted values: task (group gi, elements e0 .. e0 + width of each head), in runs of
+    // 32 elements (the AVX-512 kernel's step) where the head dimension allows.
+    let unit = if hd.is_multiple_of(32) { 32 } else { hd };
+    let width = (hd / unit).div_ceil(parts).max(1) * unit;
+    let slices: Vec<(usize, usize)> = (0..groups)
+        .flat_map(|gi| (0..hd.div_ceil(width)).map(move |c| (gi, c * width)))
+        .collect();
+    let sums: Vec<Vec<f32>> = slices
+        .par_iter()
+        .map(|&(gi, e0)| {
+            let (t, g) = (gi / kv_heads, gi % kv_heads);
+            let (first, n) = visible_keys(shape.window, start + t);
+            let w = width.min(hd - e0);
+            let mut o = vec![0.0f32; group * w];
+            let from = first * kv_dim + g * hd + e0;
+            group_weighted_values(isa, &scores[gi], n, values.from(from), kv_dim, w, &mut o);
+            o
+        })
+        .collect();
+    let mut out = vec![0.0f32; q.len()];
+    for (&(gi, e0), o) in slices.iter().zip(&sums) {
+        let (t, g) = (gi / kv_heads, gi % kv_heads);
+        let w = o.len() / group;
+        for r in 0..group {
+            let at = (t * heads + g * group + r) * hd + e0;
+            out[at..at + w].copy_from_slice(&o[r * w..(r + 1) * w]);
+        }
     }
     out
 }
@@ -1647,12 +1782,16 @@ mod attend_tests {
         for (heads, kv_heads, hd, keys, window) in [
             (9, 3, 64, 1300, None),
             (8, 2, 64, 1200, Some(700)),
+            (16, 2, 128, 1500, None),
+            (12, 1, 96, 900, Some(600)),
             (4, 4, 64, 1100, None),
             (6, 1, 72, 1000, None),
             (4, 2, 128, 600, Some(100)),
             (9, 3, 64, 40, None),
             (14, 2, 64, 300, None),
             (10, 2, 32, 90, Some(33)),
+            // A window of 0 (a config's `sliding_window: 0`) sees no key: zeros, not a panic.
+            (4, 2, 64, 40, Some(0)),
         ] {
             let t_len = 3;
             let start = keys - t_len;
@@ -1685,6 +1824,35 @@ mod attend_tests {
                     bits(&want),
                     "{heads}/{kv_heads}×{hd}, {keys} keys, variant {variant}"
                 );
+                // Other thread counts cut the work otherwise (by query heads, or by keys and
+                // value elements for few groups over many keys: the prompt's three tokens too
+                // at 8 threads); none changes a bit, in the prompt or its last token alone.
+                let row = (t_len - 1) * heads * hd;
+                for threads in [1, 3, 8] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let (got, last) = pool.install(|| {
+                        (
+                            attend(&q, &kv, shape, start, false),
+                            attend(&q[row..], &kv, shape, start + t_len - 1, false),
+                        )
+                    });
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{heads}/{kv_heads}×{hd}, {keys} keys, variant {variant}, {threads} threads"
+                    );
+                    if variant != 2 {
+                        assert_eq!(
+                            bits(&last),
+                            bits(&want[row..]),
+                            "{heads}/{kv_heads}×{hd}, {keys} keys, variant {variant}, \
+                             {threads} threads: decode ≠ prefill"
+                        );
+                    }
+                }
                 // An f16 cache gives the bits of an f32 cache holding the same (f16) values.
                 let mut kv16 = LayerKv::with_dtype(KvDType::F16);
                 kv16.k.extend(kv.k.f32());
@@ -1703,7 +1871,6 @@ mod attend_tests {
                     continue; // the bias profiles are laid out per call
                 }
                 // The last token alone over the same cache.
-                let row = (t_len - 1) * heads * hd;
                 let last = attend(&q[row..], &kv, shape, start + t_len - 1, false);
                 assert_eq!(
                     bits(&last),

@@ -85,15 +85,26 @@ pub fn group_scores(
         unsafe { avx512::group_scores(q, hd, keys, stride, n, out) };
         return;
     }
-    for (r, o) in out.chunks_mut(n.max(1)).take(rows).enumerate() {
-        let qr = &q[r * hd..(r + 1) * hd];
-        match keys {
-            KvRows::F32(k) if n > 0 => dot_strided(isa, qr, k, stride, &mut o[..n]),
-            KvRows::F16(k) if n > 0 => dot_strided_f16(isa, qr, k, stride, &mut o[..n]),
-            _ => {}
+    // Every query head over a run of keys before the next run, so the group's other heads
+    // read the run from cache; each score is still its own dot.
+    for j0 in (0..n).step_by(KEY_RUN) {
+        let len = KEY_RUN.min(n - j0);
+        let run = keys.from(j0 * stride);
+        for r in 0..rows {
+            let qr = &q[r * hd..(r + 1) * hd];
+            let o = &mut out[r * n + j0..r * n + j0 + len];
+            match run {
+                KvRows::F32(k) => dot_strided(isa, qr, k, stride, o),
+                KvRows::F16(k) => dot_strided_f16(isa, qr, k, stride, o),
+            }
         }
     }
 }
+
+/// How many keys (or values) the one-head-at-a-time paths of [`group_scores`] and
+/// [`group_weighted_values`] take for every head of the group before the next ones: 16-32 KiB
+/// of f32 rows, which stay in L1 for the group's other heads.
+const KEY_RUN: usize = 64;
 
 /// `out_r[e] += p[r·n + j] · value_j[e]` for `j = 0, 1, …, n − 1` in that order, for every
 /// output row `out_r` (`hd` values each) and element `e`: each product rounded, then added.
@@ -127,11 +138,17 @@ pub fn group_weighted_values(
         unsafe { avx512::group_weighted_values(p, n, values, stride, hd, out) };
         return;
     }
-    for (r, o) in out.chunks_mut(hd).enumerate() {
-        let pr = &p[r * n..(r + 1) * n];
-        match values {
-            KvRows::F32(v) => add_weighted_rows(isa, pr, v, stride, o),
-            KvRows::F16(v) => add_weighted_rows_f16(isa, pr, v, stride, o),
+    // Every head over a run of values before the next run (as in `group_scores`); an output
+    // element still adds its products in ascending key order, run after run.
+    for j0 in (0..n).step_by(KEY_RUN) {
+        let len = KEY_RUN.min(n - j0);
+        let run = values.from(j0 * stride);
+        for (r, o) in out.chunks_mut(hd).enumerate() {
+            let pr = &p[r * n + j0..r * n + j0 + len];
+            match run {
+                KvRows::F32(v) => add_weighted_rows(isa, pr, v, stride, o),
+                KvRows::F16(v) => add_weighted_rows_f16(isa, pr, v, stride, o),
+            }
         }
     }
 }
