@@ -1232,7 +1232,10 @@ mod avx2 {
                 b0 += 8;
             }
             if b0 < nb {
-                // Tail of fewer than 8 blocks: missing blocks contribute exact zeros.
+                // Tail of fewer than 8 blocks: the missing blocks' lanes get exact zeros
+                // (`0 · 0`, as in the reference), and the activation scales and sums of the
+                // blocks that are there come in through a masked load (the lanes past the
+                // row's last block are neither read nor faulted on).
                 let nblk = nb - b0;
                 let mut codes = [_mm256_setzero_si256(); 8];
                 let mut dw = [0.0f32; 8];
@@ -1246,6 +1249,10 @@ mod avx2 {
                         mw[k] = f16_le(blk, 2);
                     }
                 }
+                let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let present = _mm256_cmpgt_epi32(_mm256_set1_epi32(nblk as i32), lane);
+                // SAFETY: `dw` and `mw` are arrays of 8 f32.
+                let (dw, mw) = unsafe { (_mm256_loadu_ps(dw.as_ptr()), _mm256_loadu_ps(mw.as_ptr())) };
                 for r in 0..R {
                     let xr = x[r];
                     let mut prods = [_mm256_setzero_si256(); 8];
@@ -1262,22 +1269,16 @@ mod avx2 {
                         };
                     }
                     let isums = _mm256_cvtepi32_ps(transpose_sum(&prods));
-                    let mut sv = [0.0f32; 8];
-                    let mut mterm = [0.0f32; 8];
-                    for k in 0..nblk {
-                        sv[k] = dw[k] * xr.d[b0 + k];
-                        if !signed {
-                            mterm[k] = mw[k] * xr.sums[b0 + k];
-                        }
-                    }
-                    // SAFETY: `sv` and `mterm` are arrays of 8 f32.
-                    let (sv, mterm) = unsafe {
-                        (_mm256_loadu_ps(sv.as_ptr()), _mm256_loadu_ps(mterm.as_ptr()))
-                    };
-                    let p = _mm256_mul_ps(sv, isums);
+                    // SAFETY: the row fits `w`, so its scales (and sums) b0..nb exist and
+                    // b0 < nb: the pointer is inside the slice, and the mask reads only lanes
+                    // k < nblk, i.e. b0 + k < nb.
+                    let xd = unsafe { _mm256_maskload_ps(xr.d.as_ptr().add(b0), present) };
+                    let p = _mm256_mul_ps(_mm256_mul_ps(dw, xd), isums);
                     acc[r] = _mm256_add_ps(acc[r], p);
                     if !signed {
-                        acc[r] = _mm256_add_ps(acc[r], mterm);
+                        // SAFETY: as for `xd`.
+                        let xs = unsafe { _mm256_maskload_ps(xr.sums.as_ptr().add(b0), present) };
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, xs));
                     }
                 }
             }
