@@ -18,7 +18,9 @@ use crate::tensor::attention::{
 };
 use crate::tensor::device::place_dense;
 use crate::tensor::kernels::Isa;
-use crate::tensor::matmul::{matmul_groups, tensor_matmul, tensor_matmul_pair, MatmulGroup};
+use crate::tensor::matmul::{
+    matmul_groups, tensor_matmul, tensor_matmul_many, tensor_matmul_pair, MatmulGroup,
+};
 use crate::tensor::Tensor;
 use crate::Result;
 
@@ -64,13 +66,25 @@ impl Linear {
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let mut y = tensor_matmul(x, &self.weight);
         if let Some(b) = &self.bias {
-            for row in y.chunks_mut(b.len()) {
-                for (v, bb) in row.iter_mut().zip(b) {
-                    *v += bb;
-                }
-            }
+            add_row_bias(&mut y, b);
         }
         y
+    }
+
+    /// Apply several projections to the same `m` rows (an attention's q, k and v, an MLP's
+    /// gate and up): the activations are quantized once and all the products share one
+    /// parallel step where the weights allow ([`tensor_matmul_many`]), so decode hands work
+    /// to the threads once instead of once per projection. Each output is the one
+    /// [`Linear::forward`] gives.
+    pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &[f32]) -> [Vec<f32>; N] {
+        let ys = tensor_matmul_many(x, &ls.map(|l| &l.weight));
+        let mut ys = ys.into_iter().zip(ls).map(|(mut y, l)| {
+            if let Some(b) = &l.bias {
+                add_row_bias(&mut y, b);
+            }
+            y
+        });
+        std::array::from_fn(|_| ys.next().expect("one output per projection"))
     }
 }
 
@@ -379,7 +393,7 @@ impl Attention {
     /// gives each row the bits it gets alone), and the output gate rows if it has one.
     #[allow(clippy::type_complexity)]
     pub fn project(&self, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
-        let (q, k, v) = (self.q.forward(x), self.k.forward(x), self.v.forward(x));
+        let [q, k, v] = Linear::forward_many([&self.q, &self.k, &self.v], x);
         if !self.output_gate {
             return (q, k, v, None);
         }
@@ -794,8 +808,7 @@ impl Mlp {
 
     /// Apply to `[T, D]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let g = self.gate.forward(x);
-        let u = self.up.forward(x);
+        let [g, u] = Linear::forward_many([&self.gate, &self.up], x);
         let h: Vec<f32> = g
             .iter()
             .zip(&u)
@@ -1879,5 +1892,46 @@ mod attend_tests {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod linear_tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 1000) as f32 / 1000.0
+                    - 0.5
+            })
+            .collect()
+    }
+
+    #[test]
+    fn several_projections_at_once_give_each_ones_bits_and_bias() {
+        let k = 40;
+        let linear = |n: usize, seed: u32, bias: bool| Linear {
+            weight: Tensor::from_f32("w", &[n, k], &values(n * k, seed)),
+            bias: bias.then(|| values(n, seed + 7)),
+        };
+        let (q, kk, v) = (linear(12, 1, true), linear(4, 2, false), linear(4, 3, true));
+        for m in [1, 5] {
+            let x = values(m * k, 11 + m as u32);
+            let [a, b, c] = Linear::forward_many([&q, &kk, &v], &x);
+            for (got, l) in [(a, &q), (b, &kk), (c, &v)] {
+                let want = l.forward(&x);
+                assert_eq!(got.len(), m * l.out_features());
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{m} rows");
+            }
+        }
+        // The bias was added: without it the outputs differ.
+        let x = values(k, 3);
+        let bare = Linear {
+            bias: None,
+            ..linear(12, 1, false)
+        };
+        assert_ne!(Linear::forward_many([&q], &x)[0], bare.forward(&x));
     }
 }

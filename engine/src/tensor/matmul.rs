@@ -198,31 +198,69 @@ pub fn tensor_matmul(x: &[f32], w: &super::Tensor) -> Vec<f32> {
 /// [`matmul_pair`] for weight tensors (an expert's gate and up): on their device when both
 /// are there (the activations quantized once), else on the CPU.
 pub fn tensor_matmul_pair(x: &[f32], a: &super::Tensor, b: &super::Tensor) -> (Vec<f32>, Vec<f32>) {
-    match (&a.device, &b.device) {
-        (Some(da), Some(db)) if da.format == db.format && da.cols == db.cols => {
-            let acts = da.activations(x);
-            let m = x.len() / da.cols;
-            let (mut ya, mut yb) = (vec![0.0; m * da.rows], vec![0.0; m * db.rows]);
-            for (d, y, t) in [(da, &mut ya, a), (db, &mut yb, b)] {
-                if let Err(e) = d.matmul_prepared(x, acts.as_ref(), y) {
-                    panic!("{} failed computing `{}`: {e}", d.backend().name(), t.name);
-                }
-            }
-            (ya, yb)
+    let mut ys = tensor_matmul_many(x, &[a, b]).into_iter();
+    let (ya, yb) = (ys.next(), ys.next());
+    (
+        ya.expect("one output per weight"),
+        yb.expect("one output per weight"),
+    )
+}
+
+/// Products of the same activations with several weight tensors (an attention's q, k and v; an
+/// MLP's gate and up), one output per weight: on their device when all are there in one format
+/// (the activations quantized once), on the CPU when none is (block-quantized weights of one
+/// activation format share its quantization and one parallel step, see [`matmul_groups`]),
+/// else one by one. Every result is the one [`tensor_matmul`] gives.
+pub fn tensor_matmul_many(x: &[f32], ws: &[&super::Tensor]) -> Vec<Vec<f32>> {
+    let devices: Vec<_> = ws.iter().map(|w| w.device.as_ref()).collect();
+    if let Some(Some(first)) = devices.first() {
+        let same = devices
+            .iter()
+            .all(|d| d.is_some_and(|d| d.format == first.format && d.cols == first.cols));
+        if same {
+            let acts = first.activations(x);
+            let m = x.len() / first.cols;
+            return ws
+                .iter()
+                .zip(&devices)
+                .map(|(t, d)| {
+                    let d = d.expect("checked above");
+                    let mut y = vec![0.0; m * d.rows];
+                    if let Err(e) = d.matmul_prepared(x, acts.as_ref(), &mut y) {
+                        panic!("{} failed computing `{}`: {e}", d.backend().name(), t.name);
+                    }
+                    y
+                })
+                .collect();
         }
-        (None, None) => matmul_pair(
-            x,
-            &a.view().expect("weights were checked at load"),
-            &b.view().expect("weights were checked at load"),
-        ),
-        _ => (tensor_matmul(x, a), tensor_matmul(x, b)),
     }
+    if devices.iter().all(|d| d.is_none()) {
+        let views: Vec<WeightView<'_>> = ws
+            .iter()
+            .map(|w| w.view().expect("weights were checked at load"))
+            .collect();
+        let mut ys: Vec<Vec<f32>> = views
+            .iter()
+            .map(|v| vec![0.0; x.len() / v.cols.max(1) * v.rows])
+            .collect();
+        matmul_groups(&mut [(
+            x,
+            views
+                .iter()
+                .zip(ys.iter_mut())
+                .map(|(v, y)| (v, y.as_mut_slice()))
+                .collect(),
+        )]);
+        return ys;
+    }
+    ws.iter().map(|w| tensor_matmul(x, w)).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use crate::tensor::quant::QuantType;
     use crate::tensor::test_values::{lcg, LCG_INC, LCG_MUL};
 
     /// `n` values in `[-0.5, 0.5)` drawn from `seed`.
@@ -278,6 +316,68 @@ mod tests {
         for i in [0, 17, 63] {
             let alone = matmul_new(&x[i * k..(i + 1) * k], &f32_view(&w, n, k));
             assert_eq!(bits(&alone), bits(&batch[i * n..(i + 1) * n]));
+        }
+    }
+
+    /// `n × k` weights from `seed` as a tensor of `ty` (`None`: f32).
+    fn weight(ty: Option<QuantType>, n: usize, k: usize, seed: u64) -> crate::tensor::Tensor {
+        let w = values(n * k, seed);
+        let Some(ty) = ty else {
+            return crate::tensor::Tensor::from_f32("w", &[n, k], &w);
+        };
+        let mut bytes = Vec::new();
+        for row in w.chunks_exact(k) {
+            crate::tensor::quant::quantize_row(ty, row, &mut bytes).unwrap();
+        }
+        crate::tensor::Tensor {
+            name: format!("w.{ty}"),
+            shape: vec![n, k],
+            dtype: crate::tensor::DType::Quant(ty),
+            storage: crate::tensor::Storage::owned(&bytes),
+            block_scales: None,
+            device: None,
+        }
+    }
+
+    #[test]
+    fn many_products_give_each_single_products_bits() {
+        use QuantType::*;
+        let k = 512;
+        // One activation format (Q4_K and Q6_K share Q8_K: grouped), two (Q8_0 beside them:
+        // one by one), f32 beside quantized, and several quantized matrices of unequal heights.
+        let sets: [&[(Option<QuantType>, usize)]; 4] = [
+            &[(Some(Q4_K), 96), (Some(Q6_K), 32), (Some(Q4_K), 32)],
+            &[(Some(Q4_K), 48), (Some(Q8_0), 40), (Some(Q6_K), 16)],
+            &[(None, 24), (Some(Q4_K), 64)],
+            &[(Some(Q8_0), 200), (Some(Q8_0), 8)],
+        ];
+        for (si, set) in sets.iter().enumerate() {
+            let ws: Vec<_> = set
+                .iter()
+                .enumerate()
+                .map(|(i, &(ty, n))| weight(ty, n, k, 100 + 10 * si as u64 + i as u64))
+                .collect();
+            let refs: Vec<&crate::tensor::Tensor> = ws.iter().collect();
+            for m in [1, 3, 70] {
+                let x = values(m * k, 7 + m as u64);
+                for threads in [1, 3] {
+                    let (many, single) = pool(threads).install(|| {
+                        let many = tensor_matmul_many(&x, &refs);
+                        let single: Vec<Vec<f32>> =
+                            ws.iter().map(|w| tensor_matmul(&x, w)).collect();
+                        (many, single)
+                    });
+                    assert_eq!(many.len(), ws.len());
+                    for (i, (a, b)) in many.iter().zip(&single).enumerate() {
+                        assert_eq!(a.len(), m * set[i].1, "set {si}, matrix {i}: length");
+                        assert_eq!(
+                            bits(a),
+                            bits(b),
+                            "set {si}, matrix {i}, {m} rows, {threads} threads"
+                        );
+                    }
+                }
+            }
         }
     }
 

@@ -578,6 +578,33 @@ unsafe fn dot_fitted_rows<const R: usize>(
     std::array::from_fn(|r| dot_ref(ty, w, x[r]))
 }
 
+/// `out[j] = dot(row j of rows, x)` for every weight row of `rows` (`row_bytes` each) against
+/// one activation row: [`dot_fitted_rows`] for each row, with the kernel chosen once for the
+/// run rather than per row (decode of one sequence, where a row of a narrow matrix costs
+/// little more than the dispatch). The same bits.
+///
+/// # Safety
+/// `x` must fit every row ([`row_fits`]); `rows` is `out.len()` rows of `row_bytes`.
+unsafe fn dot_fitted_row_run(
+    isa: Isa,
+    ty: QuantType,
+    rows: &[u8],
+    row_bytes: usize,
+    x: &[ActRow<'_>; 1],
+    out: &mut [f32],
+) {
+    debug_assert_eq!(rows.len(), out.len() * row_bytes);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C were just detected; the rows fit (the caller's contract).
+        return unsafe { avx2::dot_row_run(ty, rows, row_bytes, x, out) };
+    }
+    for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+        // SAFETY: the caller's contract.
+        *o = unsafe { dot_fitted_rows::<1>(isa, ty, w, x) }[0];
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 use super::kernels::avx512;
 
@@ -799,6 +826,17 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                     act_rows.iter().all(|x| row_fits(ty, w_row(j0), x)),
                     "qmatmul: activation rows do not fit the {ty} weight row"
                 );
+                if m == 1 {
+                    // SAFETY: row 0's outputs j0..j1 (j1 <= n) are this task's alone, inside
+                    // the job's `1 × n` output.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(job.out.get().add(j0), j1 - j0) };
+                    let rows = &job.bytes[j0 * job.row_bytes..j1 * job.row_bytes];
+                    let one: &[ActRow<'_>; 1] = act_rows[..1].try_into().unwrap();
+                    // SAFETY: the activation row fits every row of this job (asserted above).
+                    unsafe { dot_fitted_row_run(isa, ty, rows, job.row_bytes, one, out) };
+                    return;
+                }
                 let mut i0 = 0;
                 while i0 < m {
                     let i1 = (i0 + chunk).min(m);
@@ -1098,6 +1136,104 @@ mod avx2 {
             // SAFETY: as above.
             QuantType::Q2_K => unsafe { dot_k::<R, 3>(w, x) },
             _ => unreachable!("no integer kernel for {ty}"),
+        }
+    }
+
+    /// [`dot_fitted_row_run`](super::dot_fitted_row_run) on AVX2: the kernel is chosen once,
+    /// and the loop over the rows runs inside a function with the kernel's own features, so
+    /// the kernel can be inlined into it.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `x` fits every row of `rows` (`row_bytes` each,
+    /// `out.len()` of them).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_row_run(
+        ty: QuantType,
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[ActRow<'_>; 1],
+        out: &mut [f32],
+    ) {
+        let wide = super::avx512();
+        let vnni = wide && super::vnni();
+        use QuantType::*;
+        // SAFETY: the caller's contract is each kernel's; the VNNI loops run only where `vnni`
+        // detected AVX-512 F, BW, VL and VNNI, the 512-bit ones only where `wide` detected
+        // AVX-512 F and BW.
+        unsafe {
+            match (ty, vnni) {
+                (Q8_0, true) => run32_vnni::<0>(rows, row_bytes, x, out),
+                (Q4_0, true) => run32_vnni::<1>(rows, row_bytes, x, out),
+                (Q4_1, true) => run32_vnni::<2>(rows, row_bytes, x, out),
+                (Q5_0, true) => run32_vnni::<3>(rows, row_bytes, x, out),
+                (Q5_1, true) => run32_vnni::<4>(rows, row_bytes, x, out),
+                (IQ4_NL, true) => run32_vnni::<5>(rows, row_bytes, x, out),
+                (Q8_0, false) => run32::<0>(rows, row_bytes, x, out),
+                (Q4_0, false) => run32::<1>(rows, row_bytes, x, out),
+                (Q4_1, false) => run32::<2>(rows, row_bytes, x, out),
+                (Q5_0, false) => run32::<3>(rows, row_bytes, x, out),
+                (Q5_1, false) => run32::<4>(rows, row_bytes, x, out),
+                (IQ4_NL, false) => run32::<5>(rows, row_bytes, x, out),
+                (Q4_K, _) if wide => run_wide(rows, row_bytes, x, out, dot_q4k_512::<1>),
+                (Q6_K, _) if wide => run_wide(rows, row_bytes, x, out, dot_q6k_512::<1>),
+                _ => {
+                    for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+                        *o = dot_rows_with::<1>(ty, w, x, wide)[0];
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every row against `x` by the VNNI 32-element kernel of format `T`.
+    ///
+    /// # Safety
+    /// As [`dot_row_run`], and AVX-512 F, VL and VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn run32_vnni<const T: u8>(
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[ActRow<'_>; 1],
+        out: &mut [f32],
+    ) {
+        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+            // SAFETY: the caller's contract.
+            *o = unsafe { dot32_t_vnni::<1, T>(w, x) }[0];
+        }
+    }
+
+    /// Every row against `x` by the AVX2 32-element kernel of format `T`.
+    ///
+    /// # Safety
+    /// As [`dot_row_run`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run32<const T: u8>(
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[ActRow<'_>; 1],
+        out: &mut [f32],
+    ) {
+        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+            // SAFETY: the caller's contract.
+            *o = unsafe { dot32_t::<1, T>(w, x) }[0];
+        }
+    }
+
+    /// Every row against `x` by a 512-bit K-quant kernel.
+    ///
+    /// # Safety
+    /// As [`dot_row_run`], and AVX-512 F and BW (the kernel's features).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
+    unsafe fn run_wide(
+        rows: &[u8],
+        row_bytes: usize,
+        x: &[ActRow<'_>; 1],
+        out: &mut [f32],
+        kernel: unsafe fn(&[u8], &[ActRow<'_>; 1]) -> [f32; 1],
+    ) {
+        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+            // SAFETY: the caller's contract.
+            *o = unsafe { kernel(w, x) }[0];
         }
     }
 
@@ -2511,6 +2647,20 @@ mod tests {
             for i in 0..m {
                 let mut alone = vec![0.0f32; n];
                 qmatmul(&x[i * k..(i + 1) * k], ty, &bytes, n, k, &mut alone);
+                // One activation row (decode) runs every weight row of a task through one
+                // kernel choice: each result is the scalar reference's.
+                if let Some(format) = act_format(ty) {
+                    let acts = QuantizedActs::quantize(format, &x[i * k..(i + 1) * k], k);
+                    let rb = ty.row_bytes(k).unwrap();
+                    for (j, got) in alone.iter().enumerate() {
+                        let want = dot_ref(ty, &bytes[j * rb..(j + 1) * rb], acts.row(0));
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{ty}: row {i} alone, weight row {j}"
+                        );
+                    }
+                }
                 assert_eq!(
                     bits(&alone),
                     bits(&batch[i * n..(i + 1) * n]),
