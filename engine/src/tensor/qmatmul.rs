@@ -1158,8 +1158,10 @@ mod avx2 {
         let vnni = wide && super::vnni();
         use QuantType::*;
         // SAFETY: the caller's contract is each kernel's; the VNNI loops run only where `vnni`
-        // detected AVX-512 F, BW, VL and VNNI, the 512-bit ones only where `wide` detected
-        // AVX-512 F and BW.
+        // detected AVX-512 F, BW, VL and VNNI, and `dot_rows_with` takes its 512-bit kernels
+        // only where `wide` detected AVX-512 F and BW. (The K-quants keep `dot_rows_with` per
+        // row: a loop calling their 512-bit kernels through a pointer streamed Q4_K rows from
+        // memory 8-10 % slower in `qmatmul_speed`.)
         unsafe {
             match (ty, vnni) {
                 (Q8_0, true) => run32_vnni::<0>(rows, row_bytes, x, out),
@@ -1174,8 +1176,6 @@ mod avx2 {
                 (Q5_0, false) => run32::<3>(rows, row_bytes, x, out),
                 (Q5_1, false) => run32::<4>(rows, row_bytes, x, out),
                 (IQ4_NL, false) => run32::<5>(rows, row_bytes, x, out),
-                (Q4_K, _) if wide => run_wide(rows, row_bytes, x, out, dot_q4k_512::<1>),
-                (Q6_K, _) if wide => run_wide(rows, row_bytes, x, out, dot_q6k_512::<1>),
                 _ => {
                     for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
                         *o = dot_rows_with::<1>(ty, w, x, wide)[0];
@@ -1216,24 +1216,6 @@ mod avx2 {
         for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
             // SAFETY: the caller's contract.
             *o = unsafe { dot32_t::<1, T>(w, x) }[0];
-        }
-    }
-
-    /// Every row against `x` by a 512-bit K-quant kernel.
-    ///
-    /// # Safety
-    /// As [`dot_row_run`], and AVX-512 F and BW (the kernel's features).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn run_wide(
-        rows: &[u8],
-        row_bytes: usize,
-        x: &[ActRow<'_>; 1],
-        out: &mut [f32],
-        kernel: unsafe fn(&[u8], &[ActRow<'_>; 1]) -> [f32; 1],
-    ) {
-        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
-            // SAFETY: the caller's contract.
-            *o = unsafe { kernel(w, x) }[0];
         }
     }
 
