@@ -3,19 +3,14 @@ colibri / llama.cpp ratio, and decode's share of the memory roofline for both en
 from its own report (active weight bytes per token × decode tok/s ÷ the machine's measured memory
 bandwidth); llama.cpp's the same bytes and bandwidth at its decode tok/s, since both read the same
 file's weights.   python summarise.py RUNS.jsonl"""
-import json
+import os
 import statistics
 import sys
 
-text = open(sys.argv[1]).read()
-dec = json.JSONDecoder()
-runs, i = [], 0
-while i < len(text):
-    if text[i].isspace():
-        i += 1
-        continue
-    obj, i = dec.raw_decode(text, i)
-    runs.append(obj)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_runs import read_runs  # noqa: E402
+
+runs = read_runs(sys.argv[1])
 groups = {}
 for r in runs:
     rep = r["report"]

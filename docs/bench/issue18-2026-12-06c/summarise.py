@@ -1,19 +1,13 @@
 """Medians of smollm2.sh's lines per (context, threads, engine): prefill at 512 tokens, decode
 at each context, colibri ÷ llama.cpp, and the load averages seen.   python3 summarise.py RUNS"""
-import json
+import os
 import statistics
 import sys
 
-# `coli bench --json` prints its report over several lines: read one object after another.
-text = open(sys.argv[1]).read()
-dec = json.JSONDecoder()
-runs, i = [], 0
-while i < len(text):
-    if text[i].isspace():
-        i += 1
-        continue
-    obj, i = dec.raw_decode(text, i)
-    runs.append(obj)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../engine/benches"))
+from bench_runs import read_runs  # noqa: E402
+
+runs = read_runs(sys.argv[1])
 g = {}
 for r in runs:
     g.setdefault((r["ctx"], r["threads"], r["engine"]), []).append(r)

@@ -1,19 +1,14 @@
 """Medians of resident.sh's runs per (type, threads, engine): prefill / decode tok/s, after ÷
 llama.cpp, and decode's share of the memory roofline (active weight bytes per token × decode
 tok/s ÷ the memory bandwidth `coli bench` measured).   python3 summarise_resident.py RUNS"""
-import json
+import os
 import statistics
 import sys
 
-text = open(sys.argv[1]).read()
-dec = json.JSONDecoder()
-runs, i = [], 0
-while i < len(text):
-    if text[i].isspace():
-        i += 1
-        continue
-    obj, i = dec.raw_decode(text, i)
-    runs.append(obj)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../engine/benches"))
+from bench_runs import read_runs  # noqa: E402
+
+runs = read_runs(sys.argv[1])
 g = {}
 for r in runs:
     g.setdefault((r["type"], r["threads"], r["engine"]), []).append(r)
