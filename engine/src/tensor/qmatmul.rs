@@ -1185,39 +1185,38 @@ mod avx2 {
         }
     }
 
-    /// Every row against `x` by the VNNI 32-element kernel of format `T`.
+    /// Defines a loop over every row against `x` by one 32-element kernel of format `T`,
+    /// compiled with that kernel's features so it can be inlined.
     ///
-    /// # Safety
-    /// As [`dot_row_run`], and AVX-512 F, VL and VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn run32_vnni<const T: u8>(
-        rows: &[u8],
-        row_bytes: usize,
-        x: &[ActRow<'_>; 1],
-        out: &mut [f32],
-    ) {
-        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
-            // SAFETY: the caller's contract.
-            *o = unsafe { dot32_t_vnni::<1, T>(w, x) }[0];
-        }
+    /// Safety of the generated functions: as [`dot_row_run`], with the features they enable.
+    macro_rules! row_run {
+        ($(#[$attr:meta])* $name:ident, $kernel:ident) => {
+            $(#[$attr])*
+            unsafe fn $name<const T: u8>(
+                rows: &[u8],
+                row_bytes: usize,
+                x: &[ActRow<'_>; 1],
+                out: &mut [f32],
+            ) {
+                for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
+                    // SAFETY: the caller's contract.
+                    *o = unsafe { $kernel::<1, T>(w, x) }[0];
+                }
+            }
+        };
     }
 
-    /// Every row against `x` by the AVX2 32-element kernel of format `T`.
-    ///
-    /// # Safety
-    /// As [`dot_row_run`].
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run32<const T: u8>(
-        rows: &[u8],
-        row_bytes: usize,
-        x: &[ActRow<'_>; 1],
-        out: &mut [f32],
-    ) {
-        for (w, o) in rows.chunks_exact(row_bytes).zip(out) {
-            // SAFETY: the caller's contract.
-            *o = unsafe { dot32_t::<1, T>(w, x) }[0];
-        }
-    }
+    row_run!(
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+        run32_vnni,
+        dot32_t_vnni
+    );
+
+    row_run!(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        run32,
+        dot32_t
+    );
 
     /// # Safety
     /// As [`dot_rows`]; with `vnni`, AVX-512 F, VL and VNNI must be available.
