@@ -6,9 +6,11 @@
 //! and the weight bytes streamed per CPU nanosecond. A matrix of a few hundred KiB stays in
 //! cache (the kernel's compute rate); one of hundreds of MiB streams from memory. With
 //! `QMATMUL_AB=1` it alternates the tiled prefill kernels and the row kernels product by
-//! product and prints the median time of each.
+//! product and prints the median time of each. With `QMATMUL_AB=interleaved` (Q4_K) it
+//! alternates the file's rows and the same rows interleaved in eights
+//! (`qmatmul::interleaved`), and checks that both give the same bits.
 
-use colibri::tensor::qmatmul::qmatmul;
+use colibri::tensor::qmatmul::{interleaved, qmatmul, qmatmul_multi, QMat};
 use colibri::tensor::quant::{quantize_row, QuantType};
 
 fn main() {
@@ -70,6 +72,42 @@ fn main() {
         t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
     };
     qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+    if std::env::var("QMATMUL_AB").as_deref() == Ok("interleaved") {
+        let packed = interleaved::interleave(&bytes, rows, cols);
+        let mut other = vec![0.0f32; m * rows];
+        let mut ns = [Vec::new(), Vec::new()];
+        for r in 0..2 * reps {
+            let t0 = cpu();
+            if r % 2 == 0 {
+                let mut mats = [QMat {
+                    ty,
+                    bytes: &packed,
+                    n: rows,
+                    out: &mut other,
+                    interleaved: true,
+                }];
+                qmatmul_multi(&x, cols, &mut mats);
+            } else {
+                qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+            }
+            ns[r % 2].push(cpu() - t0);
+        }
+        let same = out
+            .iter()
+            .zip(&other)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2] / 1e3
+        };
+        let (inter, file) = (med(&mut ns[0]), med(&mut ns[1]));
+        println!(
+            "{ty} {rows}×{cols}, {m} rows, {threads} threads: interleaved {inter:.1} µs, file's rows {file:.1} µs (medians of {reps}), ratio {:.2}, same bits: {same}",
+            file / inter
+        );
+        assert!(same, "the two layouts gave different bits");
+        return;
+    }
     if std::env::var_os("QMATMUL_AB").is_some() {
         // The tiled prefill kernels against the row kernels, alternating product by product
         // (the same bits; the time of each, robust to a machine whose speed drifts).

@@ -51,6 +51,7 @@ const SECRET_KEYS: &[&str] = &["api_keys"];
 const IGNORED_ENV: &[&str] = &[
     "COLI_LOG",
     "COLI_ISA",
+    "COLI_INTERLEAVE",
     "COLI_CACHE_DIR",
     "COLI_STATE_DIR",
     "COLI_TEST_CACHE",

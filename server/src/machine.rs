@@ -282,7 +282,12 @@ impl ProbeWeights {
     /// The rows cut into matrices of `rows` rows each.
     fn matrices(&self, rows: usize) -> Vec<colibri::tensor::WeightView<'_>> {
         use colibri::tensor::{WeightData, WeightView};
-        let view = |cols, data| WeightView { rows, cols, data };
+        let view = |cols, data| WeightView {
+            rows,
+            cols,
+            data,
+            interleaved: None,
+        };
         match self {
             ProbeWeights::F32(w, cols) => w
                 .chunks(rows * cols)

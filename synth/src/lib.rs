@@ -1695,6 +1695,7 @@ impl TensorSource for Generated<'_> {
             },
             block_scales: None,
             device: None,
+            interleaved: None,
         })
     }
 }

@@ -182,6 +182,7 @@ impl ExpertSlice {
                 storage: block.clone(),
                 block_scales: None,
                 device: None,
+                interleaved: None,
             }
             .aligned());
         }
@@ -248,6 +249,7 @@ impl ExpertSlice {
                 storage: Storage::owned(&picked),
                 block_scales: None,
                 device: None,
+                interleaved: None,
             }
             .aligned()),
         }

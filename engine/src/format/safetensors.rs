@@ -462,6 +462,7 @@ impl Checkpoint {
             storage,
             block_scales: None,
             device: None,
+            interleaved: None,
         };
         Ok(t.aligned())
     }

@@ -827,6 +827,7 @@ fn kv_b_from_split(
             storage: Storage::owned(data),
             block_scales: None,
             device: None,
+            interleaved: None,
         };
         tensor.to_f32_vec()
     };

@@ -299,6 +299,7 @@ pub fn transpose_w_uk(
         storage: Storage::owned(&bytes),
         block_scales: None,
         device: None,
+        interleaved: None,
     })
 }
 

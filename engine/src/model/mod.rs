@@ -362,18 +362,39 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     // Streaming mode never maps the files: dense weights are read once, experts on demand.
     // Mapped, they are faulted in at open when they fit in the memory available, so no step
     // stops on a page fault (a larger mapping is left to fault in as it is read).
+    let free = crate::store::budget::available_memory();
     let access = if opts.placement.layout_probe.is_some() {
         // Headers only: nothing is faulted in.
         Access::Mapped
     } else if opts.placement.ram_budget.is_some() {
         Access::Read
-    } else if crate::store::budget::available_memory()
-        .is_some_and(|free| weight_file_bytes(dir) <= free)
-    {
+    } else if free.is_some_and(|free| weight_file_bytes(dir) <= free) {
         Access::MappedPrefaulted
     } else {
         Access::Mapped
     };
+    // Mapped files that fit leave room for interleaved copies of Q4_K matrices (faster CPU
+    // products, the same bits): up to half of the memory left beside them. Streaming and
+    // larger-than-memory loads keep the file's layout only.
+    let grant = match (access, free) {
+        (Access::MappedPrefaulted, Some(free)) => free.saturating_sub(weight_file_bytes(dir)) / 2,
+        _ => 0,
+    };
+    crate::tensor::qmatmul::interleaved::grant(grant);
+    let model = load_on_cpu_with(dir, access, opts);
+    let used = grant - crate::tensor::qmatmul::interleaved::granted();
+    crate::tensor::qmatmul::interleaved::grant(0);
+    if used > 0 {
+        tracing::info!(
+            "Q4_K matrices interleaved in eights for the CPU kernels: {} beside the mapped files",
+            crate::store::budget::format_size(used)
+        );
+    }
+    model
+}
+
+/// [`load_on_cpu`] with the files' access chosen.
+fn load_on_cpu_with(dir: &Path, access: Access, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     if crate::format::gguf::is_gguf(dir) {
         let (_, cfg, ckpt) = gguf::open(dir, access)?;
         return load_family(&ckpt, &cfg, opts);

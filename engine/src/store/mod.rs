@@ -365,10 +365,18 @@ impl ResidentStore {
                 layer
                     .par_iter()
                     .map(|n| {
+                        // Rows interleaved for the CPU's products where that pays and the
+                        // load's grant has room (the same bits).
                         Ok(Arc::new(Expert {
-                            gate: ckpt.weight(&n.gate, &[intermediate, hidden])?,
-                            up: ckpt.weight(&n.up, &[intermediate, hidden])?,
-                            down: ckpt.weight(&n.down, &[hidden, intermediate])?,
+                            gate: ckpt
+                                .weight(&n.gate, &[intermediate, hidden])?
+                                .interleaved_for_cpu(),
+                            up: ckpt
+                                .weight(&n.up, &[intermediate, hidden])?
+                                .interleaved_for_cpu(),
+                            down: ckpt
+                                .weight(&n.down, &[hidden, intermediate])?
+                                .interleaved_for_cpu(),
                         }))
                     })
                     .collect::<Result<Vec<_>>>()

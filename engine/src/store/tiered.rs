@@ -86,6 +86,7 @@ impl MatrixLocation {
                 storage: next()?,
                 block_scales: self.scales.clone(),
                 device: None,
+                interleaved: None,
             }),
         }
     }

@@ -165,6 +165,7 @@ fn dot_dequantized(isa: Isa, a: &[f32], w: WeightData<'_>) -> f32 {
         rows: 1,
         cols: a.len(),
         data: w,
+        interleaved: None,
     };
     let mut wf = vec![0.0f32; a.len()];
     view.row_to_f32(0, &mut wf);

@@ -42,7 +42,18 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     assert_eq!(out.len(), m * n, "matmul: output has the wrong size");
     match w.data {
         WeightData::Quant(ty, bytes) => {
-            return super::qmatmul::qmatmul(x, ty, bytes, n, k_dim, out)
+            let (bytes, interleaved) = match w.interleaved {
+                Some(p) => (p, true),
+                None => (bytes, false),
+            };
+            let mat = super::qmatmul::QMat {
+                ty,
+                bytes,
+                n,
+                out,
+                interleaved,
+            };
+            return super::qmatmul::qmatmul_multi(x, k_dim, &mut [mat]);
         }
         WeightData::F8Block { .. } => return super::qmatmul::dequantized_matmul(x, w, out),
         _ => {}
@@ -142,11 +153,16 @@ pub fn matmul_groups(groups: &mut [MatmulGroup<'_, '_>]) {
                             let WeightData::Quant(ty, bytes) = w.data else {
                                 unreachable!("checked above")
                             };
+                            let (bytes, interleaved) = match w.interleaved {
+                                Some(p) => (p, true),
+                                None => (bytes, false),
+                            };
                             super::qmatmul::QMat {
                                 ty,
                                 bytes,
                                 n: w.rows,
                                 out,
+                                interleaved,
                             }
                         })
                         .collect()
@@ -279,6 +295,7 @@ mod tests {
             rows: n,
             cols: k,
             data: WeightData::F32(w),
+            interleaved: None,
         }
     }
 
@@ -336,6 +353,7 @@ mod tests {
             storage: crate::tensor::Storage::owned(&bytes),
             block_scales: None,
             device: None,
+            interleaved: None,
         }
     }
 

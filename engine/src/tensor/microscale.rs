@@ -144,6 +144,7 @@ pub fn split_fp4_tensor(
         storage: split_fp4_to_mxfp4(codes, scales, rows, cols)?,
         block_scales: None,
         device: None,
+        interleaved: None,
     })
 }
 

@@ -177,6 +177,10 @@ pub struct Tensor {
     /// A copy on a compute device (GPU), when the placement put it there: products with this
     /// tensor then run on that device, with the bits the CPU gives ([`device`]).
     pub device: Option<Arc<device::DeviceMatrix>>,
+    /// A Q4_K matrix's rows interleaved in eights ([`qmatmul::interleaved`]), made at load
+    /// where the CPU's products run faster on them ([`Tensor::interleaved_for_cpu`]): products
+    /// then read these, with the same bits; `storage` stays the tensor's bytes for the rest.
+    pub interleaved: Option<Storage>,
 }
 
 /// Scales of a block-quantized matrix: element `(i, j)` is multiplied by
@@ -222,6 +226,40 @@ impl Tensor {
             storage: Storage::owned(bytemuck::cast_slice(values)),
             block_scales: None,
             device: None,
+            interleaved: None,
+        }
+    }
+
+    /// This tensor with an interleaved copy of its rows for the CPU's products, where that
+    /// pays ([`qmatmul::interleaved::pays`]: a Q4_K matrix of whole groups of eight rows, on a
+    /// machine whose kernels were measured faster on it) and the load's grant has room for
+    /// the copy ([`qmatmul::interleaved::grant`]); else unchanged. The results of every
+    /// product are the same bits either way.
+    pub fn interleaved_for_cpu(self) -> Tensor {
+        let (rows, cols) = (self.shape.first().copied(), self.shape.last().copied());
+        let (Some(rows), Some(cols)) = (rows, cols) else {
+            return self;
+        };
+        let q4k = self.dtype == DType::Quant(quant::QuantType::Q4_K) && self.shape.len() == 2;
+        if !q4k
+            || self.device.is_some()
+            || self.interleaved.is_some()
+            || !qmatmul::interleaved::fits(rows, cols)
+            || !qmatmul::interleaved::pays()
+            || self.nbytes() != rows * (cols / quant::QK_K) * 144
+        {
+            return self;
+        }
+        let copy = rows / qmatmul::interleaved::GROUP_ROWS
+            * (cols / quant::QK_K)
+            * qmatmul::interleaved::GROUP_BLOCK_BYTES;
+        if !qmatmul::interleaved::take(copy as u64) {
+            return self;
+        }
+        let packed = qmatmul::interleaved::interleave(self.storage.bytes(), rows, cols);
+        Tensor {
+            interleaved: Some(Storage::owned(&packed)),
+            ..self
         }
     }
 
@@ -298,7 +336,13 @@ impl Tensor {
                 )))
             }
         };
-        Ok(WeightView { rows, cols, data })
+        let interleaved = self.interleaved.as_ref().map(|s| s.bytes());
+        Ok(WeightView {
+            rows,
+            cols,
+            data,
+            interleaved,
+        })
     }
 
     /// The values converted to f32 (norm weights, biases, embeddings rows are read through views).
@@ -365,6 +409,9 @@ pub struct WeightView<'a> {
     pub rows: usize,
     pub cols: usize,
     pub data: WeightData<'a>,
+    /// The same Q4_K rows interleaved in eights, where the tensor has them
+    /// ([`Tensor::interleaved`]): the products read these.
+    pub interleaved: Option<&'a [u8]>,
 }
 
 impl<'a> WeightView<'a> {
@@ -389,10 +436,20 @@ impl<'a> WeightView<'a> {
                 row0: row0 + start,
             },
         };
+        // Whole groups of eight keep their interleaved copy; other ranges use the file's rows.
+        let g = qmatmul::interleaved::GROUP_ROWS;
+        let interleaved = self
+            .interleaved
+            .filter(|_| start % g == 0 && n % g == 0)
+            .map(|p| {
+                let group = p.len() / (self.rows / g);
+                &p[start / g * group..(start + n) / g * group]
+            });
         WeightView {
             rows: n,
             cols: self.cols,
             data,
+            interleaved,
         }
     }
 

@@ -71,6 +71,9 @@ const MXFP4_DECODE_ROWS: usize = 4;
 /// Activation rows handled together against one weight row (prefill).
 const ROW_GROUP: usize = 4;
 
+/// Activation rows an interleaved Q4_K group takes at once.
+const GROUP_ACT_ROWS: usize = 1;
+
 /// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
 const X_CHUNK_BYTES: usize = 24 * 1024;
 
@@ -80,6 +83,7 @@ const X_CHUNK_BYTES: usize = 24 * 1024;
 /// `QMATMUL_AB=1 qmatmul_speed`, docs/benchmarks.md §19).
 const TILED_MIN_ROWS: usize = 64;
 
+pub mod interleaved;
 #[cfg(target_arch = "x86_64")]
 mod tiled;
 
@@ -605,6 +609,26 @@ unsafe fn dot_fitted_row_run(
     }
 }
 
+/// The eight rows of an interleaved Q4_K group ([`interleaved`]) against `R` activation rows.
+///
+/// # Safety
+/// `group` is whole records and every row of `x` fits them (codes, `d` and `pairs` of every
+/// super-block).
+#[inline]
+unsafe fn dot_group<const R: usize>(
+    isa: Isa,
+    group: &[u8],
+    x: &[ActRow<'_>; R],
+) -> [[f32; interleaved::GROUP_ROWS]; R] {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C were just detected; the rows fit (the caller's contract).
+        return unsafe { interleaved::avx2::dot_group::<R>(group, x) };
+    }
+    let _ = isa;
+    std::array::from_fn(|r| interleaved::dot_group_ref(group, x[r]))
+}
+
 #[cfg(target_arch = "x86_64")]
 use super::kernels::avx512;
 
@@ -638,13 +662,27 @@ pub fn set_tiled_kernels(on: bool) {
 /// `out[i·n + j] = Σ_k x[i, k] · W[j, k]` for a quantized `W` (`n × k_dim`, `bytes` holding
 /// `n` rows of `ty`).
 pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, out: &mut [f32]) {
-    qmatmul_multi(x, k_dim, &mut [QMat { ty, bytes, n, out }]);
+    qmatmul_multi(
+        x,
+        k_dim,
+        &mut [QMat {
+            ty,
+            bytes,
+            n,
+            out,
+            interleaved: false,
+        }],
+    );
 }
 
 /// One quantized matrix and its output for [`qmatmul_multi`].
 pub struct QMat<'a> {
     pub ty: QuantType,
+    /// The rows: in the file's layout, or (Q4_K with `interleaved`) in eights, as
+    /// [`interleaved::interleave`] lays them out.
     pub bytes: &'a [u8],
+    /// Whether `bytes` is the interleaved layout.
+    pub interleaved: bool,
     /// Rows of the matrix.
     pub n: usize,
     /// `m × n` results.
@@ -702,6 +740,7 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
     struct Job<'b> {
         ty: QuantType,
         bytes: &'b [u8],
+        interleaved: bool,
         n: usize,
         row_bytes: usize,
         out: OutPtr,
@@ -716,14 +755,24 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
         for q in g.mats.iter_mut() {
             assert_eq!(q.out.len(), m * q.n, "qmatmul: output has the wrong size");
             let row_bytes = q.ty.row_bytes(k_dim).expect("row length checked at load");
+            let want = if q.interleaved {
+                assert!(
+                    q.ty == QuantType::Q4_K && interleaved::fits(q.n, k_dim),
+                    "qmatmul: only Q4_K matrices of whole groups of eight rows are interleaved"
+                );
+                q.n / interleaved::GROUP_ROWS * (k_dim / QK_K) * interleaved::GROUP_BLOCK_BYTES
+            } else {
+                q.n * row_bytes
+            };
             assert_eq!(
                 q.bytes.len(),
-                q.n * row_bytes,
+                want,
                 "qmatmul: weight bytes do not match the shape"
             );
             jobs.push(Job {
                 ty: q.ty,
                 bytes: q.bytes,
+                interleaved: q.interleaved,
                 n: q.n,
                 row_bytes,
                 out: OutPtr(q.out.as_mut_ptr()),
@@ -753,7 +802,7 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 .map(|g| {
                     tiled_kernels()
                         && g.x.len() / k_dim >= TILED_MIN_ROWS
-                        && g.mats.iter().any(|q| tiled::takes(q.ty))
+                        && g.mats.iter().any(|q| tiled::takes(q.ty) && !q.interleaved)
                 })
                 .collect();
             #[cfg(not(target_arch = "x86_64"))]
@@ -799,6 +848,47 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 // one task (the one owning row j of this job).
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                if job.interleaved {
+                    // ROWS_PER_TASK and n are whole groups (checked above), so j0 and j1 are.
+                    let group_bytes = k_dim / QK_K * interleaved::GROUP_BLOCK_BYTES;
+                    assert!(
+                        act_rows.iter().all(|x| x.qs.len() == k_dim
+                            && x.d.len() * QK_K == k_dim
+                            && x.pairs.len() * QK_K == 8 * k_dim),
+                        "qmatmul: activation rows do not fit the Q4_K weight rows"
+                    );
+                    for g in j0 / interleaved::GROUP_ROWS..j1 / interleaved::GROUP_ROWS {
+                        let group = &job.bytes[g * group_bytes..(g + 1) * group_bytes];
+                        let j = g * interleaved::GROUP_ROWS;
+                        let mut i = 0;
+                        while i < m {
+                            let take = if m - i >= GROUP_ACT_ROWS {
+                                GROUP_ACT_ROWS
+                            } else {
+                                1
+                            };
+                            if take == GROUP_ACT_ROWS {
+                                let rows = act_rows[i..i + GROUP_ACT_ROWS].try_into().unwrap();
+                                // SAFETY: every activation row fits the group (asserted above).
+                                let v = unsafe { dot_group::<GROUP_ACT_ROWS>(isa, group, rows) };
+                                for (r, v) in v.iter().enumerate() {
+                                    for (w, &v) in v.iter().enumerate() {
+                                        put(i + r, j + w, v);
+                                    }
+                                }
+                            } else {
+                                let one = act_rows[i..=i].try_into().unwrap();
+                                // SAFETY: as above.
+                                let v = unsafe { dot_group::<1>(isa, group, one) };
+                                for (w, &v) in v[0].iter().enumerate() {
+                                    put(i, j + w, v);
+                                }
+                            }
+                            i += take;
+                        }
+                    }
+                    return;
+                }
                 #[cfg(target_arch = "x86_64")]
                 if let (true, Some(bands)) = (tiled::takes(ty), &bands[job.group]) {
                     let mut tile = tiled::Tile::new(ty, k_dim / QK_K);
@@ -2601,6 +2691,138 @@ mod tests {
         }
     }
 
+    /// Q4_K rows of every kind for the interleaving tests: quantized values, random bytes,
+    /// and the edge blocks (largest codes, sub-scales and mins; zero; mixed) with several
+    /// f16 scales, row after row.
+    fn q4k_rows(n: usize, k: usize, seed: u64) -> Vec<u8> {
+        let nb = k / QK_K;
+        let mut w = Vec::new();
+        for r in 0..n {
+            let row = match r % 5 {
+                0 => quantized(QuantType::Q4_K, &values(k, seed + r as u64), k),
+                1 => blocks(QuantType::Q4_K, nb, seed + r as u64, Fill::Random, 0.02),
+                2 => blocks(QuantType::Q4_K, nb, 0, Fill::Max, 65504.0),
+                3 => blocks(QuantType::Q4_K, nb, 0, Fill::Zero, 1.0),
+                _ => (0..nb)
+                    .flat_map(|b| {
+                        let fill = [Fill::Max, Fill::Random, Fill::Zero][b % 3];
+                        blocks(
+                            QuantType::Q4_K,
+                            1,
+                            seed + b as u64,
+                            fill,
+                            [6e-8, 0.5, 2.0][b % 3],
+                        )
+                    })
+                    .collect(),
+            };
+            w.extend(row);
+        }
+        w
+    }
+
+    /// Interleaving keeps every byte: each row read back from the interleaved records is the
+    /// file's row.
+    #[test]
+    fn interleaved_rows_read_back_as_the_files_rows() {
+        for (n, k) in [(8, 256), (16, 768), (24, 2048)] {
+            let w = q4k_rows(n, k, 11 + k as u64);
+            let packed = interleaved::interleave(&w, n, k);
+            assert_eq!(
+                packed.len(),
+                n / 8 * k / QK_K * interleaved::GROUP_BLOCK_BYTES
+            );
+            let rb = QuantType::Q4_K.row_bytes(k).unwrap();
+            for r in 0..n {
+                assert_eq!(
+                    interleaved::row(&packed, k, r),
+                    &w[r * rb..(r + 1) * rb],
+                    "{n}x{k} row {r}"
+                );
+            }
+        }
+    }
+
+    /// Products on interleaved rows give, for every (activation row, weight row), the scalar
+    /// reference's bits on the file's row: the scalar group reference, the kernel for one and
+    /// for four activation rows, and whole products of 1 to 9 rows at 1 and 3 threads, beside
+    /// the same products on the file's layout.
+    #[test]
+    fn interleaved_products_give_the_reference_bits() {
+        for (n, k) in [(8, 256), (24, 768), (40, 1280)] {
+            let w = q4k_rows(n, k, 20 + n as u64);
+            let packed = interleaved::interleave(&w, n, k);
+            let rb = QuantType::Q4_K.row_bytes(k).unwrap();
+            let gb = k / QK_K * interleaved::GROUP_BLOCK_BYTES;
+            let mut x = edge_activations(k, 31);
+            x.extend(values(4 * k, 32));
+            let acts = QuantizedActs::quantize(ActFormat::Q8K, &x, k);
+            let m = x.len() / k;
+            let want = |i: usize, j: usize| {
+                dot_ref(QuantType::Q4_K, &w[j * rb..(j + 1) * rb], acts.row(i)).to_bits()
+            };
+            for g in 0..n / 8 {
+                let group = &packed[g * gb..(g + 1) * gb];
+                for i in 0..m {
+                    let got = interleaved::dot_group_ref(group, acts.row(i));
+                    for r in 0..8 {
+                        assert_eq!(
+                            got[r].to_bits(),
+                            want(i, 8 * g + r),
+                            "ref {n}x{k} {i},{g}.{r}"
+                        );
+                    }
+                    for isa in [Isa::Scalar, Isa::best_available()] {
+                        // SAFETY: the rows were quantized for this width: they fit the group.
+                        let got = unsafe { dot_group::<1>(isa, group, &[acts.row(i)]) };
+                        for r in 0..8 {
+                            assert_eq!(got[0][r].to_bits(), want(i, 8 * g + r), "{isa:?} {i}");
+                        }
+                    }
+                }
+                for i0 in 0..m - 3 {
+                    let four: [ActRow; 4] = std::array::from_fn(|d| acts.row(i0 + d));
+                    // SAFETY: as above.
+                    let got = unsafe { dot_group::<4>(Isa::best_available(), group, &four) };
+                    for (d, row) in got.iter().enumerate() {
+                        for r in 0..8 {
+                            assert_eq!(row[r].to_bits(), want(i0 + d, 8 * g + r), "x4 {i0}+{d}");
+                        }
+                    }
+                }
+            }
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                for rows in [1usize, 2, 4, 5, 9] {
+                    let xs = &x[..rows * k];
+                    let mut got = vec![0.0f32; rows * n];
+                    let mut plain = vec![0.0f32; rows * n];
+                    pool.install(|| {
+                        let mut mats = [QMat {
+                            ty: QuantType::Q4_K,
+                            bytes: &packed,
+                            n,
+                            out: &mut got,
+                            interleaved: true,
+                        }];
+                        qmatmul_multi(xs, k, &mut mats);
+                        qmatmul(xs, QuantType::Q4_K, &w, n, k, &mut plain);
+                    });
+                    for i in 0..rows {
+                        for j in 0..n {
+                            let at = i * n + j;
+                            assert_eq!(got[at].to_bits(), want(i, j), "{threads}t {rows} rows");
+                            assert_eq!(plain[at].to_bits(), got[at].to_bits());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Batch size and thread count never change a result.
     #[test]
     fn batch_and_threads_do_not_change_bits() {
@@ -2734,7 +2956,13 @@ mod tests {
                 let w2 = quantized(other, &values(n * k, seed + 7), k);
                 let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
                 let mut c = vec![0.0; 3 * n];
-                let mat = |ty, bytes, out| QMat { ty, bytes, n, out };
+                let mat = |ty, bytes, out| QMat {
+                    ty,
+                    bytes,
+                    n,
+                    out,
+                    interleaved: false,
+                };
                 let mut big = vec![mat(ty, &weights[0], &mut a), mat(other, &w2, &mut b)];
                 let mut little = vec![mat(ty, &weights[1], &mut c)];
                 qmatmul_groups(
@@ -2785,12 +3013,14 @@ mod tests {
                         bytes: &wa,
                         n: na,
                         out: &mut ya,
+                        interleaved: false,
                     },
                     QMat {
                         ty: tb,
                         bytes: &wb,
                         n: nb,
                         out: &mut yb,
+                        interleaved: false,
                     },
                 ],
             );
@@ -2863,12 +3093,14 @@ mod tests {
                                 bytes: &ws[g][0],
                                 n,
                                 out: a,
+                                interleaved: false,
                             },
                             QMat {
                                 ty,
                                 bytes: &ws[g][1],
                                 n,
                                 out: b,
+                                interleaved: false,
                             },
                         ]);
                     }

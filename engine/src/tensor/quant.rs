@@ -267,7 +267,7 @@ pub fn get_scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
 }
 
 /// Pack eight 6-bit scales and mins the way [`get_scale_min_k4`] reads them.
-fn pack_scale_min_k4(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; 12] {
+pub(crate) fn pack_scale_min_k4(ls: &[u8; 8], lm: &[u8; 8]) -> [u8; 12] {
     let mut s = [0u8; 12];
     for j in 0..8 {
         let (l, m) = (ls[j], lm[j]);

@@ -553,7 +553,12 @@ impl Probe {
             Probe::F16(v, c) => (v.len() / c, *c, WeightData::F16(v)),
             Probe::Quant(q, b, r, c) => (*r, *c, WeightData::Quant(*q, b)),
         };
-        WeightView { rows, cols, data }
+        WeightView {
+            rows,
+            cols,
+            data,
+            interleaved: None,
+        }
     }
 }
 
@@ -748,10 +753,11 @@ pub fn current_placement() -> Option<DevicePlacement> {
 }
 
 /// A dense matrix as the model loading on this thread places it: on its device when the
-/// budget has room (keeping the host bytes), else unchanged.
+/// budget has room (keeping the host bytes), else on the CPU, with its rows interleaved where
+/// that pays ([`Tensor::interleaved_for_cpu`](super::Tensor::interleaved_for_cpu)).
 pub fn place_dense(t: super::Tensor) -> super::Tensor {
-    match current_placement() {
-        Some(p) => p.place(&t, true).unwrap_or(t),
-        None => t,
+    match current_placement().and_then(|p| p.place(&t, true)) {
+        Some(placed) => placed,
+        None => t.interleaved_for_cpu(),
     }
 }

@@ -1,0 +1,450 @@
+//! Q4_K matrices with their rows interleaved in eights, for the AVX2 machines' products.
+//!
+//! The file's layout keeps each row's super-blocks together, so a kernel for one activation
+//! row (decode) unpacks every block's 6-bit scales and mins, converts its two f16 scales and
+//! runs its float steps once per weight row: measured at about a quarter of Q4_K's decode cost
+//! (docs/benchmarks.md §18.1). Here eight rows' super-block `b` are one [`GROUP_BLOCK_BYTES`]
+//! record whose fields hold the eight rows side by side (one i32 or f32 lane per row), so one
+//! instruction does that work for eight rows, and each activation code, broadcast, feeds eight
+//! rows' products:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..16 | `d` of rows 0..8 (f16) |
+//! | 16..32 | `dmin` of rows 0..8 (f16) |
+//! | 32..96 | scale of group `j` of row `r` at `32 + 8j + r` (the 6-bit values, one byte each) |
+//! | 96..160 | mins: for `v` in 0..4 and half `h` in 0..2, 8 bytes at `96 + 16v + 8h`: the min lane `v` takes (`Q4K_MIN_LANES[v]`'s) of rows `4h..4h + 4`, then lane `v + 4`'s of the same rows |
+//! | 160..1184 | codes: for group `j` in 0..8 and `v` in 0..4, 32 bytes at `160 + 32(4j + v)`: byte `16t + 4s + e` holds, for lane `u = v + 4t`, the code of element `32j + 4u + e` of row `s` (low nibble) and of row `4 + s` (high nibble) |
+//!
+//! So one 32-byte load and a nibble split give the codes of rows 0..4 and of rows 4..8 for
+//! lanes `v` (low 128 bits) and `v + 4` (high), the lanes a 32-byte load of the activation
+//! group shuffled with `vpshufd` holds: each activation load serves four `v`, each code load
+//! eight rows.
+//!
+//! The canonical order is untouched: lane `u` of row `r` still takes
+//! `Σ_j sc_j · Σ_{e<4} q(32j + 4u + e) · y(32j + 4u + e)` and the min term of its sub-block,
+//! the same exact integers, then the same f32 steps `(d·d_x)·sumi − (dmin·d_x)·summ` added
+//! super-block after super-block and folded by `fold8`. Only which register lane holds which
+//! (row, lane) pair changes: lane `r` of accumulator `u`. So a row's result is bit for bit the
+//! scalar reference's on the file's row (tested), and decode equals prefill.
+//!
+//! The records take 1184 bytes for 8 × 144 of the file (+2.8 %: scales and mins unpacked).
+
+// Row, lane and group indices address several arrays at once here.
+#![allow(clippy::needless_range_loop)]
+
+use super::{f16_le, fold8, ActRow, Q4K_MIN_LANES};
+use crate::tensor::quant::{get_scale_min_k4, pack_scale_min_k4, QK_K};
+
+/// Rows interleaved together.
+pub const GROUP_ROWS: usize = 8;
+
+/// Bytes of one record: eight rows' super-block.
+pub const GROUP_BLOCK_BYTES: usize = 1184;
+
+const DMIN_AT: usize = 16;
+const SC_AT: usize = 32;
+const MIN_AT: usize = 96;
+const CODES_AT: usize = 160;
+const Q4K_BLOCK: usize = 144;
+
+/// Whether a `rows × cols` Q4_K matrix can be interleaved (whole groups of eight rows).
+pub fn fits(rows: usize, cols: usize) -> bool {
+    rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(QK_K) && cols > 0
+}
+
+/// The interleaved layout of `rows` Q4_K rows of `cols` values (`bytes`, the file's layout).
+///
+/// # Panics
+/// If the matrix does not [`fit`](fits) or `bytes` is not its size.
+pub fn interleave(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    assert!(
+        fits(rows, cols),
+        "a {rows}×{cols} matrix cannot be interleaved in eights"
+    );
+    let nb = cols / QK_K;
+    let row_bytes = nb * Q4K_BLOCK;
+    assert_eq!(
+        bytes.len(),
+        rows * row_bytes,
+        "Q4_K bytes do not match the shape"
+    );
+    let mut out = vec![0u8; rows / GROUP_ROWS * nb * GROUP_BLOCK_BYTES];
+    for (g, group) in out.chunks_exact_mut(nb * GROUP_BLOCK_BYTES).enumerate() {
+        for (b, rec) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
+            for r in 0..GROUP_ROWS {
+                let at = (g * GROUP_ROWS + r) * row_bytes + b * Q4K_BLOCK;
+                let wb = &bytes[at..at + Q4K_BLOCK];
+                rec[2 * r..2 * r + 2].copy_from_slice(&wb[0..2]);
+                rec[DMIN_AT + 2 * r..DMIN_AT + 2 * r + 2].copy_from_slice(&wb[2..4]);
+                let scales: &[u8; 12] = wb[4..16].try_into().expect("12 bytes");
+                for j in 0..8 {
+                    rec[SC_AT + 8 * j + r] = get_scale_min_k4(j, scales).0;
+                }
+                for u in 0..8 {
+                    rec[min_at(r, u)] = get_scale_min_k4(Q4K_MIN_LANES[u], scales).1;
+                }
+                for e in 0..QK_K {
+                    let at = code_at(r, e);
+                    let shift = if r < 4 { 0 } else { 4 };
+                    rec[at] |= file_code(wb, e) << shift;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Code of element `e` of a Q4_K block in the file's layout.
+fn file_code(wb: &[u8], e: usize) -> u8 {
+    let byte = wb[16 + 32 * (e / 64) + e % 32];
+    if (e / 32) % 2 == 0 {
+        byte & 0xf
+    } else {
+        byte >> 4
+    }
+}
+
+/// Where in a record the code of element `e` of row `r` is (the low nibble for rows 0..4,
+/// the high for 4..8).
+fn code_at(r: usize, e: usize) -> usize {
+    let (j, u, k) = (e / 32, e % 32 / 4, e % 4);
+    let (v, t) = (u % 4, u / 4);
+    CODES_AT + 32 * (4 * j + v) + 16 * t + 4 * (r % 4) + k
+}
+
+/// Where in a record the min lane `u` of row `r` takes is.
+fn min_at(r: usize, u: usize) -> usize {
+    MIN_AT + 16 * (u % 4) + 8 * (r / 4) + 4 * (u / 4) + r % 4
+}
+
+/// Code of element `e` of row `r` in a record.
+fn code(rec: &[u8], r: usize, e: usize) -> u8 {
+    let byte = rec[code_at(r, e)];
+    if r < 4 {
+        byte & 0xf
+    } else {
+        byte >> 4
+    }
+}
+
+/// Row `r` of an interleaved matrix (`packed`, rows of `cols` values) in the file's layout:
+/// the inverse of [`interleave`].
+pub fn row(packed: &[u8], cols: usize, r: usize) -> Vec<u8> {
+    let nb = cols / QK_K;
+    let group = &packed[r / GROUP_ROWS * nb * GROUP_BLOCK_BYTES..][..nb * GROUP_BLOCK_BYTES];
+    let r = r % GROUP_ROWS;
+    let mut out = vec![0u8; nb * Q4K_BLOCK];
+    for (rec, wb) in group
+        .chunks_exact(GROUP_BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(Q4K_BLOCK))
+    {
+        wb[0..2].copy_from_slice(&rec[2 * r..2 * r + 2]);
+        wb[2..4].copy_from_slice(&rec[DMIN_AT + 2 * r..DMIN_AT + 2 * r + 2]);
+        let mut sc = [0u8; 8];
+        let mut mn = [0u8; 8];
+        for j in 0..8 {
+            sc[j] = rec[SC_AT + 8 * j + r];
+            mn[Q4K_MIN_LANES[j]] = rec[min_at(r, j)];
+        }
+        wb[4..16].copy_from_slice(&pack_scale_min_k4(&sc, &mn));
+        for c in 0..4 {
+            for l in 0..32 {
+                let lo = code(rec, r, 64 * c + l);
+                let hi = code(rec, r, 64 * c + 32 + l);
+                wb[16 + 32 * c + l] = lo | (hi << 4);
+            }
+        }
+    }
+    out
+}
+
+/// The eight rows of one group (`nb` records) against one activation row, by the canonical
+/// definition, read from the records (the scalar path, and the kernels' reference in tests).
+pub(super) fn dot_group_ref(group: &[u8], x: ActRow<'_>) -> [f32; GROUP_ROWS] {
+    let mut acc = [[0.0f32; 8]; GROUP_ROWS];
+    for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
+        let y = &x.qs[b * QK_K..(b + 1) * QK_K];
+        for r in 0..GROUP_ROWS {
+            let s1 = f16_le(rec, 2 * r) * x.d[b];
+            let s2 = f16_le(rec, DMIN_AT + 2 * r) * x.d[b];
+            for u in 0..8 {
+                let mut sumi = 0i32;
+                for j in 0..8 {
+                    let s: i32 = (32 * j + 4 * u..32 * j + 4 * u + 4)
+                        .map(|e| code(rec, r, e) as i32 * y[e] as i32)
+                        .sum();
+                    sumi += rec[SC_AT + 8 * j + r] as i32 * s;
+                }
+                let summ = rec[min_at(r, u)] as i32 * x.pairs[b * 8 + u];
+                acc[r][u] += s1 * sumi as f32 - s2 * summ as f32;
+            }
+        }
+    }
+    std::array::from_fn(|r| fold8(&acc[r]))
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    //! The AVX2 kernel. Vector `h` (0, 1) of lane pair `v` holds rows `4h..4h + 4` for lane
+    //! `v` in its low 128 bits and for lane `v + 4` in its high 128 bits.
+
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, CODES_AT, DMIN_AT, GROUP_BLOCK_BYTES, GROUP_ROWS, MIN_AT, SC_AT};
+    use crate::tensor::qmatmul::avx2::prefetch;
+    use crate::tensor::quant::QK_K;
+
+    /// Records ahead that each record's step asks the memory for.
+    const PREFETCH_RECORDS: usize = 2;
+
+    /// `vpshufb` controls giving i32 lane `l` the i16 pair `(s, s)` of scale byte
+    /// `4h + l % 4` from eight scale bytes broadcast to every 64 bits (rows `4h..4h + 4`, the
+    /// same in both 128-bit halves).
+    const SPREAD: [[i8; 32]; 2] = {
+        let mut t = [[-1i8; 32]; 2];
+        let mut h = 0;
+        while h < 2 {
+            let mut l = 0;
+            while l < 8 {
+                let b = (4 * h + l % 4) as i8;
+                t[h][4 * l] = b;
+                t[h][4 * l + 2] = b;
+                l += 1;
+            }
+            h += 1;
+        }
+        t
+    };
+
+    /// The group's eight rows against `R` activation rows.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `group` is whole records, and every row of `x`
+    /// fits them: codes `b·256..+256`, `pairs[b·8..+8]` and `d[b]` exist for every record `b`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::tensor::qmatmul) unsafe fn dot_group<const R: usize>(
+        group: &[u8],
+        x: &[ActRow<'_>; R],
+    ) -> [[f32; GROUP_ROWS]; R] {
+        let mut acc = [[[_mm256_setzero_ps(); 2]; 4]; R];
+        let m4 = _mm256_set1_epi8(0xf);
+        // SAFETY: two 32-byte tables.
+        let spread = unsafe {
+            [
+                _mm256_loadu_si256(SPREAD[0].as_ptr() as *const __m256i),
+                _mm256_loadu_si256(SPREAD[1].as_ptr() as *const __m256i),
+            ]
+        };
+        for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
+            let p = rec.as_ptr();
+            // The record two ahead (past the group for its last two: a hint, any address).
+            for line in 0..GROUP_BLOCK_BYTES.div_ceil(64) {
+                prefetch(p, PREFETCH_RECORDS * GROUP_BLOCK_BYTES + 64 * line);
+            }
+            let mut sums = [[[_mm256_setzero_si256(); 2]; 4]; R];
+            for j in 0..8 {
+                // SAFETY: inside the record (SC_AT + 8·7 + 8 = 96).
+                let sc = unsafe { (p.add(SC_AT + 8 * j) as *const i64).read_unaligned() };
+                let sc = _mm256_set1_epi64x(sc);
+                let scv = [
+                    _mm256_shuffle_epi8(sc, spread[0]),
+                    _mm256_shuffle_epi8(sc, spread[1]),
+                ];
+                // SAFETY: the row fits: codes b·256 + 32j .. + 32 ≤ (b + 1)·256.
+                let ys: [__m256i; R] = std::array::from_fn(|r| unsafe {
+                    _mm256_loadu_si256(x[r].qs.as_ptr().add(b * QK_K + 32 * j) as *const __m256i)
+                });
+                macro_rules! lane_pair {
+                    ($v:literal, $imm:literal) => {{
+                        // SAFETY: inside the record (CODES_AT + 32·31 + 32 = 1184).
+                        let raw = unsafe {
+                            _mm256_loadu_si256(p.add(CODES_AT + 32 * (4 * j + $v)) as *const __m256i)
+                        };
+                        let lo = _mm256_and_si256(raw, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                        for r in 0..R {
+                            let y = _mm256_shuffle_epi32(ys[r], $imm);
+                            let s = &mut sums[r][$v];
+                            let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y), scv[0]);
+                            let c = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y), scv[1]);
+                            s[0] = _mm256_add_epi32(s[0], a);
+                            s[1] = _mm256_add_epi32(s[1], c);
+                        }
+                    }};
+                }
+                lane_pair!(0, 0x00);
+                lane_pair!(1, 0x55);
+                lane_pair!(2, 0xaa);
+                lane_pair!(3, 0xff);
+            }
+            // SAFETY: inside the record.
+            let (d8, dmin8) = unsafe {
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(DMIN_AT) as *const __m128i)),
+                )
+            };
+            // Rows 0..4 and 4..8 in both halves.
+            let d = [
+                _mm256_permute2f128_ps(d8, d8, 0x00),
+                _mm256_permute2f128_ps(d8, d8, 0x11),
+            ];
+            let dmin = [
+                _mm256_permute2f128_ps(dmin8, dmin8, 0x00),
+                _mm256_permute2f128_ps(dmin8, dmin8, 0x11),
+            ];
+            for r in 0..R {
+                // SAFETY: the row fits: pairs b·8..+8 and d[b] exist.
+                let (pairs, xd) = unsafe {
+                    (
+                        _mm256_loadu_si256(x[r].pairs.as_ptr().add(b * 8) as *const __m256i),
+                        *x[r].d.get_unchecked(b),
+                    )
+                };
+                let xv = _mm256_set1_ps(xd);
+                let s1 = [_mm256_mul_ps(d[0], xv), _mm256_mul_ps(d[1], xv)];
+                let s2 = [_mm256_mul_ps(dmin[0], xv), _mm256_mul_ps(dmin[1], xv)];
+                let pv = [
+                    _mm256_shuffle_epi32(pairs, 0x00),
+                    _mm256_shuffle_epi32(pairs, 0x55),
+                    _mm256_shuffle_epi32(pairs, 0xaa),
+                    _mm256_shuffle_epi32(pairs, 0xff),
+                ];
+                for v in 0..4 {
+                    for h in 0..2 {
+                        // SAFETY: inside the record (MIN_AT + 16·3 + 8 + 8 = 160).
+                        let mins = unsafe {
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                p.add(MIN_AT + 16 * v + 8 * h) as *const __m128i
+                            ))
+                        };
+                        // min · pair: i16 × i16 in the low halves (mins < 64, |pair| ≤
+                        // 32·128), the high halves 0 × anything: exact.
+                        let summ = _mm256_madd_epi16(mins, pv[v]);
+                        let t1 = _mm256_mul_ps(s1[h], _mm256_cvtepi32_ps(sums[r][v][h]));
+                        let t2 = _mm256_mul_ps(s2[h], _mm256_cvtepi32_ps(summ));
+                        acc[r][v][h] = _mm256_add_ps(acc[r][v][h], _mm256_sub_ps(t1, t2));
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            // lanes[v][h][l]: row 4h + l % 4, lane v + 4·(l / 4).
+            let mut lanes = [[[0.0f32; 8]; 2]; 4];
+            for v in 0..4 {
+                for h in 0..2 {
+                    // SAFETY: `lanes[v][h]` is 8 f32.
+                    unsafe { _mm256_storeu_ps(lanes[v][h].as_mut_ptr(), acc[r][v][h]) };
+                }
+            }
+            std::array::from_fn(|row| {
+                let l: [f32; 8] =
+                    std::array::from_fn(|u| lanes[u % 4][row / 4][row % 4 + 4 * (u / 4)]);
+                super::fold8(&l)
+            })
+        })
+    }
+}
+
+/// Bytes of interleaved copies that loads may still make ([`grant`]).
+static ALLOWANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Let the loads that follow make up to `bytes` of interleaved copies in all (a model's load
+/// grants what the memory left beside its mapped files allows; nothing is interleaved
+/// without a grant). Replaces any earlier grant.
+pub fn grant(bytes: u64) {
+    ALLOWANCE.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// What is left of the grant.
+pub fn granted() -> u64 {
+    ALLOWANCE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Take `bytes` from the grant, if it has them.
+pub(crate) fn take(bytes: u64) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let ok = ALLOWANCE
+        .fetch_update(Relaxed, Relaxed, |left| left.checked_sub(bytes))
+        .is_ok();
+    if ok {
+        MADE.fetch_add(bytes, Relaxed);
+    }
+    ok
+}
+
+/// When loads interleave Q4_K matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Where it was measured to pay ([`pays`]): the default.
+    Auto,
+    /// Wherever a matrix fits and the grant has room (tests of the layout on any machine).
+    Always,
+    /// Never: the file's layout only.
+    Never,
+}
+
+/// The mode set by [`set_mode`]; 0 = not set (then `COLI_INTERLEAVE`).
+static MODE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Set when loads interleave (default: `COLI_INTERLEAVE=auto|always|never`, else auto).
+/// Results are the same bits in every mode; this exists so that the layouts can be compared
+/// (tests, benchmarks) in one process or between runs of one binary.
+pub fn set_mode(mode: Mode) {
+    let v = match mode {
+        Mode::Auto => 1,
+        Mode::Always => 2,
+        Mode::Never => 3,
+    };
+    MODE.store(v, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The mode in force.
+pub fn mode() -> Mode {
+    match MODE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => Mode::Auto,
+        2 => Mode::Always,
+        3 => Mode::Never,
+        _ => {
+            static ENV: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
+            *ENV.get_or_init(|| match std::env::var("COLI_INTERLEAVE").as_deref() {
+                Err(_) | Ok("") | Ok("auto") => Mode::Auto,
+                Ok("always") => Mode::Always,
+                Ok("never") => Mode::Never,
+                Ok(other) => {
+                    tracing::warn!(
+                        "COLI_INTERLEAVE={other:?} is not auto, always or never: taken as auto"
+                    );
+                    Mode::Auto
+                }
+            })
+        }
+    }
+}
+
+/// Bytes of interleaved copies made by this process, in all.
+static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes of interleaved copies this process has made (loads, in all).
+pub fn made() -> u64 {
+    MADE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether loads interleave Q4_K matrices: in [`Mode::Auto`], where the products run faster
+/// on interleaved rows: with the AVX2 kernels (measured, docs/benchmarks.md §22). Machines with AVX-512 BW keep the file's
+/// layout, which their 512-bit row kernels and tiled prefill take (not measured against this).
+pub fn pays() -> bool {
+    match mode() {
+        Mode::Never => return false,
+        Mode::Always => return true,
+        Mode::Auto => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::tensor::kernels::{avx2_fma_f16c, avx512, Isa};
+        Isa::detect() == Isa::Avx2 && avx2_fma_f16c() && !avx512()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
