@@ -242,42 +242,6 @@ pub(super) mod avx2 {
             for line in 0..GROUP_BLOCK_BYTES.div_ceil(64) {
                 prefetch(p, PREFETCH_RECORDS * GROUP_BLOCK_BYTES + 64 * line);
             }
-            let mut sums = [[[_mm256_setzero_si256(); 2]; 4]; R];
-            for j in 0..8 {
-                // SAFETY: inside the record (SC_AT + 8·7 + 8 = 96).
-                let sc = unsafe { (p.add(SC_AT + 8 * j) as *const i64).read_unaligned() };
-                let sc = _mm256_set1_epi64x(sc);
-                let scv = [
-                    _mm256_shuffle_epi8(sc, spread[0]),
-                    _mm256_shuffle_epi8(sc, spread[1]),
-                ];
-                // SAFETY: the row fits: codes b·256 + 32j .. + 32 ≤ (b + 1)·256.
-                let ys: [__m256i; R] = std::array::from_fn(|r| unsafe {
-                    _mm256_loadu_si256(x[r].qs.as_ptr().add(b * QK_K + 32 * j) as *const __m256i)
-                });
-                macro_rules! lane_pair {
-                    ($v:literal, $imm:literal) => {{
-                        // SAFETY: inside the record (CODES_AT + 32·31 + 32 = 1184).
-                        let raw = unsafe {
-                            _mm256_loadu_si256(p.add(CODES_AT + 32 * (4 * j + $v)) as *const __m256i)
-                        };
-                        let lo = _mm256_and_si256(raw, m4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                        for r in 0..R {
-                            let y = _mm256_shuffle_epi32(ys[r], $imm);
-                            let s = &mut sums[r][$v];
-                            let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y), scv[0]);
-                            let c = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y), scv[1]);
-                            s[0] = _mm256_add_epi32(s[0], a);
-                            s[1] = _mm256_add_epi32(s[1], c);
-                        }
-                    }};
-                }
-                lane_pair!(0, 0x00);
-                lane_pair!(1, 0x55);
-                lane_pair!(2, 0xaa);
-                lane_pair!(3, 0xff);
-            }
             // SAFETY: inside the record.
             let (d8, dmin8) = unsafe {
                 (
@@ -294,39 +258,135 @@ pub(super) mod avx2 {
                 _mm256_permute2f128_ps(dmin8, dmin8, 0x00),
                 _mm256_permute2f128_ps(dmin8, dmin8, 0x11),
             ];
-            for r in 0..R {
-                // SAFETY: the row fits: pairs b·8..+8 and d[b] exist.
-                let (pairs, xd) = unsafe {
-                    (
-                        _mm256_loadu_si256(x[r].pairs.as_ptr().add(b * 8) as *const __m256i),
-                        *x[r].d.get_unchecked(b),
-                    )
+            // Per activation row: (d·d_x, dmin·d_x) of each half, and the 32-code sums of
+            // lanes v and v + 4 in the halves of vector v.
+            let (scale, pv): ([[__m256; 4]; R], [[__m256i; 4]; R]) = {
+                let mut scale = [[_mm256_setzero_ps(); 4]; R];
+                let mut pv = [[_mm256_setzero_si256(); 4]; R];
+                for r in 0..R {
+                    // SAFETY: the row fits: pairs b·8..+8 and d[b] exist.
+                    let (pairs, xd) = unsafe {
+                        (
+                            _mm256_loadu_si256(x[r].pairs.as_ptr().add(b * 8) as *const __m256i),
+                            *x[r].d.get_unchecked(b),
+                        )
+                    };
+                    let xv = _mm256_set1_ps(xd);
+                    scale[r] = [
+                        _mm256_mul_ps(d[0], xv),
+                        _mm256_mul_ps(d[1], xv),
+                        _mm256_mul_ps(dmin[0], xv),
+                        _mm256_mul_ps(dmin[1], xv),
+                    ];
+                    pv[r] = [
+                        _mm256_shuffle_epi32(pairs, 0x00),
+                        _mm256_shuffle_epi32(pairs, 0x55),
+                        _mm256_shuffle_epi32(pairs, 0xaa),
+                        _mm256_shuffle_epi32(pairs, 0xff),
+                    ];
+                }
+                (scale, pv)
+            };
+            // The float steps of lane pair v, half h, activation row r, from its exact sum.
+            let mut finish = |r: usize, v: usize, h: usize, sum: __m256i| {
+                // SAFETY: inside the record (MIN_AT + 16·3 + 8 + 8 = 160).
+                let mins = unsafe {
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        p.add(MIN_AT + 16 * v + 8 * h) as *const __m128i
+                    ))
                 };
-                let xv = _mm256_set1_ps(xd);
-                let s1 = [_mm256_mul_ps(d[0], xv), _mm256_mul_ps(d[1], xv)];
-                let s2 = [_mm256_mul_ps(dmin[0], xv), _mm256_mul_ps(dmin[1], xv)];
-                let pv = [
-                    _mm256_shuffle_epi32(pairs, 0x00),
-                    _mm256_shuffle_epi32(pairs, 0x55),
-                    _mm256_shuffle_epi32(pairs, 0xaa),
-                    _mm256_shuffle_epi32(pairs, 0xff),
-                ];
+                // min · pair: i16 × i16 in the low halves (mins < 64, |pair| ≤ 32·128), the
+                // high halves 0 × anything: exact.
+                let summ = _mm256_madd_epi16(mins, pv[r][v]);
+                let t1 = _mm256_mul_ps(scale[r][h], _mm256_cvtepi32_ps(sum));
+                let t2 = _mm256_mul_ps(scale[r][2 + h], _mm256_cvtepi32_ps(summ));
+                acc[r][v][h] = _mm256_add_ps(acc[r][v][h], _mm256_sub_ps(t1, t2));
+            };
+            // Group j's scales of rows 0..4 and 4..8 as i16 pairs.
+            let scales = |j: usize| {
+                // SAFETY: inside the record (SC_AT + 8·7 + 8 = 96).
+                let sc = unsafe { (p.add(SC_AT + 8 * j) as *const i64).read_unaligned() };
+                let sc = _mm256_set1_epi64x(sc);
+                [
+                    _mm256_shuffle_epi8(sc, spread[0]),
+                    _mm256_shuffle_epi8(sc, spread[1]),
+                ]
+            };
+            // Codes of lane pair v of group j: rows 0..4 and 4..8.
+            let codes = |j: usize, v: usize| {
+                // SAFETY: inside the record (CODES_AT + 32·31 + 32 = 1184).
+                let raw = unsafe {
+                    _mm256_loadu_si256(p.add(CODES_AT + 32 * (4 * j + v)) as *const __m256i)
+                };
+                [
+                    _mm256_and_si256(raw, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
+                ]
+            };
+            // Activation codes of group j of row r.
+            let acts = |r: usize, j: usize| {
+                // SAFETY: the row fits: codes b·256 + 32j .. + 32 ≤ (b + 1)·256.
+                unsafe {
+                    _mm256_loadu_si256(x[r].qs.as_ptr().add(b * QK_K + 32 * j) as *const __m256i)
+                }
+            };
+            // y: the activation lanes of this pair broadcast within each half.
+            let step = |s: &mut [__m256i; 2], c: &[__m256i; 2], y: __m256i, scv: &[__m256i; 2]| {
+                let a = _mm256_madd_epi16(_mm256_maddubs_epi16(c[0], y), scv[0]);
+                let e = _mm256_madd_epi16(_mm256_maddubs_epi16(c[1], y), scv[1]);
+                s[0] = _mm256_add_epi32(s[0], a);
+                s[1] = _mm256_add_epi32(s[1], e);
+            };
+            macro_rules! pairs_of {
+                ($y:expr, $v:literal) => {
+                    match $v {
+                        0 => _mm256_shuffle_epi32($y, 0x00),
+                        1 => _mm256_shuffle_epi32($y, 0x55),
+                        2 => _mm256_shuffle_epi32($y, 0xaa),
+                        _ => _mm256_shuffle_epi32($y, 0xff),
+                    }
+                };
+            }
+            if R == 1 {
+                // One activation row: group by group, all four lane pairs' sums in registers
+                // (each activation and scale load serves four pairs).
+                let mut sums = [[_mm256_setzero_si256(); 2]; 4];
+                for j in 0..8 {
+                    let scv = scales(j);
+                    let y = acts(0, j);
+                    step(&mut sums[0], &codes(j, 0), pairs_of!(y, 0), &scv);
+                    step(&mut sums[1], &codes(j, 1), pairs_of!(y, 1), &scv);
+                    step(&mut sums[2], &codes(j, 2), pairs_of!(y, 2), &scv);
+                    step(&mut sums[3], &codes(j, 3), pairs_of!(y, 3), &scv);
+                }
                 for v in 0..4 {
                     for h in 0..2 {
-                        // SAFETY: inside the record (MIN_AT + 16·3 + 8 + 8 = 160).
-                        let mins = unsafe {
-                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                p.add(MIN_AT + 16 * v + 8 * h) as *const __m128i
-                            ))
-                        };
-                        // min · pair: i16 × i16 in the low halves (mins < 64, |pair| ≤
-                        // 32·128), the high halves 0 × anything: exact.
-                        let summ = _mm256_madd_epi16(mins, pv[v]);
-                        let t1 = _mm256_mul_ps(s1[h], _mm256_cvtepi32_ps(sums[r][v][h]));
-                        let t2 = _mm256_mul_ps(s2[h], _mm256_cvtepi32_ps(summ));
-                        acc[r][v][h] = _mm256_add_ps(acc[r][v][h], _mm256_sub_ps(t1, t2));
+                        finish(0, v, h, sums[v][h]);
                     }
                 }
+            } else {
+                // Several: lane pair by lane pair, each code load serving every row (the sums
+                // of all pairs would not fit in registers).
+                macro_rules! pair {
+                    ($v:literal) => {{
+                        let mut sums = [[_mm256_setzero_si256(); 2]; R];
+                        for j in 0..8 {
+                            let scv = scales(j);
+                            let c = codes(j, $v);
+                            for r in 0..R {
+                                step(&mut sums[r], &c, pairs_of!(acts(r, j), $v), &scv);
+                            }
+                        }
+                        for r in 0..R {
+                            finish(r, $v, 0, sums[r][0]);
+                            finish(r, $v, 1, sums[r][1]);
+                        }
+                    }};
+                }
+                pair!(0);
+                pair!(1);
+                pair!(2);
+                pair!(3);
             }
         }
         std::array::from_fn(|r| {
