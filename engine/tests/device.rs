@@ -70,7 +70,12 @@ fn products_match_the_cpu(backend: &Arc<dyn Backend>) {
             WeightData::BF16(&bf),
             WeightData::F16(&hf),
         ] {
-            let w = WeightView { rows, cols, data };
+            let w = WeightView {
+                rows,
+                cols,
+                data,
+                interleaved: None,
+            };
             checked += compare(backend, &w, &ms, seed as u64);
         }
     }
@@ -96,6 +101,7 @@ fn products_match_the_cpu(backend: &Arc<dyn Backend>) {
             rows: 1,
             cols: 256,
             data: WeightData::Quant(ty, &bytes),
+            interleaved: None,
         };
         assert!(
             !device::placeable(&w) && device::device_form(&w).is_none(),
@@ -115,6 +121,7 @@ fn products_match_the_cpu(backend: &Arc<dyn Backend>) {
                 rows,
                 cols,
                 data: WeightData::Quant(ty, &bytes),
+                interleaved: None,
             };
             checked += compare(backend, &w, &ms, 7 + seed as u64);
         }
@@ -345,6 +352,7 @@ fn cuda_kernels_emulated_on_the_host_have_the_cpu_bits() {
                 rows: *rows,
                 cols: *cols,
                 data,
+                interleaved: None,
             };
             let (format, placed) = device::device_form(&w).expect("a device format");
             for m in [1usize, 3, 5, 8] {

@@ -357,6 +357,45 @@ mod tests {
         }
     }
 
+    /// A tensor with interleaved Q4_K rows gives the file's rows' bits through `matmul`,
+    /// `matmul_groups` and `tensor_matmul_many`; a view of whole groups of eight keeps the
+    /// interleaved copy and one of other rows drops it, with the same bits either way.
+    #[test]
+    fn interleaved_tensors_give_the_files_bits() {
+        let (n, k) = (40, 512);
+        let plain = weight(Some(QuantType::Q4_K), n, k, 9);
+        let packed = super::super::qmatmul::interleaved::interleave(plain.storage.bytes(), n, k);
+        let inter = crate::tensor::Tensor {
+            interleaved: Some(crate::tensor::Storage::owned(&packed)),
+            ..plain.clone()
+        };
+        for m in [1, 2, 5] {
+            let x = values(m * k, 10 + m as u64);
+            let want = matmul_new(&x, &plain.view().unwrap());
+            let view = inter.view().unwrap();
+            assert!(view.interleaved.is_some());
+            assert_eq!(bits(&matmul_new(&x, &view)), bits(&want), "{m} rows");
+            let many = tensor_matmul_many(&x, &[&inter, &plain, &inter]);
+            for y in &many {
+                assert_eq!(bits(y), bits(&want), "{m} rows, grouped");
+            }
+            for (start, rows, kept) in [(8, 16, true), (0, 40, true), (3, 5, false), (8, 4, false)]
+            {
+                let part = view.rows_range(start, rows);
+                assert_eq!(part.interleaved.is_some(), kept, "rows {start}+{rows}");
+                let got = matmul_new(&x, &part);
+                for i in 0..m {
+                    let w = &want[i * n + start..i * n + start + rows];
+                    assert_eq!(
+                        bits(&got[i * rows..(i + 1) * rows]),
+                        bits(w),
+                        "rows {start}+{rows}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn many_products_give_each_single_products_bits() {
         use QuantType::*;

@@ -440,7 +440,7 @@ impl<'a> WeightView<'a> {
         let g = qmatmul::interleaved::GROUP_ROWS;
         let interleaved = self
             .interleaved
-            .filter(|_| start % g == 0 && n % g == 0)
+            .filter(|_| start.is_multiple_of(g) && n.is_multiple_of(g) && self.rows >= g)
             .map(|p| {
                 let group = p.len() / (self.rows / g);
                 &p[start / g * group..(start + n) / g * group]

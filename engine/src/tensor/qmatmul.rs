@@ -2749,6 +2749,7 @@ mod tests {
     /// for four activation rows, and whole products of 1 to 9 rows at 1 and 3 threads, beside
     /// the same products on the file's layout.
     #[test]
+    #[allow(clippy::needless_range_loop)] // a row index for the results and the wanted bits
     fn interleaved_products_give_the_reference_bits() {
         for (n, k) in [(8, 256), (24, 768), (40, 1280)] {
             let w = q4k_rows(n, k, 20 + n as u64);

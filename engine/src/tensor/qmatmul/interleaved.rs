@@ -98,7 +98,7 @@ pub fn interleave(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
 /// Code of element `e` of a Q4_K block in the file's layout.
 fn file_code(wb: &[u8], e: usize) -> u8 {
     let byte = wb[16 + 32 * (e / 64) + e % 32];
-    if (e / 32) % 2 == 0 {
+    if (e / 32).is_multiple_of(2) {
         byte & 0xf
     } else {
         byte >> 4
