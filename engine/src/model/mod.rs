@@ -380,10 +380,12 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
         (Access::MappedPrefaulted, Some(free)) => free.saturating_sub(weight_file_bytes(dir)) / 2,
         _ => 0,
     };
+    // (Loads on other threads share the grant and the count: both only ever cost speed.)
+    let made = crate::tensor::qmatmul::interleaved::made();
     crate::tensor::qmatmul::interleaved::grant(grant);
     let model = load_on_cpu_with(dir, access, opts);
-    let used = grant - crate::tensor::qmatmul::interleaved::granted();
     crate::tensor::qmatmul::interleaved::grant(0);
+    let used = crate::tensor::qmatmul::interleaved::made().saturating_sub(made);
     if used > 0 {
         tracing::info!(
             "Q4_K matrices interleaved in eights for the CPU kernels: {} beside the mapped files",

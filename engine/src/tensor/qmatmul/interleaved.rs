@@ -417,11 +417,6 @@ pub fn grant(bytes: u64) {
     ALLOWANCE.store(bytes, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// What is left of the grant.
-pub fn granted() -> u64 {
-    ALLOWANCE.load(std::sync::atomic::Ordering::Relaxed)
-}
-
 /// Take `bytes` from the grant, if it has them.
 pub(crate) fn take(bytes: u64) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
