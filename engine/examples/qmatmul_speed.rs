@@ -72,6 +72,11 @@ fn main() {
         t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
     };
     qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+    // The median of alternating runs, in µs.
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2] / 1e3
+    };
     if std::env::var("QMATMUL_AB").as_deref() == Ok("interleaved") {
         let packed = interleaved::interleave(&bytes, rows, cols);
         let mut other = vec![0.0f32; m * rows];
@@ -96,10 +101,6 @@ fn main() {
             .iter()
             .zip(&other)
             .all(|(a, b)| a.to_bits() == b.to_bits());
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2] / 1e3
-        };
         let (inter, file) = (med(&mut ns[0]), med(&mut ns[1]));
         println!(
             "{ty} {rows}×{cols}, {m} rows, {threads} threads: interleaved {inter:.1} µs, file's rows {file:.1} µs (medians of {reps}), ratio {:.2}, same bits: {same}",
@@ -119,10 +120,6 @@ fn main() {
             ns[r % 2].push(cpu() - t0);
         }
         colibri::tensor::qmatmul::set_tiled_kernels(true);
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2] / 1e3
-        };
         let (tiled, rows_k) = (med(&mut ns[0]), med(&mut ns[1]));
         println!(
             "{ty} {rows}×{cols}, {m} rows, {threads} threads: tiled {tiled:.1} µs, row kernels {rows_k:.1} µs (medians of {reps}), ratio {:.2}",
