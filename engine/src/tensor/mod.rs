@@ -246,7 +246,11 @@ impl Tensor {
             || self.interleaved.is_some()
             || !qmatmul::interleaved::fits(rows, cols)
             || !qmatmul::interleaved::pays()
-            || self.nbytes() != rows * (cols / quant::QK_K) * 144
+            || quant::QuantType::Q4_K
+                .row_bytes(cols)
+                .ok()
+                .and_then(|rb| rb.checked_mul(rows))
+                != Some(self.nbytes())
         {
             return self;
         }
