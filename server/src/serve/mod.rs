@@ -587,7 +587,7 @@ async fn check_api_key(
     } else {
         let endpoint = request.uri().path().to_string();
         state.metrics.request(&endpoint, 401);
-        ApiError::new(
+        let response = ApiError::new(
             StatusCode::UNAUTHORIZED,
             if given.is_some() {
                 "invalid API key"
@@ -596,7 +596,16 @@ async fn check_api_key(
             },
         )
         .code("invalid_api_key")
-        .into_shaped_response(shape)
+        .into_shaped_response(shape);
+        // The request body is never read, so the connection cannot be reused for the next
+        // request (hyper closes it after this response): say so, or a keep-alive client sends
+        // its next request into a closing connection ("server disconnected", seen in CI).
+        let mut response = response;
+        response.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+        response
     }
 }
 
