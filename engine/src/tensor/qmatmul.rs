@@ -623,6 +623,11 @@ unsafe fn dot_group<const R: usize>(
 ) -> [[f32; interleaved::GROUP_ROWS]; R] {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() {
+        if vnni() {
+            // SAFETY: AVX2, FMA, F16C and AVX-512 F, BW, VNNI were detected; the rows fit
+            // (the caller's contract).
+            return unsafe { interleaved::avx512::dot_group::<R>(group, x) };
+        }
         // SAFETY: AVX2, FMA and F16C were just detected; the rows fit (the caller's contract).
         return unsafe { interleaved::avx2::dot_group::<R>(group, x) };
     }
@@ -803,7 +808,7 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 .map(|g| {
                     tiled_kernels()
                         && g.x.len() / k_dim >= TILED_MIN_ROWS
-                        && g.mats.iter().any(|q| tiled::takes(q.ty) && !q.interleaved)
+                        && g.mats.iter().any(|q| tiled::takes(q.ty))
                 })
                 .collect();
             #[cfg(not(target_arch = "x86_64"))]
@@ -849,6 +854,34 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                 // one task (the one owning row j of this job).
                 let put = |i: usize, j: usize, v: f32| unsafe { *job.out.get().add(i * n + j) = v };
                 let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                #[cfg(target_arch = "x86_64")]
+                if let (true, Some(bands)) = (tiled::takes(ty), &bands[job.group]) {
+                    let mut tile = tiled::Tile::new(ty, k_dim / QK_K);
+                    let mut lanes = [[0.0f32; tiled::BAND]; tiled::TILE];
+                    for t0 in (j0..j1).step_by(tiled::TILE) {
+                        let t1 = (t0 + tiled::TILE).min(j1);
+                        if job.interleaved {
+                            // t0 is a whole group (ROWS_PER_TASK and n are, checked above).
+                            let gb = k_dim / QK_K * interleaved::GROUP_BLOCK_BYTES;
+                            let g = t0 / interleaved::GROUP_ROWS;
+                            tile.fill_records(&job.bytes[g * gb..(g + 1) * gb]);
+                        } else {
+                            tile.fill((t0..t1).map(w_row));
+                        }
+                        for q in 0..bands.bands() {
+                            // SAFETY: `bands` exists only where `tiled_kernels` detected
+                            // AVX-512 F, BW and VNNI.
+                            unsafe { tiled::band(&tile, bands, q, &mut lanes) };
+                            for (w, lane) in lanes[..t1 - t0].iter().enumerate() {
+                                let i1 = (q * tiled::BAND + tiled::BAND).min(m);
+                                for i in q * tiled::BAND..i1 {
+                                    put(i, t0 + w, lane[i - q * tiled::BAND]);
+                                }
+                            }
+                        }
+                    }
+                    return;
+                }
                 if job.interleaved {
                     // ROWS_PER_TASK and n are whole groups (checked above), so j0 and j1 are.
                     let group_bytes = k_dim / QK_K * interleaved::GROUP_BLOCK_BYTES;
@@ -886,27 +919,6 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                                 }
                             }
                             i += take;
-                        }
-                    }
-                    return;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if let (true, Some(bands)) = (tiled::takes(ty), &bands[job.group]) {
-                    let mut tile = tiled::Tile::new(ty, k_dim / QK_K);
-                    let mut lanes = [[0.0f32; tiled::BAND]; tiled::TILE];
-                    for t0 in (j0..j1).step_by(tiled::TILE) {
-                        let t1 = (t0 + tiled::TILE).min(j1);
-                        tile.fill((t0..t1).map(w_row));
-                        for q in 0..bands.bands() {
-                            // SAFETY: `bands` exists only where `tiled_kernels` detected
-                            // AVX-512 F, BW and VNNI.
-                            unsafe { tiled::band(&tile, bands, q, &mut lanes) };
-                            for (w, lane) in lanes[..t1 - t0].iter().enumerate() {
-                                let i1 = (q * tiled::BAND + tiled::BAND).min(m);
-                                for i in q * tiled::BAND..i1 {
-                                    put(i, t0 + w, lane[i - q * tiled::BAND]);
-                                }
-                            }
                         }
                     }
                     return;
@@ -2774,13 +2786,37 @@ mod tests {
                             "ref {n}x{k} {i},{g}.{r}"
                         );
                     }
-                    for isa in [Isa::Scalar, Isa::best_available()] {
-                        // SAFETY: the rows were quantized for this width: they fit the group.
-                        let got = unsafe { dot_group::<1>(isa, group, &[acts.row(i)]) };
+                    for (kernel, got) in group_kernels::<1>(group, &[acts.row(i)]) {
                         for r in 0..8 {
-                            assert_eq!(got[0][r].to_bits(), want(i, 8 * g + r), "{isa:?} {i}");
+                            assert_eq!(got[0][r].to_bits(), want(i, 8 * g + r), "{kernel} {i}");
                         }
                     }
+                }
+                /// Every group kernel this machine runs on `rows` (scalar, AVX2, AVX-512).
+                fn group_kernels<const R: usize>(
+                    group: &[u8],
+                    rows: &[ActRow<'_>; R],
+                ) -> Vec<(&'static str, [[f32; 8]; R])> {
+                    // SAFETY: the rows were quantized for this width: they fit the group.
+                    let mut all = vec![("scalar", unsafe {
+                        dot_group::<R>(Isa::Scalar, group, rows)
+                    })];
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::tensor::kernels::avx2_fma_f16c() {
+                        // SAFETY: AVX2, FMA and F16C detected; the rows fit.
+                        all.push(("avx2", unsafe {
+                            interleaved::avx2::dot_group::<R>(group, rows)
+                        }));
+                        if vnni() {
+                            // SAFETY: and AVX-512 F, BW, VNNI.
+                            all.push(("avx512", unsafe {
+                                interleaved::avx512::dot_group::<R>(group, rows)
+                            }));
+                        } else {
+                            eprintln!("no AVX-512 VNNI here: its interleaved kernel is not tested");
+                        }
+                    }
+                    all
                 }
                 fn several<const R: usize>(
                     group: &[u8],
@@ -2791,12 +2827,13 @@ mod tests {
                     let m = acts.qs.len() / acts.cols;
                     for i0 in 0..=m - R {
                         let rows: [ActRow; R] = std::array::from_fn(|d| acts.row(i0 + d));
-                        // SAFETY: as above.
-                        let got = unsafe { dot_group::<R>(Isa::best_available(), group, &rows) };
-                        for (d, row) in got.iter().enumerate() {
-                            for r in 0..8 {
-                                let at = (i0 + d, 8 * g + r);
-                                assert_eq!(row[r].to_bits(), want(at.0, at.1), "x{R} {at:?}");
+                        for (kernel, got) in group_kernels::<R>(group, &rows) {
+                            for (d, row) in got.iter().enumerate() {
+                                for r in 0..8 {
+                                    let at = (i0 + d, 8 * g + r);
+                                    let w = want(at.0, at.1);
+                                    assert_eq!(row[r].to_bits(), w, "{kernel} x{R} {at:?}");
+                                }
                             }
                         }
                     }
@@ -2832,6 +2869,41 @@ mod tests {
                             assert_eq!(plain[at].to_bits(), got[at].to_bits());
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Prefill of many rows on interleaved matrices (tiles filled from the records where the
+    /// tiled kernels run, the group kernels elsewhere) gives the scalar reference's bits on the
+    /// file's rows, as the same product on the file's layout does.
+    #[test]
+    fn interleaved_prefill_gives_the_reference_bits() {
+        let (n, k) = (24, 512);
+        let w = q4k_rows(n, k, 77);
+        let packed = interleaved::interleave(&w, n, k);
+        let rb = QuantType::Q4_K.row_bytes(k).unwrap();
+        for m in [TILED_MIN_ROWS, TILED_MIN_ROWS + 7] {
+            let mut x = edge_activations(k, 5);
+            x.extend(values((m - x.len() / k) * k, 6));
+            let acts = QuantizedActs::quantize(ActFormat::Q8K, &x, k);
+            let mut got = vec![0.0f32; m * n];
+            let mut plain = vec![0.0f32; m * n];
+            let mut mats = [QMat {
+                ty: QuantType::Q4_K,
+                bytes: &packed,
+                n,
+                out: &mut got,
+                interleaved: true,
+            }];
+            qmatmul_multi(&x, k, &mut mats);
+            qmatmul(&x, QuantType::Q4_K, &w, n, k, &mut plain);
+            for i in 0..m {
+                for j in 0..n {
+                    let want = dot_ref(QuantType::Q4_K, &w[j * rb..(j + 1) * rb], acts.row(i));
+                    let at = i * n + j;
+                    assert_eq!(got[at].to_bits(), want.to_bits(), "{m} rows: {i},{j}");
+                    assert_eq!(plain[at].to_bits(), want.to_bits(), "file's rows {i},{j}");
                 }
             }
         }

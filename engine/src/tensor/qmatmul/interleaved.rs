@@ -1,4 +1,4 @@
-//! Q4_K matrices with their rows interleaved in eights, for the AVX2 machines' products.
+//! Q4_K matrices with their rows interleaved in eights, for the x86 machines' products.
 //!
 //! The file's layout keeps each row's super-blocks together, so a kernel for one activation
 //! row (decode) unpacks every block's 6-bit scales and mins, converts its two f16 scales and
@@ -29,6 +29,10 @@
 //! scalar reference's on the file's row (tested), and decode equals prefill.
 //!
 //! The records take 1184 bytes for 8 × 144 of the file (+2.8 %: scales and mins unpacked).
+//!
+//! Kernels: AVX2 ([`avx2`]), and with AVX-512 VNNI one that takes two lane pairs per 512-bit
+//! vector ([`avx512`]). Prefill of many rows on AVX-512 VNNI goes through the tiled kernels,
+//! whose tiles of eight rows are filled from a group's records as from the file's rows.
 
 // Row, lane and group indices address several arrays at once here.
 #![allow(clippy::needless_range_loop)]
@@ -158,6 +162,24 @@ pub fn row(packed: &[u8], cols: usize, r: usize) -> Vec<u8> {
     }
     out
 }
+
+/// Row `r`'s `d` and `dmin` in a record.
+pub(super) fn record_d_dmin(rec: &[u8], r: usize) -> (f32, f32) {
+    (f16_le(rec, 2 * r), f16_le(rec, DMIN_AT + 2 * r))
+}
+
+/// Row `r`'s 6-bit scale of group `j` in a record.
+pub(super) fn record_scale(rec: &[u8], r: usize, j: usize) -> u8 {
+    rec[SC_AT + 8 * j + r]
+}
+
+/// The min that lane `u` of row `r` takes (`Q4K_MIN_LANES[u]`'s) in a record.
+pub(super) fn record_min(rec: &[u8], r: usize, u: usize) -> u8 {
+    rec[min_at(r, u)]
+}
+
+/// Where a record's codes start.
+pub(super) const RECORD_CODES_AT: usize = CODES_AT;
 
 /// The eight rows of one group (`nb` records) against one activation row, by the canonical
 /// definition, read from the records (the scalar path, and the kernels' reference in tests).
@@ -407,6 +429,270 @@ pub(super) mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512 {
+    //! The AVX-512 kernel (F, BW, VNNI). A 64-byte code load holds lane pairs `2w` and
+    //! `2w + 1` of a group: 128-bit lane `q` of a vector is canonical lane
+    //! `u = 2w + q / 2 + 4·(q % 2)`, its i32 lane `s` row `s` (low nibbles) or `4 + s` (high).
+    //! The activation group, broadcast to both 256-bit halves and byte-shuffled, gives every
+    //! 128-bit lane its lane's four codes; `vpmaddubsw` then `vpdpwssd` with the rows' scales
+    //! add each segment's scaled sum to its (row, lane) sum, the same exact integers as the
+    //! AVX2 kernel's `vpmaddwd` + add.
+
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, CODES_AT, GROUP_BLOCK_BYTES, GROUP_ROWS, MIN_AT, SC_AT};
+    use crate::tensor::qmatmul::avx2::prefetch;
+    use crate::tensor::quant::QK_K;
+
+    /// Records ahead that each record's step asks the memory for.
+    const PREFETCH_RECORDS: usize = 2;
+
+    /// Canonical lane of 128-bit lane `q` in the vectors of lane pairs `2w`, `2w + 1`.
+    const fn lane_of(w: usize, q: usize) -> usize {
+        2 * w + q / 2 + 4 * (q % 2)
+    }
+
+    /// `vpshufb` controls giving i32 lane `s` of every 128-bit lane the i16 pair `(sc, sc)`
+    /// of scale byte `4h + s`, from eight scale bytes broadcast to every 64 bits.
+    const SPREAD: [[i8; 64]; 2] = {
+        let mut t = [[-1i8; 64]; 2];
+        let mut h = 0;
+        while h < 2 {
+            let mut i = 0;
+            while i < 16 {
+                let b = (4 * h + i % 4) as i8;
+                t[h][4 * i] = b;
+                t[h][4 * i + 2] = b;
+                i += 1;
+            }
+            h += 1;
+        }
+        t
+    };
+
+    /// `vpshufb` controls giving 128-bit lane `q` the four activation codes of its lane
+    /// (`lane_of(w, q)`) in each of its i32 lanes, from the group's 32 codes broadcast to
+    /// both 256-bit halves (128-bit lane `q` then holds codes `16·(q % 2)..+16`).
+    const ACTS: [[i8; 64]; 2] = {
+        let mut t = [[0i8; 64]; 2];
+        let mut w = 0;
+        while w < 2 {
+            let mut byte = 0;
+            while byte < 64 {
+                let q = byte / 16;
+                t[w][byte] = (4 * (2 * w + q / 2) + byte % 4) as i8;
+                byte += 1;
+            }
+            w += 1;
+        }
+        t
+    };
+
+    /// `vpermd` indices giving i32 lane `4q + s` the 32-code sum of lane `lane_of(w, q)`.
+    const PAIRS: [[i32; 16]; 2] = {
+        let mut t = [[0i32; 16]; 2];
+        let mut w = 0;
+        while w < 2 {
+            let mut l = 0;
+            while l < 16 {
+                t[w][l] = lane_of(w, l / 4) as i32;
+                l += 1;
+            }
+            w += 1;
+        }
+        t
+    };
+
+    /// `vpermps` indices giving lane `4q + s` the `d` (`dmin` = 0) or `dmin` (`dmin` = 8) of
+    /// row `4h + s`, from the record's 16 f16 scales converted in order.
+    const fn scale_index(h: usize, dmin: usize) -> [i32; 16] {
+        let mut t = [0i32; 16];
+        let mut l = 0;
+        while l < 16 {
+            t[l] = (dmin + 4 * h + l % 4) as i32;
+            l += 1;
+        }
+        t
+    }
+    /// [`scale_index`] of `d` for rows 0..4, 4..8, then of `dmin`.
+    const SCALE_INDEX: [[i32; 16]; 4] = [
+        scale_index(0, 0),
+        scale_index(1, 0),
+        scale_index(0, 8),
+        scale_index(1, 8),
+    ];
+
+    /// The group's eight rows against `R` activation rows.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F, BW and VNNI must be available; `group` is whole
+    /// records, and every row of `x` fits them: codes `b·256..+256`, `pairs[b·8..+8]` and
+    /// `d[b]` exist for every record `b`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(in crate::tensor::qmatmul) unsafe fn dot_group<const R: usize>(
+        group: &[u8],
+        x: &[ActRow<'_>; R],
+    ) -> [[f32; GROUP_ROWS]; R] {
+        // acc[r][w][h]: activation row r, lane pairs 2w / 2w + 1, rows 4h..4h + 4.
+        let mut acc = [[[_mm512_setzero_ps(); 2]; 2]; R];
+        let m4 = _mm512_set1_epi8(0xf);
+        let load = |t: &[i8; 64]| {
+            // SAFETY: 64 readable bytes.
+            unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+        };
+        let load32 = |t: &[i32; 16]| {
+            // SAFETY: 64 readable bytes.
+            unsafe { _mm512_loadu_si512(t.as_ptr() as *const __m512i) }
+        };
+        let spread = [load(&SPREAD[0]), load(&SPREAD[1])];
+        let act_ctl = [load(&ACTS[0]), load(&ACTS[1])];
+        let pair_idx = [load32(&PAIRS[0]), load32(&PAIRS[1])];
+        let scale_idx: [__m512i; 4] = std::array::from_fn(|i| load32(&SCALE_INDEX[i]));
+        for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
+            let p = rec.as_ptr();
+            // The record two ahead (past the group for its last two: a hint, any address).
+            for line in 0..GROUP_BLOCK_BYTES.div_ceil(64) {
+                prefetch(p, PREFETCH_RECORDS * GROUP_BLOCK_BYTES + 64 * line);
+            }
+            // d of rows 0..8, then dmin of rows 0..8 (bytes 0..32).
+            // SAFETY: inside the record.
+            let dd = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p as *const __m256i) });
+            let wd: [__m512; 4] = std::array::from_fn(|i| _mm512_permutexvar_ps(scale_idx[i], dd));
+            // Per activation row: (d·d_x, dmin·d_x) of each half, and the 32-code sums of
+            // each vector's lanes.
+            let mut scale = [[_mm512_setzero_ps(); 4]; R];
+            let mut pv = [[_mm512_setzero_si512(); 2]; R];
+            for r in 0..R {
+                // SAFETY: the row fits: pairs b·8..+8 and d[b] exist.
+                let (pairs, xd) = unsafe {
+                    (
+                        _mm256_loadu_si256(x[r].pairs.as_ptr().add(b * 8) as *const __m256i),
+                        *x[r].d.get_unchecked(b),
+                    )
+                };
+                let xv = _mm512_set1_ps(xd);
+                scale[r] = std::array::from_fn(|i| _mm512_mul_ps(wd[i], xv));
+                let pairs = _mm512_castsi256_si512(pairs);
+                pv[r] = [
+                    _mm512_permutexvar_epi32(pair_idx[0], pairs),
+                    _mm512_permutexvar_epi32(pair_idx[1], pairs),
+                ];
+            }
+            // The float steps of vector (w, h), activation row r, from its exact sum.
+            let mut finish = |r: usize, w: usize, h: usize, sum: __m512i| {
+                // Mins of rows 4h..4h + 4: lanes 2w, 2w + 4 then 2w + 1, 2w + 5.
+                // SAFETY: inside the record (MIN_AT + 32 + 16 + 8 + 8 = 160).
+                let mins = unsafe {
+                    _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+                        _mm_loadl_epi64(p.add(MIN_AT + 32 * w + 8 * h) as *const __m128i),
+                        _mm_loadl_epi64(p.add(MIN_AT + 32 * w + 16 + 8 * h) as *const __m128i),
+                    ))
+                };
+                // min · pair: i16 × i16 in the low halves (mins < 64, |pair| ≤ 32·128), the
+                // high halves 0 × anything: exact.
+                let summ = _mm512_madd_epi16(mins, pv[r][w]);
+                let t1 = _mm512_mul_ps(scale[r][h], _mm512_cvtepi32_ps(sum));
+                let t2 = _mm512_mul_ps(scale[r][2 + h], _mm512_cvtepi32_ps(summ));
+                acc[r][w][h] = _mm512_add_ps(acc[r][w][h], _mm512_sub_ps(t1, t2));
+            };
+            // Group j's scales of rows 0..4 and 4..8 as i16 pairs.
+            let scales = |j: usize| {
+                // SAFETY: inside the record (SC_AT + 8·7 + 8 = 96).
+                let sc = unsafe { (p.add(SC_AT + 8 * j) as *const i64).read_unaligned() };
+                let sc = _mm512_set1_epi64(sc);
+                [
+                    _mm512_shuffle_epi8(sc, spread[0]),
+                    _mm512_shuffle_epi8(sc, spread[1]),
+                ]
+            };
+            // Codes of lane pairs 2w, 2w + 1 of group j: rows 0..4 and 4..8.
+            let codes = |j: usize, w: usize| {
+                // SAFETY: inside the record (CODES_AT + 32·30 + 64 = 1184).
+                let raw = unsafe {
+                    _mm512_loadu_si512(p.add(CODES_AT + 32 * (4 * j + 2 * w)) as *const __m512i)
+                };
+                [
+                    _mm512_and_si512(raw, m4),
+                    _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                ]
+            };
+            // Activation codes of group j of row r, in both 256-bit halves.
+            let acts = |r: usize, j: usize| {
+                // SAFETY: the row fits: codes b·256 + 32j .. + 32 ≤ (b + 1)·256.
+                unsafe {
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        x[r].qs.as_ptr().add(b * QK_K + 32 * j) as *const __m256i,
+                    ))
+                }
+            };
+            let step = |s: &mut [__m512i; 2], c: &[__m512i; 2], y: __m512i, scv: &[__m512i; 2]| {
+                s[0] = _mm512_dpwssd_epi32(s[0], _mm512_maddubs_epi16(c[0], y), scv[0]);
+                s[1] = _mm512_dpwssd_epi32(s[1], _mm512_maddubs_epi16(c[1], y), scv[1]);
+            };
+            if R == 1 {
+                // One activation row: group by group, both vectors' sums in registers.
+                let mut sums = [[_mm512_setzero_si512(); 2]; 2];
+                for j in 0..8 {
+                    let scv = scales(j);
+                    let y = acts(0, j);
+                    for w in 0..2 {
+                        step(
+                            &mut sums[w],
+                            &codes(j, w),
+                            _mm512_shuffle_epi8(y, act_ctl[w]),
+                            &scv,
+                        );
+                    }
+                }
+                for w in 0..2 {
+                    for h in 0..2 {
+                        finish(0, w, h, sums[w][h]);
+                    }
+                }
+            } else {
+                // Several: vector pair by vector pair, each code load serving every row.
+                for w in 0..2 {
+                    let mut sums = [[_mm512_setzero_si512(); 2]; R];
+                    for j in 0..8 {
+                        let scv = scales(j);
+                        let c = codes(j, w);
+                        for r in 0..R {
+                            let y = _mm512_shuffle_epi8(acts(r, j), act_ctl[w]);
+                            step(&mut sums[r], &c, y, &scv);
+                        }
+                    }
+                    for r in 0..R {
+                        finish(r, w, 0, sums[r][0]);
+                        finish(r, w, 1, sums[r][1]);
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            // lanes[w][h][4q + s]: row 4h + s, lane lane_of(w, q).
+            let mut lanes = [[[0.0f32; 16]; 2]; 2];
+            for w in 0..2 {
+                for h in 0..2 {
+                    // SAFETY: `lanes[w][h]` is 16 f32.
+                    unsafe { _mm512_storeu_ps(lanes[w][h].as_mut_ptr(), acc[r][w][h]) };
+                }
+            }
+            let mut by_row = [[0.0f32; 8]; GROUP_ROWS];
+            for w in 0..2 {
+                for h in 0..2 {
+                    for q in 0..4 {
+                        for s in 0..4 {
+                            by_row[4 * h + s][lane_of(w, q)] = lanes[w][h][4 * q + s];
+                        }
+                    }
+                }
+            }
+            std::array::from_fn(|row| super::fold8(&by_row[row]))
+        })
+    }
+}
+
 /// Bytes of interleaved copies that loads may still make ([`grant`]).
 static ALLOWANCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -487,8 +773,9 @@ pub fn made() -> u64 {
 }
 
 /// Whether loads interleave Q4_K matrices: in [`Mode::Auto`], where the products run faster
-/// on interleaved rows: with the AVX2 kernels (measured, docs/benchmarks.md §22). Machines with AVX-512 BW keep the file's
-/// layout, which their 512-bit row kernels and tiled prefill take (not measured against this).
+/// on interleaved rows: with the AVX2 kernels (measured, docs/benchmarks.md §22) and with
+/// AVX-512 VNNI (§23). Machines with AVX-512 BW but not VNNI keep the file's layout, which
+/// their 512-bit row kernels take (not measured against the AVX2 record kernel).
 pub fn pays() -> bool {
     match mode() {
         Mode::Never => return false,
@@ -498,7 +785,7 @@ pub fn pays() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::tensor::kernels::{avx2_fma_f16c, avx512, Isa};
-        Isa::detect() == Isa::Avx2 && avx2_fma_f16c() && !avx512()
+        Isa::detect() == Isa::Avx2 && avx2_fma_f16c() && (!avx512() || super::vnni())
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -36,6 +36,9 @@ pub(super) const BAND: usize = 16;
 /// Weight rows per tile: every activation load feeds this many `vpdpwssd`.
 pub(super) const TILE: usize = 8;
 
+// A tile is one interleaved group (`Tile::fill_records`).
+const _: () = assert!(TILE == super::interleaved::GROUP_ROWS);
+
 /// Activation rows of a Q8_K product laid out for [`band`]: per band of [`BAND`] rows
 /// (the last padded with zero rows), per super-block `b`, lane `u`, group `j` and pair `p`,
 /// the codes of elements `256b + 32j + 4u + 2p` and `+1` of the sixteen rows as i16 pairs.
@@ -190,6 +193,113 @@ impl Tile {
                         dst[u * 8 + j] = chunks[j * 8 + u];
                     }
                 }
+            }
+        }
+    }
+}
+
+impl Tile {
+    /// Unpack the eight Q4_K rows of one interleaved group (`nb` records,
+    /// [`interleaved`](super::interleaved)): the same tile as [`fill`](Tile::fill) makes from
+    /// the rows in the file's layout.
+    pub(super) fn fill_records(&mut self, group: &[u8]) {
+        use super::interleaved::{record_d_dmin, record_min, GROUP_BLOCK_BYTES, GROUP_ROWS};
+        assert_eq!(self.ty, QuantType::Q4_K, "only Q4_K rows are interleaved");
+        let nb = self.nb;
+        assert_eq!(
+            group.len(),
+            nb * GROUP_BLOCK_BYTES,
+            "a group of {nb} records"
+        );
+        self.rows = GROUP_ROWS;
+        let mut scaled = [[0u64; 64]; GROUP_ROWS];
+        for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
+            let rec: &[u8; GROUP_BLOCK_BYTES] = rec.try_into().expect("one record");
+            // SAFETY: tiles are filled only where AVX-512 F and BW were detected
+            // (`super::tiled_kernels`).
+            unsafe { record_scaled_codes(rec, &mut scaled) };
+            for (w, row) in scaled.iter().enumerate() {
+                let at = w * nb + b;
+                (self.d[at], self.dmin[at]) = record_d_dmin(rec, w);
+                for u in 0..8 {
+                    self.mins[at * 8 + u] = record_min(rec, w, u) as f32;
+                }
+                self.codes[at * 64..][..64].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// The eight rows' codes of one interleaved Q4_K record times their group's scale, in a
+/// tile's order: `out[w][8u + j]` holds row `w`'s elements `32j + 4u .. +4` as four i16.
+///
+/// The codes of lane pair `v` (32 bytes per group `j`) are an 8 × 8 matrix of 4-byte cells,
+/// group `j` by column `4t + s` (lane `v + 4t`, rows `s` and `4 + s`): transposed, column
+/// `4t + s` holds those rows' lane `v + 4t` for the eight groups in order, which is what the
+/// tile wants, once the nibbles are split and scaled.
+#[target_feature(enable = "avx2,avx512f,avx512bw")]
+fn record_scaled_codes(
+    rec: &[u8; super::interleaved::GROUP_BLOCK_BYTES],
+    out: &mut [[u64; 64]; 8],
+) {
+    use super::interleaved::{record_scale, GROUP_ROWS, RECORD_CODES_AT};
+    let m4 = _mm256_set1_epi8(0xf);
+    // Each byte of eight scale bytes (one row's, groups 0..8) four times: i16 `4j + e`
+    // takes group j's scale.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7,
+        7, 7,
+    );
+    let scales: [__m512i; GROUP_ROWS] = std::array::from_fn(|w| {
+        let sc = u64::from_le_bytes(std::array::from_fn(|j| record_scale(rec, w, j)));
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi64x(sc as i64), spread);
+        _mm512_cvtepu8_epi16(bytes)
+    });
+    for v in 0..4 {
+        let row = |j: usize| {
+            let at = RECORD_CODES_AT + 32 * (4 * j + v);
+            let cell: &[u8; 32] = rec[at..at + 32].try_into().unwrap();
+            // SAFETY: `cell` is 32 readable bytes (unaligned load).
+            unsafe { _mm256_loadu_si256(cell.as_ptr() as *const __m256i) }
+        };
+        let r: [__m256i; 8] = std::array::from_fn(row);
+        let t: [__m256i; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[2 * (i / 2)], r[2 * (i / 2) + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_epi32(a, b)
+            } else {
+                _mm256_unpackhi_epi32(a, b)
+            }
+        });
+        // u[k] (k < 4): column k in the low 128 bits, column k + 4 in the high, of groups
+        // 0..4; u[4 + k] the same of groups 4..8.
+        let u: [__m256i; 8] = std::array::from_fn(|i| {
+            let (q, k) = (i / 4, i % 4);
+            let (a, b) = (t[4 * q + k / 2], t[4 * q + 2 + k / 2]);
+            if k % 2 == 0 {
+                _mm256_unpacklo_epi64(a, b)
+            } else {
+                _mm256_unpackhi_epi64(a, b)
+            }
+        });
+        for c in 0..8 {
+            let (k, hi) = (c % 4, c / 4);
+            let col = if hi == 0 {
+                _mm256_permute2x128_si256(u[k], u[4 + k], 0x20)
+            } else {
+                _mm256_permute2x128_si256(u[k], u[4 + k], 0x31)
+            };
+            // Column c = 4t + s: lane v + 4t of rows s (low nibbles) and 4 + s (high).
+            let (t, s) = (c / 4, c % 4);
+            let lane = v + 4 * t;
+            for (w, codes) in [
+                (s, _mm256_and_si256(col, m4)),
+                (4 + s, _mm256_and_si256(_mm256_srli_epi16(col, 4), m4)),
+            ] {
+                let prod = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(codes), scales[w]);
+                let dst: &mut [u64; 8] = (&mut out[w][8 * lane..8 * lane + 8]).try_into().unwrap();
+                // SAFETY: `dst` is 64 writable bytes (unaligned store).
+                unsafe { _mm512_storeu_si512(dst.as_mut_ptr() as *mut __m512i, prod) };
             }
         }
     }
