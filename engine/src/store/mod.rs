@@ -351,7 +351,8 @@ pub struct ResidentStore {
 impl ResidentStore {
     /// Load the experts named by `names[layer][expert]`, checking shapes `[I, D]` / `[D, I]`.
     /// Layers without routed experts have an empty list. Experts of a layer load in parallel
-    /// (mapping is instant; split FP4 experts are repacked into owned MXFP4 buffers).
+    /// (mapping is instant; split FP4 experts are repacked into owned MXFP4 buffers), and
+    /// their interleaved copies ([`Tensor::interleaved_for_cpu_all`]) share one map.
     pub fn open(
         ckpt: &Checkpoint,
         names: &[Vec<ExpertNames>],
@@ -362,24 +363,31 @@ impl ResidentStore {
         let layers = names
             .iter()
             .map(|layer| {
-                layer
+                let weights = layer
                     .par_iter()
                     .map(|n| {
-                        // Rows interleaved for the CPU's products where that pays and the
-                        // load's grant has room (the same bits).
-                        Ok(Arc::new(Expert {
-                            gate: ckpt
-                                .weight(&n.gate, &[intermediate, hidden])?
-                                .interleaved_for_cpu(),
-                            up: ckpt
-                                .weight(&n.up, &[intermediate, hidden])?
-                                .interleaved_for_cpu(),
-                            down: ckpt
-                                .weight(&n.down, &[hidden, intermediate])?
-                                .interleaved_for_cpu(),
-                        }))
+                        Ok([
+                            ckpt.weight(&n.gate, &[intermediate, hidden])?,
+                            ckpt.weight(&n.up, &[intermediate, hidden])?,
+                            ckpt.weight(&n.down, &[hidden, intermediate])?,
+                        ])
                     })
-                    .collect::<Result<Vec<_>>>()
+                    .collect::<Result<Vec<_>>>()?;
+                // Rows interleaved for the CPU's products where that pays and the load's
+                // grant has room (the same bits), the layer's copies in one map.
+                let mut weights =
+                    Tensor::interleaved_for_cpu_all(weights.into_iter().flatten().collect())
+                        .into_iter();
+                let mut next = || weights.next().expect("three weights per expert");
+                Ok((0..layer.len())
+                    .map(|_| {
+                        Arc::new(Expert {
+                            gate: next(),
+                            up: next(),
+                            down: next(),
+                        })
+                    })
+                    .collect())
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(ResidentStore { layers })

@@ -396,6 +396,43 @@ mod tests {
         }
     }
 
+    /// Copies made for several tensors at once share one huge-page map (over 2 MiB in all
+    /// here): each chosen Q4_K matrix gets its own rows' records, in order, the others none,
+    /// and products give the file's bits.
+    #[test]
+    fn copies_of_several_tensors_go_to_their_own_tensors() {
+        let (k, x) = (2048, values(2 * 2048, 3));
+        let tensors = vec![
+            weight(Some(QuantType::Q4_K), 1024, k, 1),
+            weight(None, 16, k, 2),
+            weight(Some(QuantType::Q4_K), 8, k, 3),
+            weight(Some(QuantType::Q4_K), 512, k, 4),
+            weight(Some(QuantType::Q4_K), 1024, k, 5),
+            weight(Some(QuantType::Q4_K), 12, k, 6),
+        ];
+        let chosen = [true, true, true, false, true, true];
+        let wanted = [true, false, true, false, true, false];
+        let made = crate::tensor::Tensor::with_interleaved_copies(tensors.clone(), &chosen);
+        assert!(matches!(
+            made[0].interleaved,
+            Some(crate::tensor::Storage::Mapped { .. })
+        ));
+        for (i, (t, plain)) in made.iter().zip(&tensors).enumerate() {
+            assert_eq!(t.interleaved.is_some(), wanted[i], "tensor {i}");
+            if let Some(copy) = &t.interleaved {
+                let n = t.shape[0];
+                let want =
+                    super::super::qmatmul::interleaved::interleave(plain.storage.bytes(), n, k);
+                assert!(copy.bytes() == &want[..], "tensor {i}'s copy");
+            }
+            let (got, want) = (
+                matmul_new(&x, &t.view().unwrap()),
+                matmul_new(&x, &plain.view().unwrap()),
+            );
+            assert_eq!(bits(&got), bits(&want), "tensor {i}");
+        }
+    }
+
     #[test]
     fn many_products_give_each_single_products_bits() {
         use QuantType::*;

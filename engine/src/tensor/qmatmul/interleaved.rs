@@ -57,11 +57,28 @@ pub fn fits(rows: usize, cols: usize) -> bool {
     rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(QK_K) && cols > 0
 }
 
+/// Bytes of the interleaved layout of a `rows × cols` Q4_K matrix that [`fits`].
+pub fn interleaved_bytes(rows: usize, cols: usize) -> usize {
+    rows / GROUP_ROWS * (cols / QK_K) * GROUP_BLOCK_BYTES
+}
+
 /// The interleaved layout of `rows` Q4_K rows of `cols` values (`bytes`, the file's layout).
 ///
 /// # Panics
 /// If the matrix does not [`fit`](fits) or `bytes` is not its size.
 pub fn interleave(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; interleaved_bytes(rows, cols)];
+    interleave_into(bytes, rows, cols, &mut out);
+    out
+}
+
+/// [`interleave`] into `out` ([`interleaved_bytes`] long; every byte is written), groups in
+/// parallel on the current thread pool.
+///
+/// # Panics
+/// If the matrix does not [`fit`](fits) or `bytes` or `out` is not its size.
+pub fn interleave_into(bytes: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
+    use rayon::prelude::*;
     assert!(
         fits(rows, cols),
         "a {rows}×{cols} matrix cannot be interleaved in eights"
@@ -73,39 +90,52 @@ pub fn interleave(bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
         rows * row_bytes,
         "Q4_K bytes do not match the shape"
     );
-    let mut out = vec![0u8; rows / GROUP_ROWS * nb * GROUP_BLOCK_BYTES];
-    for (g, group) in out.chunks_exact_mut(nb * GROUP_BLOCK_BYTES).enumerate() {
-        for (b, rec) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
-            for r in 0..GROUP_ROWS {
-                let at = (g * GROUP_ROWS + r) * row_bytes + b * Q4K_BLOCK;
-                let wb = &bytes[at..at + Q4K_BLOCK];
-                rec[2 * r..2 * r + 2].copy_from_slice(&wb[0..2]);
-                rec[DMIN_AT + 2 * r..DMIN_AT + 2 * r + 2].copy_from_slice(&wb[2..4]);
-                let scales: &[u8; 12] = wb[4..16].try_into().expect("12 bytes");
-                for j in 0..8 {
-                    rec[SC_AT + 8 * j + r] = get_scale_min_k4(j, scales).0;
-                }
-                for u in 0..8 {
-                    rec[min_at(r, u)] = get_scale_min_k4(Q4K_MIN_LANES[u], scales).1;
-                }
-                for e in 0..QK_K {
-                    let at = code_at(r, e);
-                    let shift = if r < 4 { 0 } else { 4 };
-                    rec[at] |= file_code(wb, e) << shift;
-                }
+    assert_eq!(
+        out.len(),
+        interleaved_bytes(rows, cols),
+        "wrong output size"
+    );
+    out.par_chunks_exact_mut(nb * GROUP_BLOCK_BYTES)
+        .enumerate()
+        .for_each(|(g, group)| {
+            let rows_of = &bytes[g * GROUP_ROWS * row_bytes..(g + 1) * GROUP_ROWS * row_bytes];
+            for (b, rec) in group.chunks_exact_mut(GROUP_BLOCK_BYTES).enumerate() {
+                let blocks: [&[u8]; GROUP_ROWS] =
+                    std::array::from_fn(|r| &rows_of[r * row_bytes + b * Q4K_BLOCK..][..Q4K_BLOCK]);
+                fill_record(rec, &blocks);
             }
-        }
-    }
-    out
+        });
 }
 
-/// Code of element `e` of a Q4_K block in the file's layout.
-fn file_code(wb: &[u8], e: usize) -> u8 {
-    let byte = wb[16 + 32 * (e / 64) + e % 32];
-    if (e / 32).is_multiple_of(2) {
-        byte & 0xf
-    } else {
-        byte >> 4
+/// One record from the eight rows' super-blocks in the file's layout.
+fn fill_record(rec: &mut [u8], blocks: &[&[u8]; GROUP_ROWS]) {
+    for (r, wb) in blocks.iter().enumerate() {
+        rec[2 * r..2 * r + 2].copy_from_slice(&wb[0..2]);
+        rec[DMIN_AT + 2 * r..DMIN_AT + 2 * r + 2].copy_from_slice(&wb[2..4]);
+        let scales: &[u8; 12] = wb[4..16].try_into().expect("12 bytes");
+        for j in 0..8 {
+            rec[SC_AT + 8 * j + r] = get_scale_min_k4(j, scales).0;
+        }
+        for u in 0..8 {
+            rec[min_at(r, u)] = get_scale_min_k4(Q4K_MIN_LANES[u], scales).1;
+        }
+    }
+    // Codes: the four of lane u in group j of a file row are the low (j even) or high
+    // nibbles of bytes 16 + 32·(j / 2) + 4u .. +4; a record cell holds row s's (low nibbles)
+    // and row 4 + s's (high).
+    let four = |wb: &[u8], j: usize, u: usize| {
+        let at = 16 + 32 * (j / 2) + 4 * u;
+        let x = u32::from_le_bytes(wb[at..at + 4].try_into().expect("4 bytes"));
+        (x >> (4 * (j % 2))) & 0x0f0f_0f0f
+    };
+    for j in 0..8 {
+        for u in 0..8 {
+            for s in 0..4 {
+                let cell = four(blocks[s], j, u) | (four(blocks[4 + s], j, u) << 4);
+                let at = code_at(s, 32 * j + 4 * u);
+                rec[at..at + 4].copy_from_slice(&cell.to_le_bytes());
+            }
+        }
     }
 }
 
