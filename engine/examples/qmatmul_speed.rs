@@ -8,10 +8,12 @@
 //! `QMATMUL_AB=1` it alternates the tiled prefill kernels and the row kernels product by
 //! product and prints the median time of each. With `QMATMUL_AB=interleaved` (Q4_K) it
 //! alternates the file's rows and the same rows interleaved in eights
-//! (`qmatmul::interleaved`), and checks that both give the same bits.
+//! (`qmatmul::interleaved`), and checks that both give the same bits; `QMATMUL_HUGE=1` puts
+//! both in huge-page maps (`Storage::huge_pages`).
 
 use colibri::tensor::qmatmul::{interleaved, qmatmul, qmatmul_multi, QMat};
 use colibri::tensor::quant::{quantize_row, QuantType};
+use colibri::tensor::Storage;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -78,7 +80,25 @@ fn main() {
         v[v.len() / 2] / 1e3
     };
     if std::env::var("QMATMUL_AB").as_deref() == Ok("interleaved") {
-        let packed = interleaved::interleave(&bytes, rows, cols);
+        // With QMATMUL_HUGE=1 both layouts sit in huge-page maps (`Storage::huge_pages`, as
+        // loads place the interleaved copies); else in ordinary heap buffers.
+        let huge = std::env::var("QMATMUL_HUGE").as_deref() == Ok("1");
+        let place = |len: usize, fill: &(dyn Fn(&mut [u8]) + Sync)| {
+            if huge {
+                Storage::huge_pages(&[len], |_, out| fill(out)).remove(0)
+            } else {
+                Storage::owned(&{
+                    let mut v = vec![0u8; len];
+                    fill(&mut v);
+                    v
+                })
+            }
+        };
+        let file_rows = place(bytes.len(), &|out| out.copy_from_slice(&bytes));
+        let packed = place(interleaved::interleaved_bytes(rows, cols), &|out| {
+            interleaved::interleave_into(&bytes, rows, cols, out)
+        });
+        let (bytes, packed) = (file_rows.bytes(), packed.bytes());
         let mut other = vec![0.0f32; m * rows];
         let mut ns = [Vec::new(), Vec::new()];
         for r in 0..2 * reps {
@@ -86,14 +106,14 @@ fn main() {
             if r % 2 == 0 {
                 let mut mats = [QMat {
                     ty,
-                    bytes: &packed,
+                    bytes: packed,
                     n: rows,
                     out: &mut other,
                     interleaved: true,
                 }];
                 qmatmul_multi(&x, cols, &mut mats);
             } else {
-                qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+                qmatmul(&x, ty, bytes, rows, cols, &mut out);
             }
             ns[r % 2].push(cpu() - t0);
         }
@@ -103,7 +123,8 @@ fn main() {
             .all(|(a, b)| a.to_bits() == b.to_bits());
         let (inter, file) = (med(&mut ns[0]), med(&mut ns[1]));
         println!(
-            "{ty} {rows}×{cols}, {m} rows, {threads} threads: interleaved {inter:.1} µs, file's rows {file:.1} µs (medians of {reps}), ratio {:.2}, same bits: {same}",
+            "{ty} {rows}×{cols}, {m} rows, {threads} threads{}: interleaved {inter:.1} µs, file's rows {file:.1} µs (medians of {reps}), ratio {:.2}, same bits: {same}",
+            if huge { ", huge pages" } else { "" },
             file / inter
         );
         assert!(same, "the two layouts gave different bits");
