@@ -120,9 +120,21 @@ fn fill_record(rec: &mut [u8], blocks: &[&[u8]; GROUP_ROWS]) {
             rec[min_at(r, u)] = get_scale_min_k4(Q4K_MIN_LANES[u], scales).1;
         }
     }
-    // Codes: the four of lane u in group j of a file row are the low (j even) or high
-    // nibbles of bytes 16 + 32·(j / 2) + 4u .. +4; a record cell holds row s's (low nibbles)
-    // and row 4 + s's (high).
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        let rec: &mut [u8; GROUP_BLOCK_BYTES] = rec.try_into().expect("one record");
+        // SAFETY: AVX2 was just detected.
+        unsafe { avx2::record_codes(rec, blocks) };
+        return;
+    }
+    record_codes(rec, blocks);
+}
+
+/// A record's codes from the eight rows' super-blocks in the file's layout: the four codes of
+/// lane `u` in group `j` of a file row are the low (`j` even) or high nibbles of bytes
+/// `16 + 32·(j / 2) + 4u .. +4`; a record cell holds row `s`'s (low nibbles) and row `4 + s`'s
+/// (high).
+fn record_codes(rec: &mut [u8], blocks: &[&[u8]; GROUP_ROWS]) {
     let four = |wb: &[u8], j: usize, u: usize| {
         let at = 16 + 32 * (j / 2) + 4 * u;
         let x = u32::from_le_bytes(wb[at..at + 4].try_into().expect("4 bytes"));
@@ -249,6 +261,45 @@ pub(super) mod avx2 {
 
     /// Records ahead that each record's step asks the memory for.
     const PREFETCH_RECORDS: usize = 2;
+
+    /// [`record_codes`](super::record_codes) with AVX2: per group, the eight rows' 32 code
+    /// bytes (dword `u` = lane `u`'s four codes), row `s` and `4 + s` merged into one byte
+    /// each, and a 4 × 4 dword transpose in each 128-bit half gives the record's four
+    /// 32-byte cells of lane pairs `v` (dword `4t + s` = lane `v + 4t` of rows `s`, `4 + s`).
+    #[target_feature(enable = "avx2")]
+    pub(super) fn record_codes(rec: &mut [u8; GROUP_BLOCK_BYTES], blocks: &[&[u8]; GROUP_ROWS]) {
+        let m4 = _mm256_set1_epi8(0xf);
+        for j in 0..8 {
+            let at = 16 + 32 * (j / 2);
+            let shift = _mm_cvtsi32_si128(4 * (j % 2) as i32);
+            let row = |r: usize| {
+                let b: &[u8; 32] = blocks[r][at..at + 32].try_into().expect("32 code bytes");
+                // SAFETY: 32 readable bytes (unaligned load).
+                let v = unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) };
+                // A 16-bit shift by 0 or 4, then the mask: each byte's nibble j % 2.
+                _mm256_and_si256(_mm256_srl_epi16(v, shift), m4)
+            };
+            // Bytes of at most 4 bits: a 16-bit shift by 4 keeps each inside its byte.
+            let c: [__m256i; 4] =
+                std::array::from_fn(|s| _mm256_or_si256(row(s), _mm256_slli_epi16(row(4 + s), 4)));
+            let t0 = _mm256_unpacklo_epi32(c[0], c[1]);
+            let t1 = _mm256_unpackhi_epi32(c[0], c[1]);
+            let t2 = _mm256_unpacklo_epi32(c[2], c[3]);
+            let t3 = _mm256_unpackhi_epi32(c[2], c[3]);
+            let cells = [
+                _mm256_unpacklo_epi64(t0, t2),
+                _mm256_unpackhi_epi64(t0, t2),
+                _mm256_unpacklo_epi64(t1, t3),
+                _mm256_unpackhi_epi64(t1, t3),
+            ];
+            for (v, cell) in cells.into_iter().enumerate() {
+                let at = CODES_AT + 32 * (4 * j + v);
+                let dst: &mut [u8; 32] = (&mut rec[at..at + 32]).try_into().expect("32 bytes");
+                // SAFETY: 32 writable bytes (unaligned store).
+                unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, cell) };
+            }
+        }
+    }
 
     /// `vpshufb` controls giving i32 lane `l` the i16 pair `(s, s)` of scale byte
     /// `4h + l % 4` from eight scale bytes broadcast to every 64 bits (rows `4h..4h + 4`, the
@@ -819,4 +870,46 @@ pub fn pays() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 arrangement of a record's codes is the scalar one, byte for byte, on arbitrary
+    /// bytes (every code, both nibbles of every byte).
+    #[test]
+    fn record_codes_by_simd_and_by_scalar_agree() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !is_x86_feature_detected!("avx2") {
+                eprintln!("no AVX2 here: only the scalar arrangement exists");
+                return;
+            }
+            let mut state = 0x9e37_79b9u32;
+            for _ in 0..20 {
+                let rows: Vec<Vec<u8>> = (0..GROUP_ROWS)
+                    .map(|_| {
+                        (0..Q4K_BLOCK)
+                            .map(|_| {
+                                state ^= state << 13;
+                                state ^= state >> 17;
+                                state ^= state << 5;
+                                (state >> 24) as u8
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let blocks: [&[u8]; GROUP_ROWS] = std::array::from_fn(|r| &rows[r][..]);
+                let mut scalar = [0u8; GROUP_BLOCK_BYTES];
+                let mut simd = [0xa5u8; GROUP_BLOCK_BYTES];
+                record_codes(&mut scalar, &blocks);
+                // SAFETY: AVX2 was detected above.
+                unsafe { avx2::record_codes(&mut simd, &blocks) };
+                assert_eq!(&scalar[CODES_AT..], &simd[CODES_AT..]);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        eprintln!("not x86: only the scalar arrangement exists");
+    }
 }
