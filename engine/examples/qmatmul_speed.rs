@@ -58,9 +58,21 @@ fn main() {
             })
             .collect()
     };
+    // QMATMUL_DISTINCT_ROWS=N quantizes only the first N rows and repeats them (a matrix
+    // larger than the last-level cache without minutes of quantizing; the same bytes, other
+    // addresses).
+    let distinct = std::env::var("QMATMUL_DISTINCT_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(rows, |d| d.clamp(1, rows));
     let mut bytes = Vec::new();
-    for _ in 0..rows {
+    for _ in 0..distinct {
         quantize_row(ty, &rnd(cols), &mut bytes).expect("a quantizable row length");
+    }
+    let row_bytes = bytes.len() / distinct;
+    while bytes.len() < rows * row_bytes {
+        let take = (rows * row_bytes - bytes.len()).min(distinct * row_bytes);
+        bytes.extend_from_within(..take);
     }
     let x = rnd(m * cols);
     let mut out = vec![0.0f32; m * rows];
@@ -148,9 +160,14 @@ fn main() {
         );
         return;
     }
+    // QMATMUL_HUGE=1: the rows in a huge-page map (as a file mapped with huge folios is).
+    let huge = (std::env::var("QMATMUL_HUGE").as_deref() == Ok("1")).then(|| {
+        Storage::huge_pages(&[bytes.len()], |_, out| out.copy_from_slice(&bytes)).remove(0)
+    });
+    let bytes = huge.as_ref().map_or(&bytes[..], |s| s.bytes());
     let t0 = cpu();
     for _ in 0..reps {
-        qmatmul(&x, ty, &bytes, rows, cols, &mut out);
+        qmatmul(&x, ty, bytes, rows, cols, &mut out);
     }
     let ns = (cpu() - t0) / reps as f64;
     println!(
