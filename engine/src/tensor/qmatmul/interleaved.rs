@@ -887,17 +887,13 @@ mod tests {
                 eprintln!("no AVX2 here: only the scalar arrangement exists");
                 return;
             }
-            let mut state = 0x9e37_79b9u32;
-            for _ in 0..20 {
-                let rows: Vec<Vec<u8>> = (0..GROUP_ROWS)
-                    .map(|_| {
-                        (0..Q4K_BLOCK)
-                            .map(|_| {
-                                state ^= state << 13;
-                                state ^= state >> 17;
-                                state ^= state << 5;
-                                (state >> 24) as u8
-                            })
+            for seed in 0..20u32 {
+                // Arbitrary bytes: mantissa bits of the shared test values.
+                let rows: Vec<Vec<u8>> = (0..GROUP_ROWS as u32)
+                    .map(|r| {
+                        crate::tensor::test_values::xorshift(Q4K_BLOCK, 8 * seed + r + 1)
+                            .iter()
+                            .map(|v| (v.to_bits() >> 7) as u8)
                             .collect()
                     })
                     .collect();
