@@ -38,7 +38,7 @@
 //! Kernels: the scalar reference (`dot_ref`, which defines the results) and AVX2 for every
 //! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW
 //! 512-bit integer steps for Q4_K and Q6_K (the others' AVX2 kernels run there); with AVX-512
-//! VNNI, Q4_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows (prefill) go
+//! VNNI, Q4_K, Q5_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows (prefill) go
 //! through [`tiled`]: eight weight rows unpacked once against sixteen activation rows per
 //! register, the same lanes and float steps, so the same bits. There are no
 //! NEON kernels for the block formats: aarch64 computes them by the scalar reference (this
@@ -78,7 +78,7 @@ const GROUP_ACT_ROWS: usize = 2;
 /// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
 const X_CHUNK_BYTES: usize = 24 * 1024;
 
-/// From this many activation rows on, Q4_K and Q6_K products go through the tiled kernels
+/// From this many activation rows on, Q4_K, Q5_K and Q6_K products go through the tiled kernels
 /// where they run (AVX-512 VNNI). Unpacking a tile costs about as much as the row kernels
 /// spend on a few dozen rows: below this the row kernels are as fast or faster (measured with
 /// `QMATMUL_AB=1 qmatmul_speed`, docs/benchmarks.md §19).
@@ -648,7 +648,7 @@ fn vnni() -> bool {
     })
 }
 
-/// Whether Q4_K and Q6_K products of many rows go through [`tiled`] (AVX-512 F, BW and VNNI
+/// Whether Q4_K, Q5_K and Q6_K products of many rows go through [`tiled`] (AVX-512 F, BW and VNNI
 /// detected, and the 512-bit kernels allowed).
 #[cfg(target_arch = "x86_64")]
 fn tiled_kernels() -> bool {
@@ -2970,7 +2970,7 @@ mod tests {
         }
     }
 
-    /// Q4_K and Q6_K products of many rows (the tiled kernels, where AVX-512 VNNI runs) give
+    /// Q4_K, Q5_K and Q6_K products of many rows (the tiled kernels, where AVX-512 VNNI runs) give
     /// every element the scalar reference's bits, so a row's result is the same alone or in a
     /// batch: full and partial bands (64, 65, 80, 97 rows), tiles of 8 and single weight rows
     /// (heights 8, 12, 13, 29), one to eight super-blocks, random and extreme blocks (largest
@@ -2981,7 +2981,9 @@ mod tests {
     fn many_row_k_quant_products_give_the_reference_bits() {
         #[cfg(target_arch = "x86_64")]
         if !tiled_kernels() {
-            eprintln!("note: no AVX-512 VNNI here: the tiled Q4_K/Q6_K kernels are not exercised");
+            eprintln!(
+                "note: no AVX-512 VNNI here: the tiled Q4_K/Q5_K/Q6_K kernels are not exercised"
+            );
         }
         let check = |ty: QuantType, w: &[u8], n: usize, x: &[f32], out: &[f32], what: &str| {
             let k = x.len() / (out.len() / n);
@@ -3003,6 +3005,7 @@ mod tests {
         for (ty, other) in [
             (QuantType::Q4_K, QuantType::Q6_K),
             (QuantType::Q6_K, QuantType::Q4_K),
+            (QuantType::Q5_K, QuantType::Q6_K),
         ] {
             for (s, &(n, k, m)) in shapes.iter().enumerate() {
                 let seed = 300 + 10 * s as u64;

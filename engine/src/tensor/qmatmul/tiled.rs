@@ -1,10 +1,10 @@
-//! Prefill products of Q4_K and Q6_K weights with AVX-512 VNNI: tiles of up to eight weight
-//! rows, unpacked once, against bands of sixteen activation rows.
+//! Prefill products of Q4_K, Q5_K and Q6_K weights with AVX-512 VNNI: tiles of up to eight
+//! weight rows, unpacked once, against bands of sixteen activation rows.
 //!
 //! The row-at-a-time kernels unpack a weight block's nibbles, scales and mins once per four
 //! activation rows and finish every (weight row, activation row) pair with its own float steps.
 //! Here the weight codes of a tile are unpacked once per task, already multiplied by their
-//! scale (Q4_K `sc·q` ≤ 63·15, Q6_K `sc·q` ≤ 128·63 in magnitude: i16), and the activation
+//! scale (Q4_K `sc·q` ≤ 63·15, Q5_K ≤ 63·31, Q6_K ≤ 128·63 in magnitude: i16), and the activation
 //! codes of a band are laid out so that one 512-bit register holds the same two elements of
 //! sixteen rows: one `vpdpwssd` with a weight pair broadcast then adds `sc·(q₀y₀ + q₁y₁)` to
 //! sixteen lane sums at once, and the float steps run on sixteen rows per instruction. Q6_K's
@@ -17,7 +17,7 @@
 //!
 //! The bits are the scalar reference's ([`dot_ref`](super::dot_ref)): lane `u`'s integer sum
 //! over the super-block is the same exact integer (a sum of the same products, in i32 as the
-//! reference's), `(d_w·d_x)·sumi − (dmin_w·d_x)·summ` (Q4_K) or `(d_w·d_x)·sumi` (Q6_K) is
+//! reference's), `(d_w·d_x)·sumi − (dmin_w·d_x)·summ` (Q4_K, Q5_K) or `(d_w·d_x)·sumi` (Q6_K) is
 //! formed with the same f32 operations (`summ = m·pairs` is exact as a product of f32: below
 //! 2²⁴), the lanes accumulate super-block after super-block and fold as `fold8` does. So a
 //! row's result does not depend on whether it went through a band or alone (tested).
@@ -110,7 +110,8 @@ fn pair(lo: i32, hi: i32) -> i32 {
     ((lo as i16 as u16 as u32) | ((hi as i16 as u16 as u32) << 16)) as i32
 }
 
-/// Up to [`TILE`] Q4_K or Q6_K weight rows unpacked for [`band`].
+/// Up to [`TILE`] Q4_K, Q5_K or Q6_K weight rows unpacked for [`band`] (Q5_K's float steps
+/// are Q4_K's: only its codes are unpacked differently).
 pub(super) struct Tile {
     ty: QuantType,
     nb: usize,
@@ -120,22 +121,19 @@ pub(super) struct Tile {
     /// codes of elements `256b + 32j + 4u .. +4` times their scale, four i16 (the order the
     /// kernel reads them in: lane by lane).
     codes: Vec<u64>,
-    /// `TILE × nb`: the super-blocks' `d` and (Q4_K) `dmin`.
+    /// `TILE × nb`: the super-blocks' `d` and (Q4_K, Q5_K) `dmin`.
     d: Vec<f32>,
     dmin: Vec<f32>,
-    /// `TILE × nb × 8`: Q4_K: the min of lane `u` (`Q4K_MIN_LANES[u]`) as f32.
+    /// `TILE × nb × 8`: Q4_K, Q5_K: the min of lane `u` (`Q4K_MIN_LANES[u]`) as f32.
     mins: Vec<f32>,
     /// `TILE × nb × 8`: Q6_K: `(−32·sc_u, −32·sc_{8+u})` as an i16 pair.
     corr: Vec<i32>,
 }
 
 impl Tile {
-    /// An empty tile for `ty` (Q4_K or Q6_K) rows of `nb` super-blocks.
+    /// An empty tile for `ty` (Q4_K, Q5_K or Q6_K) rows of `nb` super-blocks.
     pub(super) fn new(ty: QuantType, nb: usize) -> Tile {
-        assert!(
-            matches!(ty, QuantType::Q4_K | QuantType::Q6_K),
-            "no tiled kernel for {ty}"
-        );
+        assert!(takes(ty), "no tiled kernel for {ty}");
         Tile {
             ty,
             nb,
@@ -161,7 +159,7 @@ impl Tile {
                 let f16 = |o: usize| half::f16::from_le_bytes([wb[o], wb[o + 1]]).to_f32();
                 let mut scaled = [0i16; QK_K];
                 let out = &mut scaled;
-                if self.ty == QuantType::Q4_K {
+                if matches!(self.ty, QuantType::Q4_K | QuantType::Q5_K) {
                     let scales: &[u8; 12] = wb[4..16].try_into().unwrap();
                     self.d[at] = f16(0);
                     self.dmin[at] = f16(2);
@@ -170,10 +168,17 @@ impl Tile {
                     }
                     let sc: [i16; 8] =
                         std::array::from_fn(|j| get_scale_min_k4(j, scales).0 as i16);
-                    let qs: &[u8; 128] = wb[16..144].try_into().unwrap();
-                    // SAFETY: tiles are filled only where AVX-512 F and BW were detected
-                    // (`super::tiled_kernels`).
-                    unsafe { q4k_scaled_codes(qs, &sc, out) };
+                    if self.ty == QuantType::Q4_K {
+                        let qs: &[u8; 128] = wb[16..144].try_into().unwrap();
+                        // SAFETY: tiles are filled only where AVX-512 F and BW were detected
+                        // (`super::tiled_kernels`).
+                        unsafe { q4k_scaled_codes(qs, &sc, out) };
+                    } else {
+                        let qh: &[u8; 32] = wb[16..48].try_into().unwrap();
+                        let qs: &[u8; 128] = wb[48..176].try_into().unwrap();
+                        // SAFETY: as above.
+                        unsafe { q5k_scaled_codes(qh, qs, &sc, out) };
+                    }
                 } else {
                     let sc = |i: usize| wb[192 + i] as i8 as i32;
                     self.d[at] = f16(208);
@@ -326,6 +331,35 @@ fn q4k_scaled_codes(qs: &[u8; 128], sc: &[i16; 8], out: &mut [i16; QK_K]) {
     }
 }
 
+/// A Q5_K super-block's codes (`q5k_code`, 0..32) times their group's scale: element
+/// `32j + l` is the low (`j` even) or high nibble of `qs[32·(j/2) + l]` with bit `j` of
+/// `qh[l]` as bit 4, times `sc[j]`.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn q5k_scaled_codes(qh: &[u8; 32], qs: &[u8; 128], sc: &[i16; 8], out: &mut [i16; QK_K]) {
+    let load = |b: &[u8; 32]| {
+        // SAFETY: `b` is 32 readable bytes (unaligned load).
+        unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) }
+    };
+    let (m4, one) = (_mm256_set1_epi8(0xf), _mm256_set1_epi8(1));
+    let high = load(qh);
+    for c in 0..4 {
+        let q = load(qs[32 * c..32 * c + 32].try_into().unwrap());
+        let lo = _mm256_and_si256(q, m4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        for (h, v) in [lo, hi].into_iter().enumerate() {
+            let j = 2 * c + h;
+            // Bit j of each byte as its bit 0 (a 16-bit shift by j < 8 moves the high byte's
+            // bit j to its bit 0 too), then to bit 4 (bytes of one bit stay inside their byte).
+            let bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(j as i32)), one);
+            let code = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+            let scaled = _mm512_mullo_epi16(_mm512_cvtepu8_epi16(code), _mm512_set1_epi16(sc[j]));
+            let dst: &mut [i16; 32] = (&mut out[32 * j..32 * j + 32]).try_into().unwrap();
+            // SAFETY: `dst` is 64 writable bytes (unaligned store).
+            unsafe { _mm512_storeu_si512(dst.as_mut_ptr() as *mut __m512i, scaled) };
+        }
+    }
+}
+
 /// A Q6_K super-block's codes (`q6k_code`, 0..64) times their 16-element scale: group
 /// `g = 4h + s` (32 elements) takes nibble `s / 2` of `ql[64h + 32·(s % 2) + l]` and bits
 /// `2s, 2s + 1` of `qh[32h + l]` as bits 4 and 5.
@@ -383,7 +417,7 @@ pub(super) unsafe fn band(tile: &Tile, x: &Bands, q: usize, out: &mut [[f32; BAN
     }
 }
 
-/// Rows `w0 .. w0 + W` of the tile (Q6_K or Q4_K) against band `q`, into `out[..W]`.
+/// Rows `w0 .. w0 + W` of the tile (Q6_K, or Q4_K and Q5_K) against band `q`, into `out[..W]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn band_rows<const W: usize, const Q6: bool>(
     tile: &Tile,
@@ -464,5 +498,5 @@ fn band_rows<const W: usize, const Q6: bool>(
 
 /// Whether `ty` has a tiled kernel.
 pub(super) fn takes(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_K | QuantType::Q6_K)
+    matches!(ty, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
 }
