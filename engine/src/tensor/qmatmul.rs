@@ -37,11 +37,11 @@
 //!
 //! Kernels: the scalar reference (`dot_ref`, which defines the results) and AVX2 for every
 //! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW
-//! 512-bit integer steps for Q4_K and Q6_K (the others' AVX2 kernels run there); with AVX-512
-//! VNNI, Q4_K, Q5_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows (prefill) go
-//! through [`tiled`]: eight weight rows unpacked once against sixteen activation rows per
-//! register, the same lanes and float steps, so the same bits. There are no
-//! NEON kernels for the block formats: aarch64 computes them by the scalar reference (this
+//! 512-bit integer steps for Q4_K, Q5_K and Q6_K (the others' AVX2 kernels run there); with
+//! AVX-512 VNNI, Q4_K, Q5_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows
+//! (prefill) go through [`tiled`]: eight weight rows unpacked once against sixteen activation
+//! rows per register, the same lanes and float steps, so the same bits. There are no NEON
+//! kernels for the block formats: aarch64 computes them by the scalar reference (this
 //! workspace is built and tested on x86-64 only and cannot compile aarch64).
 //!
 //! Every other ggml type (MXFP4) is computed by dequantizing the weight row (bit-identical to
@@ -1223,13 +1223,15 @@ mod avx2 {
                 unsafe { dot32::<R>(ty, w, x, vnni) }
             }
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
-            QuantType::Q4_K if wide => unsafe { dot_q4k_512::<R>(w, x) },
+            QuantType::Q4_K if wide => unsafe { dot_q45k_512::<R, false>(w, x) },
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q4_K => unsafe { dot_q4k::<R>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
             QuantType::Q6_K if wide => unsafe { dot_q6k_512::<R>(w, x) },
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q6_K => unsafe { dot_q6k::<R>(w, x) },
+            // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
+            QuantType::Q5_K if wide => unsafe { dot_q45k_512::<R, true>(w, x) },
             // SAFETY: the caller's contract is each kernel's.
             QuantType::Q5_K => unsafe { dot_k::<R, 0>(w, x) },
             // SAFETY: as above.
@@ -1670,7 +1672,7 @@ mod avx2 {
         t
     }
 
-    /// For [`dot_q4k_512`]'s `scv[k]`: groups `2k` and `2k + 1`, one scale per 32 codes.
+    /// For [`dot_q45k_512`]'s `scv[k]`: groups `2k` and `2k + 1`, one scale per 32 codes.
     const Q4K_HALVES: [[u8; 64]; 4] = scale_spread(16);
 
     /// For [`q6k_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes (scales
@@ -1678,19 +1680,40 @@ mod avx2 {
     const Q6K_QUARTERS: [[u8; 64]; 4] = scale_spread(8);
 
     /// [`dot_q4k`] with 512-bit integer steps (two 32-element groups per instruction); the
-    /// eight-lane integer sums, and so the results, are identical.
+    /// eight-lane integer sums, and so the results, are identical. With `Q5`, the same for
+    /// Q5_K (its float steps are Q4_K's): bit `j` of `qh[l]` (bytes 16..48) is added to code
+    /// `32j + l` as 16 before the products, whose pairs (`2·31·127`) still fit i16.
     ///
     /// # Safety
-    /// As [`dot_q4k`], and AVX-512 F and BW must be available.
+    /// As [`dot_q4k`] (`w` whole Q5_K blocks with `Q5`), and AVX-512 F and BW must be
+    /// available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn dot_q4k_512<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
-        let bb = QuantType::Q4_K.block_bytes();
+    unsafe fn dot_q45k_512<const R: usize, const Q5: bool>(
+        w: &[u8],
+        x: &[ActRow<'_>; R],
+    ) -> [f32; R] {
+        let ty = if Q5 { QuantType::Q5_K } else { QuantType::Q4_K };
+        let bb = ty.block_bytes();
+        // Where the 128 bytes of nibbles start.
+        let qs_at = if Q5 { 48 } else { 16 };
+        // Q5_K: for groups (2k, 2k + 1), a byte selecting bit 2k in the low 256 bits and bit
+        // 2k + 1 in the high 256 bits.
+        let bit_of: [__m512i; 4] = std::array::from_fn(|k| {
+            _mm512_inserti64x4(
+                _mm512_set1_epi8((1u8 << (2 * k)) as i8),
+                _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
+                1,
+            )
+        });
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             // Two blocks ahead: past the row's end for its last two blocks.
             prefetch(wb.as_ptr(), 2 * bb);
             prefetch(wb.as_ptr(), 2 * bb + 64);
             prefetch(wb.as_ptr(), 2 * bb + 128);
+            if Q5 {
+                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
+            }
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
             let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
@@ -1705,13 +1728,25 @@ mod avx2 {
             let m4z = _mm512_set1_epi8(0xf);
             let mut nib = [_mm512_setzero_si512(); 4];
             for h in 0..2 {
-                // SAFETY: bytes 16 + 64h..80 + 64h (at most 144) of the 144-byte block.
-                let q =
-                    unsafe { _mm512_loadu_si512(wb.as_ptr().add(16 + 64 * h) as *const __m512i) };
+                // SAFETY: bytes qs_at + 64h..+64 (at most 144 of Q4_K's 144-byte block, 176 of
+                // Q5_K's 176).
+                let q = unsafe {
+                    _mm512_loadu_si512(wb.as_ptr().add(qs_at + 64 * h) as *const __m512i)
+                };
                 let lo = _mm512_and_si512(q, m4z);
                 let hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4z);
                 nib[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
                 nib[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+            }
+            if Q5 {
+                // SAFETY: bytes 16..48 of the 176-byte block (qh).
+                let qh = unsafe { _mm256_loadu_si256(wb.as_ptr().add(16) as *const __m256i) };
+                let qh2 = _mm512_broadcast_i64x4(qh);
+                let sixteen = _mm512_set1_epi8(16);
+                for k in 0..4 {
+                    let set = _mm512_test_epi8_mask(qh2, bit_of[k]);
+                    nib[k] = _mm512_mask_add_epi8(nib[k], set, nib[k], sixteen);
+                }
             }
             // SAFETY: bytes 0..4 of the block (d and dmin), no alignment needed.
             let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
