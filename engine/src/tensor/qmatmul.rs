@@ -1054,9 +1054,7 @@ mod avx2 {
 
     use std::arch::x86_64::*;
 
-    use super::{
-        f16_le, fold8, q3k_scales, ActRow, BlockIq4Xs, QuantType, KVALUES_IQ4NL, QK32, QK_K,
-    };
+    use super::{f16_le, fold8, ActRow, BlockIq4Xs, QuantType, KVALUES_IQ4NL, QK32, QK_K};
 
     /// The address `off` bytes past `p`, for a prefetch hint. The kernels prefetch a few
     /// blocks ahead, which near the end of a row lies past the row, and for the last row of a
@@ -1227,7 +1225,7 @@ mod avx2 {
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q4_K => unsafe { dot_q4k::<R>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
-            QuantType::Q6_K if wide => unsafe { dot_q6k_512::<R>(w, x) },
+            QuantType::Q6_K if wide => unsafe { dot_k16_512::<R, false>(w, x) },
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q6_K => unsafe { dot_q6k::<R>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
@@ -1236,6 +1234,8 @@ mod avx2 {
             QuantType::Q5_K => unsafe { dot_k::<R, 0>(w, x) },
             // SAFETY: as above.
             QuantType::IQ4_XS => unsafe { dot_k::<R, 1>(w, x) },
+            // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
+            QuantType::Q3_K if wide => unsafe { dot_k16_512::<R, true>(w, x) },
             // SAFETY: as above.
             QuantType::Q3_K => unsafe { dot_k::<R, 2>(w, x) },
             // SAFETY: as above.
@@ -1675,7 +1675,7 @@ mod avx2 {
     /// For [`dot_q45k_512`]'s `scv[k]`: groups `2k` and `2k + 1`, one scale per 32 codes.
     const Q4K_HALVES: [[u8; 64]; 4] = scale_spread(16);
 
-    /// For [`q6k_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes (scales
+    /// For [`k16_block_512`]'s `zs[k]`: quarters `4k..4k + 4`, one scale per 16 codes (scales
     /// 0..8 for `k < 2`, 8..16 for `k ≥ 2`).
     const Q6K_QUARTERS: [[u8; 64]; 4] = scale_spread(8);
 
@@ -1931,16 +1931,9 @@ mod avx2 {
                     for g in 0..8 {
                         codes[g] = _mm256_or_si256(low2(q, g), bit(hm, g, 2));
                     }
-                    let sc = q3k_scales(wb[96..108].try_into().expect("12 bytes"));
-                    // In bounds: bytes 0..8 and 8..16 of the 16-byte array `sc`.
-                    let (lo, hi) = {
-                        (
-                            _mm_loadl_epi64(sc.as_ptr() as *const __m128i),
-                            _mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i),
-                        )
-                    };
-                    aux_lo = _mm256_cvtepi8_epi32(lo);
-                    aux_hi = _mm256_cvtepi8_epi32(hi);
+                    let sc = q3k_scales_simd(wb[96..108].try_into().expect("12 bytes"));
+                    aux_lo = _mm256_cvtepi8_epi32(sc);
+                    aux_hi = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
                     // Group g's halves take scales 2g and 2g + 1.
                     let (l, h) = (quarter_pairs(aux_lo), quarter_pairs(aux_hi));
                     scv = [l[0], l[1], l[2], l[3], h[0], h[1], h[2], h[3]];
@@ -2222,10 +2215,11 @@ mod avx2 {
         fold_rows(acc)
     }
 
-    /// One Q6_K super-block unpacked for [`dot_q6k_512`]: [`Q6kBlock`]'s codes and scales,
-    /// two 32-element groups per register.
+    /// One Q6_K or Q3_K super-block unpacked for [`dot_k16_512`]: [`Q6kBlock`]'s codes and
+    /// scales (Q3_K: codes `q + 4`, 0..8, and its sixteen 6-bit scales less 32), two
+    /// 32-element groups per register.
     struct Q6kBlock512 {
-        /// Groups `2k` (low half) and `2k + 1` (high half) of the codes, 0..64.
+        /// Groups `2k` (low half) and `2k + 1` (high half) of the codes, 0..64 (Q3_K 0..8).
         z: [__m512i; 4],
         /// The scales of those groups' four 16-element quarters as i16 for `madd`.
         zs: [__m512i; 4],
@@ -2269,6 +2263,14 @@ mod avx2 {
         }
         // SAFETY: bytes 192..208 of the block (the 16 scales).
         let sc = unsafe { _mm_loadu_si128(wb.as_ptr().add(192) as *const __m128i) };
+        k16_block_512(z, sc, u16::from_le_bytes([wb[208], wb[209]]))
+    }
+
+    /// [`Q6kBlock512`] from a block's codes `z`, its sixteen i8 scales `sc` (one per 16
+    /// elements) and its f16 `d`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512bw")]
+    fn k16_block_512(z: [__m512i; 4], sc: __m128i, d: u16) -> Q6kBlock512 {
         // Scales 0..8 and 8..16 as i16, each in every 128-bit lane.
         let s16 = [
             _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc)),
@@ -2286,33 +2288,111 @@ mod avx2 {
             zs,
             sc_lo: _mm256_cvtepi8_epi32(sc),
             sc_hi: _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)),
-            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                u16::from_le_bytes([wb[208], wb[209]]) as i32,
-            ))),
+            d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d as i32))),
         }
     }
 
-    /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results.
+    /// A Q3_K block's sixteen scales (`q3k_scales`) in one register: scale `j`'s low nibble
+    /// is nibble `j / 8` of byte `j % 8`, its top two bits bits `2·(j / 4)` of byte `8 + j % 4`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn q3k_scales_simd(s: &[u8; 12]) -> __m128i {
+        let m4 = _mm_set1_epi8(0xf);
+        let low8 = _mm_cvtsi64_si128(i64::from_le_bytes(s[..8].try_into().unwrap()));
+        // Low nibbles of bytes 0..8 (scales 0..8), then their high nibbles (scales 8..16).
+        let low = _mm_unpacklo_epi64(
+            _mm_and_si128(low8, m4),
+            _mm_and_si128(_mm_srli_epi16(low8, 4), m4),
+        );
+        // Bytes 8..12 in each 32-bit lane j / 4, shifted right by 2·(j / 4); bits a shift
+        // carries across bytes are masked off.
+        let top = _mm_set1_epi32(i32::from_le_bytes(s[8..12].try_into().unwrap()));
+        let high = _mm_and_si128(
+            _mm_srlv_epi32(top, _mm_setr_epi32(0, 2, 4, 6)),
+            _mm_set1_epi8(3),
+        );
+        // Bytes of at most 2 bits: a 16-bit shift by 4 keeps each inside its byte.
+        _mm_sub_epi8(
+            _mm_or_si128(low, _mm_slli_epi16(high, 4)),
+            _mm_set1_epi8(32),
+        )
+    }
+
+    /// A Q3_K super-block (hmask 0..32, qs 32..96, scales 96..108, d 108..110) for
+    /// [`dot_k16_512`]: group `g` takes bits `2·(g % 4)` of `qs[32·(g / 4) + i]` and, as bit 2,
+    /// bit `g` of `hmask[i]` (`q3k_code`).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512bw")]
+    fn q3k_block_512(wb: &[u8]) -> Q6kBlock512 {
+        let wb: &[u8; 110] = wb.try_into().expect("a Q3_K block is 110 bytes");
+        let load = |off: usize| {
+            let b: &[u8; 32] = wb[off..off + 32].try_into().unwrap();
+            // SAFETY: `b` is 32 readable bytes (unaligned load).
+            _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) })
+        };
+        let hm = load(0);
+        let m3 = _mm512_set1_epi8(3);
+        let four = _mm512_set1_epi8(4);
+        let z: [__m512i; 4] = std::array::from_fn(|k| {
+            // Groups 2k (low half) and 2k + 1 (high half): qs bytes 32..64 for k < 2, else
+            // 64..96, shifted right by 2·(2k % 4) and 2·((2k + 1) % 4) (64-bit lanes: the bits
+            // carried across bytes are masked off).
+            let q = load(32 + 32 * (k / 2));
+            let (a, b) = (2 * (2 * k % 4) as i64, 2 * ((2 * k + 1) % 4) as i64);
+            let low = _mm512_and_si512(
+                _mm512_srlv_epi64(q, _mm512_setr_epi64(a, a, a, a, b, b, b, b)),
+                m3,
+            );
+            let bit = _mm512_inserti64x4(
+                _mm512_set1_epi8((1u8 << (2 * k)) as i8),
+                _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
+                1,
+            );
+            _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four)
+        });
+        let sc = q3k_scales_simd(wb[96..108].try_into().unwrap());
+        k16_block_512(z, sc, u16::from_le_bytes([wb[108], wb[109]]))
+    }
+
+    /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results. With
+    /// `Q3`, the same for Q3_K, whose integer lanes have Q6_K's form (a scale per 16 codes,
+    /// codes stored with an offset taken back through the 16-code sums: 4 instead of 32) and
+    /// whose float step is Q6_K's; `dot_ref` gives both.
     ///
     /// # Safety
-    /// As [`dot_q6k`], and AVX-512 F and BW must be available.
+    /// As [`dot_q6k`] (`w` whole Q3_K blocks with `Q3`), and AVX-512 F and BW must be
+    /// available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn dot_q6k_512<const R: usize>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
-        let bb = QuantType::Q6_K.block_bytes();
+    unsafe fn dot_k16_512<const R: usize, const Q3: bool>(
+        w: &[u8],
+        x: &[ActRow<'_>; R],
+    ) -> [f32; R] {
+        let ty = if Q3 { QuantType::Q3_K } else { QuantType::Q6_K };
+        let bb = ty.block_bytes();
+        // The codes' offset, as a shift: 32 (Q6_K) or 4 (Q3_K).
+        let offset_shift = if Q3 { 2 } else { 5 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             // Two blocks ahead: past the row's end for its last two blocks.
             prefetch(wb.as_ptr(), 2 * bb);
             prefetch(wb.as_ptr(), 2 * bb + 64);
-            prefetch(wb.as_ptr(), 2 * bb + 128);
-            prefetch(wb.as_ptr(), 2 * bb + 192);
+            if Q3 {
+                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
+            } else {
+                prefetch(wb.as_ptr(), 2 * bb + 128);
+                prefetch(wb.as_ptr(), 2 * bb + 192);
+            }
             let Q6kBlock512 {
                 z,
                 zs,
                 sc_lo,
                 sc_hi,
                 d,
-            } = q6k_block_512(wb);
+            } = if Q3 {
+                q3k_block_512(wb)
+            } else {
+                q6k_block_512(wb)
+            };
             for r in 0..R {
                 let xr = x[r];
                 // SAFETY: the row fits `w` and b < nb: codes b·256..+256, bsums b·16..+16 and
@@ -2341,8 +2421,9 @@ mod avx2 {
                     _mm256_mullo_epi32(bs_lo, sc_lo),
                     _mm256_mullo_epi32(bs_hi, sc_hi),
                 );
-                // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum, exact in i32.
-                let sumi = _mm256_sub_epi32(sum, _mm256_slli_epi32(off, 5));
+                // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum (Q3_K: 4), exact in i32.
+                let sumi =
+                    _mm256_sub_epi32(sum, _mm256_sll_epi32(off, _mm_cvtsi32_si128(offset_shift)));
                 let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
