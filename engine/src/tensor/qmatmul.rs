@@ -1225,7 +1225,7 @@ mod avx2 {
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q4_K => unsafe { dot_q4k::<R>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
-            QuantType::Q6_K if wide => unsafe { dot_k16_512::<R, false>(w, x) },
+            QuantType::Q6_K if wide => unsafe { dot_k16_512::<R, K16_Q6K>(w, x) },
             // SAFETY: the caller's contract is the kernel's.
             QuantType::Q6_K => unsafe { dot_q6k::<R>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
@@ -1235,9 +1235,11 @@ mod avx2 {
             // SAFETY: as above.
             QuantType::IQ4_XS => unsafe { dot_k::<R, 1>(w, x) },
             // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
-            QuantType::Q3_K if wide => unsafe { dot_k16_512::<R, true>(w, x) },
+            QuantType::Q3_K if wide => unsafe { dot_k16_512::<R, K16_Q3K>(w, x) },
             // SAFETY: as above.
             QuantType::Q3_K => unsafe { dot_k::<R, 2>(w, x) },
+            // SAFETY: the caller's contract (AVX-512 F and BW with `wide`) is the kernel's.
+            QuantType::Q2_K if wide => unsafe { dot_k16_512::<R, K16_Q2K>(w, x) },
             // SAFETY: as above.
             QuantType::Q2_K => unsafe { dot_k::<R, 3>(w, x) },
             _ => unreachable!("no integer kernel for {ty}"),
@@ -2215,9 +2217,10 @@ mod avx2 {
         fold_rows(acc)
     }
 
-    /// One Q6_K or Q3_K super-block unpacked for [`dot_k16_512`]: [`Q6kBlock`]'s codes and
-    /// scales (Q3_K: codes `q + 4`, 0..8, and its sixteen 6-bit scales less 32), two
-    /// 32-element groups per register.
+    /// One Q6_K, Q3_K or Q2_K super-block unpacked for [`dot_k16_512`]: [`Q6kBlock`]'s codes
+    /// and scales (Q3_K: codes `q + 4`, 0..8, and its sixteen 6-bit scales less 32; Q2_K: codes
+    /// 0..4, its 4-bit scales, and its 4-bit mins as `sc_lo` / `sc_hi`), two 32-element groups
+    /// per register.
     struct Q6kBlock512 {
         /// Groups `2k` (low half) and `2k + 1` (high half) of the codes, 0..64 (Q3_K 0..8).
         z: [__m512i; 4],
@@ -2226,6 +2229,8 @@ mod avx2 {
         sc_lo: __m256i,
         sc_hi: __m256i,
         d: f32,
+        /// Q2_K's `dmin` (0 for the others).
+        dmin: f32,
     }
 
     /// [`q6k_block`] in 512-bit steps: the same codes and scales, unpacked with a quarter of
@@ -2289,7 +2294,49 @@ mod avx2 {
             sc_lo: _mm256_cvtepi8_epi32(sc),
             sc_hi: _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)),
             d: _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d as i32))),
+            dmin: 0.0,
         }
+    }
+
+    /// A Q2_K super-block (scales and mins 0..16, qs 16..80, d 80..82, dmin 82..84) for
+    /// [`dot_k16_512`]: group `g` takes bits `2·(g % 4)` of `qs[32·(g / 4) + i]`
+    /// (`q2k_code`); byte `j` holds scale `j` (low nibble) and min `j` (high nibble).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,avx512f,avx512bw")]
+    fn q2k_block_512(wb: &[u8]) -> Q6kBlock512 {
+        let wb: &[u8; 84] = wb.try_into().expect("a Q2_K block is 84 bytes");
+        let z = low2_groups_512(wb[16..80].try_into().unwrap());
+        // SAFETY: bytes 0..16 of the block (scales and mins).
+        let v = unsafe { _mm_loadu_si128(wb.as_ptr() as *const __m128i) };
+        let m4 = _mm_set1_epi8(0xf);
+        let mins = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        let f16 = |o: usize| u16::from_le_bytes([wb[o], wb[o + 1]]);
+        let mut block = k16_block_512(z, _mm_and_si128(v, m4), f16(80));
+        block.sc_lo = _mm256_cvtepu8_epi32(mins);
+        block.sc_hi = _mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8));
+        block.dmin = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16(82) as i32)));
+        block
+    }
+
+    /// The 2-bit fields of Q3_K's and Q2_K's 64 code bytes as four registers of two groups
+    /// each: group `g` is bits `2·(g % 4)` of bytes `32·(g / 4)..+32`; register `k` holds
+    /// groups `2k` (low half) and `2k + 1` (high half).
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512bw")]
+    fn low2_groups_512(qs: &[u8; 64]) -> [__m512i; 4] {
+        let m3 = _mm512_set1_epi8(3);
+        std::array::from_fn(|k| {
+            let b: &[u8; 32] = qs[32 * (k / 2)..32 * (k / 2) + 32].try_into().unwrap();
+            // SAFETY: `b` is 32 readable bytes (unaligned load).
+            let q =
+                _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) });
+            // Shifts of 64-bit lanes: the bits carried across bytes are masked off.
+            let (a, c) = (2 * (2 * k % 4) as i64, 2 * ((2 * k + 1) % 4) as i64);
+            _mm512_and_si512(
+                _mm512_srlv_epi64(q, _mm512_setr_epi64(a, a, a, a, c, c, c, c)),
+                m3,
+            )
+        })
     }
 
     /// A Q3_K block's sixteen scales (`q3k_scales`) in one register: scale `j`'s low nibble
@@ -2325,62 +2372,61 @@ mod avx2 {
     #[target_feature(enable = "avx2,f16c,avx512f,avx512bw")]
     fn q3k_block_512(wb: &[u8]) -> Q6kBlock512 {
         let wb: &[u8; 110] = wb.try_into().expect("a Q3_K block is 110 bytes");
-        let load = |off: usize| {
-            let b: &[u8; 32] = wb[off..off + 32].try_into().unwrap();
-            // SAFETY: `b` is 32 readable bytes (unaligned load).
-            _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(b.as_ptr() as *const __m256i) })
-        };
-        let hm = load(0);
-        let m3 = _mm512_set1_epi8(3);
+        // SAFETY: bytes 0..32 of the block (hmask).
+        let hm =
+            _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) });
         let four = _mm512_set1_epi8(4);
+        let low = low2_groups_512(wb[32..96].try_into().unwrap());
         let z: [__m512i; 4] = std::array::from_fn(|k| {
-            // Groups 2k (low half) and 2k + 1 (high half): qs bytes 32..64 for k < 2, else
-            // 64..96, shifted right by 2·(2k % 4) and 2·((2k + 1) % 4) (64-bit lanes: the bits
-            // carried across bytes are masked off).
-            let q = load(32 + 32 * (k / 2));
-            let (a, b) = (2 * (2 * k % 4) as i64, 2 * ((2 * k + 1) % 4) as i64);
-            let low = _mm512_and_si512(
-                _mm512_srlv_epi64(q, _mm512_setr_epi64(a, a, a, a, b, b, b, b)),
-                m3,
-            );
+            // Bit 2k of hmask for group 2k (low half), bit 2k + 1 for group 2k + 1.
             let bit = _mm512_inserti64x4(
                 _mm512_set1_epi8((1u8 << (2 * k)) as i8),
                 _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
                 1,
             );
-            _mm512_mask_add_epi8(low, _mm512_test_epi8_mask(hm, bit), low, four)
+            _mm512_mask_add_epi8(low[k], _mm512_test_epi8_mask(hm, bit), low[k], four)
         });
         let sc = q3k_scales_simd(wb[96..108].try_into().unwrap());
         k16_block_512(z, sc, u16::from_le_bytes([wb[108], wb[109]]))
     }
 
-    /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results. With
-    /// `Q3`, the same for Q3_K, whose integer lanes have Q6_K's form (a scale per 16 codes,
-    /// codes stored with an offset taken back through the 16-code sums: 4 instead of 32) and
-    /// whose float step is Q6_K's; `dot_ref` gives both.
+    /// `KIND` of [`dot_k16_512`].
+    const K16_Q6K: u8 = 0;
+    const K16_Q3K: u8 = 1;
+    const K16_Q2K: u8 = 2;
+
+    /// [`dot_q6k`] with 512-bit integer steps; identical integer lanes and results. Q3_K and
+    /// Q2_K (`KIND`) have the same integer lanes (a scale per 16 codes): Q3_K's codes carry an
+    /// offset taken back through the 16-code sums as Q6_K's (4 instead of 32) and its float
+    /// step is Q6_K's; Q2_K's 16-code sums weighted by its mins make the `dmin` term, with
+    /// Q4_K's float step. `dot_ref` gives all three.
     ///
     /// # Safety
-    /// As [`dot_q6k`] (`w` whole Q3_K blocks with `Q3`), and AVX-512 F and BW must be
+    /// As [`dot_q6k`] (`w` whole blocks of the `KIND`'s type), and AVX-512 F and BW must be
     /// available.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw")]
-    unsafe fn dot_k16_512<const R: usize, const Q3: bool>(
+    unsafe fn dot_k16_512<const R: usize, const KIND: u8>(
         w: &[u8],
         x: &[ActRow<'_>; R],
     ) -> [f32; R] {
-        let ty = if Q3 { QuantType::Q3_K } else { QuantType::Q6_K };
+        let ty = match KIND {
+            K16_Q6K => QuantType::Q6_K,
+            K16_Q3K => QuantType::Q3_K,
+            _ => QuantType::Q2_K,
+        };
         let bb = ty.block_bytes();
         // The codes' offset, as a shift: 32 (Q6_K) or 4 (Q3_K).
-        let offset_shift = if Q3 { 2 } else { 5 };
+        let offset_shift = if KIND == K16_Q3K { 2 } else { 5 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             // Two blocks ahead: past the row's end for its last two blocks.
             prefetch(wb.as_ptr(), 2 * bb);
             prefetch(wb.as_ptr(), 2 * bb + 64);
-            if Q3 {
-                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
-            } else {
+            if KIND == K16_Q6K {
                 prefetch(wb.as_ptr(), 2 * bb + 128);
                 prefetch(wb.as_ptr(), 2 * bb + 192);
+            } else {
+                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
             }
             let Q6kBlock512 {
                 z,
@@ -2388,10 +2434,11 @@ mod avx2 {
                 sc_lo,
                 sc_hi,
                 d,
-            } = if Q3 {
-                q3k_block_512(wb)
-            } else {
-                q6k_block_512(wb)
+                dmin,
+            } = match KIND {
+                K16_Q6K => q6k_block_512(wb),
+                K16_Q3K => q3k_block_512(wb),
+                _ => q2k_block_512(wb),
             };
             for r in 0..R {
                 let xr = x[r];
@@ -2421,10 +2468,20 @@ mod avx2 {
                     _mm256_mullo_epi32(bs_lo, sc_lo),
                     _mm256_mullo_epi32(bs_hi, sc_hi),
                 );
-                // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum (Q3_K: 4), exact in i32.
-                let sumi =
-                    _mm256_sub_epi32(sum, _mm256_sll_epi32(off, _mm_cvtsi32_si128(offset_shift)));
-                let t = _mm256_mul_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi));
+                let s1 = _mm256_set1_ps(d * xd);
+                let t = if KIND == K16_Q2K {
+                    // `off` is Σ m·bsum: (d·d_x)·sumi − (dmin·d_x)·summ.
+                    let t1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(sum));
+                    let t2 = _mm256_mul_ps(_mm256_set1_ps(dmin * xd), _mm256_cvtepi32_ps(off));
+                    _mm256_sub_ps(t1, t2)
+                } else {
+                    // Σ sc·(q − 32)·y = Σ sc·q·y − 32·Σ sc·bsum (Q3_K: 4), exact in i32.
+                    let sumi = _mm256_sub_epi32(
+                        sum,
+                        _mm256_sll_epi32(off, _mm_cvtsi32_si128(offset_shift)),
+                    );
+                    _mm256_mul_ps(s1, _mm256_cvtepi32_ps(sumi))
+                };
                 acc[r] = _mm256_add_ps(acc[r], t);
             }
         }
