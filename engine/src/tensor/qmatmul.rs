@@ -36,8 +36,8 @@
 //!   (Q6_K, Q3_K, IQ4_XS), super-block after super-block; the lanes fold as above.
 //!
 //! Kernels: the scalar reference (`dot_ref`, which defines the results) and AVX2 for every
-//! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW
-//! 512-bit integer steps for Q4_K, Q5_K and Q6_K (the others' AVX2 kernels run there); with
+//! type; with AVX-512 VNNI the 32-element formats' byte products, and with AVX-512 BW 512-bit
+//! integer steps for Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (IQ4_XS's AVX2 kernel runs there); with
 //! AVX-512 VNNI, Q4_K, Q5_K and Q6_K products of [`TILED_MIN_ROWS`] or more activation rows
 //! (prefill) go through [`tiled`]: eight weight rows unpacked once against sixteen activation
 //! rows per register, the same lanes and float steps, so the same bits. There are no NEON
