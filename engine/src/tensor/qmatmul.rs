@@ -1698,15 +1698,6 @@ mod avx2 {
         let bb = ty.block_bytes();
         // Where the 128 bytes of nibbles start.
         let qs_at = if Q5 { 48 } else { 16 };
-        // Q5_K: for groups (2k, 2k + 1), a byte selecting bit 2k in the low 256 bits and bit
-        // 2k + 1 in the high 256 bits.
-        let bit_of: [__m512i; 4] = std::array::from_fn(|k| {
-            _mm512_inserti64x4(
-                _mm512_set1_epi8((1u8 << (2 * k)) as i8),
-                _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
-                1,
-            )
-        });
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
             // Two blocks ahead: past the row's end for its last two blocks.
@@ -1743,12 +1734,7 @@ mod avx2 {
             if Q5 {
                 // SAFETY: bytes 16..48 of the 176-byte block (qh).
                 let qh = unsafe { _mm256_loadu_si256(wb.as_ptr().add(16) as *const __m256i) };
-                let qh2 = _mm512_broadcast_i64x4(qh);
-                let sixteen = _mm512_set1_epi8(16);
-                for k in 0..4 {
-                    let set = _mm512_test_epi8_mask(qh2, bit_of[k]);
-                    nib[k] = _mm512_mask_add_epi8(nib[k], set, nib[k], sixteen);
-                }
+                nib = add_group_bits(nib, _mm512_broadcast_i64x4(qh), 16);
             }
             // SAFETY: bytes 0..4 of the block (d and dmin), no alignment needed.
             let dd = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
@@ -2318,6 +2304,23 @@ mod avx2 {
         block
     }
 
+    /// Q5_K's and Q3_K's high code bit: `codes[k]` holds groups `2k` (low half) and `2k + 1`
+    /// (high half) of 32 elements; where bit `j` of byte `l` of `high` (32 bytes, in both
+    /// halves) is set, `add` is added to element `l` of group `j`.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512f,avx512bw")]
+    fn add_group_bits(codes: [__m512i; 4], high: __m512i, add: i8) -> [__m512i; 4] {
+        let add = _mm512_set1_epi8(add);
+        std::array::from_fn(|k| {
+            let bit = _mm512_inserti64x4(
+                _mm512_set1_epi8((1u8 << (2 * k)) as i8),
+                _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
+                1,
+            );
+            _mm512_mask_add_epi8(codes[k], _mm512_test_epi8_mask(high, bit), codes[k], add)
+        })
+    }
+
     /// The 2-bit fields of Q3_K's and Q2_K's 64 code bytes as four registers of two groups
     /// each: group `g` is bits `2·(g % 4)` of bytes `32·(g / 4)..+32`; register `k` holds
     /// groups `2k` (low half) and `2k + 1` (high half).
@@ -2375,17 +2378,7 @@ mod avx2 {
         // SAFETY: bytes 0..32 of the block (hmask).
         let hm =
             _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(wb.as_ptr() as *const __m256i) });
-        let four = _mm512_set1_epi8(4);
-        let low = low2_groups_512(wb[32..96].try_into().unwrap());
-        let z: [__m512i; 4] = std::array::from_fn(|k| {
-            // Bit 2k of hmask for group 2k (low half), bit 2k + 1 for group 2k + 1.
-            let bit = _mm512_inserti64x4(
-                _mm512_set1_epi8((1u8 << (2 * k)) as i8),
-                _mm256_set1_epi8((1u8 << (2 * k + 1)) as i8),
-                1,
-            );
-            _mm512_mask_add_epi8(low[k], _mm512_test_epi8_mask(hm, bit), low[k], four)
-        });
+        let z = add_group_bits(low2_groups_512(wb[32..96].try_into().unwrap()), hm, 4);
         let sc = q3k_scales_simd(wb[96..108].try_into().unwrap());
         k16_block_512(z, sc, u16::from_le_bytes([wb[108], wb[109]]))
     }
