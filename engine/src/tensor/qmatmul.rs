@@ -71,9 +71,10 @@ const MXFP4_DECODE_ROWS: usize = 4;
 /// Activation rows handled together against one weight row (prefill).
 const ROW_GROUP: usize = 4;
 
-/// Activation rows an interleaved Q4_K group takes at once (prefill): two measured fastest
-/// on an AVX2 machine, 1.05× the file's layout at 4 and 64 rows (1, 3 and 4: 0.96–1.04×).
-const GROUP_ACT_ROWS: usize = 2;
+/// Activation rows an interleaved Q4_K group takes at once (prefill). On a Zen 1 (§22) two
+/// measured fastest (1, 3 and 4: 0.96–1.04× of it); on a Zen 3, with each group's scales
+/// spread once per record, four are 1.03–1.09× two at 64 rows (docs/benchmarks.md §25).
+const GROUP_ACT_ROWS: usize = 4;
 
 /// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
 const X_CHUNK_BYTES: usize = 24 * 1024;
@@ -896,29 +897,27 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                         let j = g * interleaved::GROUP_ROWS;
                         let mut i = 0;
                         while i < m {
-                            let take = if m - i >= GROUP_ACT_ROWS {
-                                GROUP_ACT_ROWS
-                            } else {
-                                1
-                            };
-                            if take == GROUP_ACT_ROWS {
-                                let rows = act_rows[i..i + GROUP_ACT_ROWS].try_into().unwrap();
-                                // SAFETY: every activation row fits the group (asserted above).
-                                let v = unsafe { dot_group::<GROUP_ACT_ROWS>(isa, group, rows) };
-                                for (r, v) in v.iter().enumerate() {
-                                    for (w, &v) in v.iter().enumerate() {
-                                        put(i + r, j + w, v);
+                            // GROUP_ACT_ROWS at a time, then two, then one.
+                            macro_rules! rows_at_once {
+                                ($r:expr) => {{
+                                    let rows: &[ActRow<'_>; $r] =
+                                        act_rows[i..i + $r].try_into().unwrap();
+                                    // SAFETY: every activation row fits the group (asserted
+                                    // above).
+                                    let v = unsafe { dot_group::<{ $r }>(isa, group, rows) };
+                                    for (r, v) in v.iter().enumerate() {
+                                        for (w, &v) in v.iter().enumerate() {
+                                            put(i + r, j + w, v);
+                                        }
                                     }
-                                }
-                            } else {
-                                let one = act_rows[i..=i].try_into().unwrap();
-                                // SAFETY: as above.
-                                let v = unsafe { dot_group::<1>(isa, group, one) };
-                                for (w, &v) in v[0].iter().enumerate() {
-                                    put(i, j + w, v);
-                                }
+                                    i += $r;
+                                }};
                             }
-                            i += take;
+                            match m - i {
+                                GROUP_ACT_ROWS.. => rows_at_once!(GROUP_ACT_ROWS),
+                                2.. => rows_at_once!(2),
+                                _ => rows_at_once!(1),
+                            }
                         }
                     }
                     return;

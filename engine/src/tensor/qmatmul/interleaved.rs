@@ -470,11 +470,13 @@ pub(super) mod avx2 {
             } else {
                 // Several: lane pair by lane pair, each code load serving every row (the sums
                 // of all pairs would not fit in registers).
+                // The groups' scales once per record, not once per lane pair.
+                let scv_all: [[__m256i; 2]; 8] = std::array::from_fn(scales);
                 macro_rules! pair {
                     ($v:literal) => {{
                         let mut sums = [[_mm256_setzero_si256(); 2]; R];
                         for j in 0..8 {
-                            let scv = scales(j);
+                            let scv = scv_all[j];
                             let c = codes(j, $v);
                             for r in 0..R {
                                 step(&mut sums[r], &c, pairs_of!(acts(r, j), $v), &scv);
