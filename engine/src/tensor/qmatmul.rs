@@ -1075,6 +1075,7 @@ mod avx2 {
         let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
         let q8 = [0u8; 8 * 34];
         let _ = prefetch_addr(q8.as_ptr(), 16 * 34 + 256);
+        let _ = prefetch_addr(q8.as_ptr(), PREFETCH_AHEAD + 64 * 4);
         let _ = prefetch_addr(row.as_ptr(), usize::MAX);
     };
 
@@ -1084,6 +1085,22 @@ mod avx2 {
         // SAFETY: a prefetch is only a hint: it reads nothing the program can observe and
         // never faults, whatever the address (and SSE, which has it, is baseline on x86_64).
         unsafe { _mm_prefetch::<_MM_HINT_T0>(prefetch_addr(p, off)) }
+    }
+
+    /// How far past the weight bytes in hand the AVX2 row kernels ask the memory for more.
+    /// Measured on a Zen 3 streaming one activation row through matrices much larger than
+    /// the caches (docs/benchmarks.md §25): 3 KiB ahead ran Q8_0 1.2-1.3× and Q6_K 1.2-1.4×
+    /// faster than the half KiB or less (sixteen Q8_0 blocks, two Q6_K blocks) it replaced;
+    /// the hardware prefetchers alone do not keep one core's loads fed.
+    pub(super) const PREFETCH_AHEAD: usize = 3072;
+
+    /// Prefetch the cache lines of the `bytes` that start [`PREFETCH_AHEAD`] past `p` (a
+    /// kernel calls it once per `bytes` it steps, so the prefetched span is contiguous).
+    #[inline(always)]
+    pub(super) fn prefetch_ahead(p: *const u8, bytes: usize) {
+        for line in 0..bytes.div_ceil(64) {
+            prefetch(p, PREFETCH_AHEAD + 64 * line);
+        }
     }
 
     /// Sum of i8·i8 products of 32 bytes as 8 i32 lanes, with `|w|` already computed.
@@ -1383,7 +1400,7 @@ mod avx2 {
     /// bytes `(b0 + k)·bb..(b0 + k + 1)·bb`, activation codes `(b0 + k)·32..+32` and scales
     /// (and Q4_1/Q5_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
     macro_rules! dot32_kernel {
-        ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident) => {
+        ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident, $ahead:expr) => {
             $(#[$attr])*
             unsafe fn $name<const R: usize, const T: u8>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
             let ty = match T {
@@ -1404,13 +1421,12 @@ mod avx2 {
             while b0 < full {
                 // SAFETY: b0 < full <= nb, so the offset is inside `w`.
                 let wp = unsafe { w.as_ptr().add(b0 * bb) };
-                // Sixteen blocks ahead: past the row's end for its last groups (formed with
-                // `wrapping_add`, see `prefetch_addr`).
-                prefetch(wp, 16 * bb);
-                prefetch(wp, 16 * bb + 64);
-                prefetch(wp, 16 * bb + 128);
-                prefetch(wp, 16 * bb + 192);
-                prefetch(wp, 16 * bb + 256);
+                // `lines` cache lines from `ahead` bytes ahead: past the row's end for its
+                // last groups (formed with `wrapping_add`, see `prefetch_addr`).
+                let (ahead, lines): (usize, usize) = $ahead(bb);
+                for line in 0..lines {
+                    prefetch(wp, ahead + 64 * line);
+                }
                 let mut codes = [_mm256_setzero_si256(); 8];
                 let mut abs = [_mm256_setzero_si256(); 8];
                 for k in 0..8 {
@@ -1514,7 +1530,8 @@ mod avx2 {
         #[target_feature(enable = "avx2,fma,f16c")]
         dot32_t,
         mul_i8_abs,
-        mul_u8
+        mul_u8,
+        |bb: usize| (PREFETCH_AHEAD, (8 * bb).div_ceil(64))
     );
 
     dot32_kernel!(
@@ -1522,7 +1539,10 @@ mod avx2 {
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
         dot32_t_vnni,
         mul_i8_abs_vnni,
-        mul_u8_vnni
+        mul_u8_vnni,
+        // Sixteen blocks ahead, five lines (not measured against PREFETCH_AHEAD on a machine
+        // with VNNI).
+        |bb: usize| (16 * bb, 5)
     );
 
     /// [`mul_i8_abs`] with VNNI.
@@ -1607,10 +1627,8 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // Two blocks ahead: past the row's end for its last two blocks.
-            prefetch(wb.as_ptr(), 2 * bb);
-            prefetch(wb.as_ptr(), 2 * bb + 64);
-            prefetch(wb.as_ptr(), 2 * bb + 128);
+            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            prefetch_ahead(wb.as_ptr(), bb);
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
             let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
@@ -1983,10 +2001,8 @@ mod avx2 {
         let signed = T == 1;
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // Two blocks ahead: past the row's end for its last two blocks.
-            prefetch(wb.as_ptr(), 2 * bb);
-            prefetch(wb.as_ptr(), 2 * bb + 64);
-            prefetch(wb.as_ptr(), 2 * bb + 128);
+            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            prefetch_ahead(wb.as_ptr(), bb);
             // One row: the block unpacked in registers; several: by a call (inlined, their
             // loop spills more than it saves).
             let k = if R == 1 {
@@ -2157,11 +2173,8 @@ mod avx2 {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // Two blocks ahead: past the row's end for its last two blocks.
-            prefetch(wb.as_ptr(), 2 * bb);
-            prefetch(wb.as_ptr(), 2 * bb + 64);
-            prefetch(wb.as_ptr(), 2 * bb + 128);
-            prefetch(wb.as_ptr(), 2 * bb + 192);
+            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            prefetch_ahead(wb.as_ptr(), bb);
             let Q6kBlock {
                 codes,
                 scv,
