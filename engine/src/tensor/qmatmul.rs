@@ -72,8 +72,9 @@ const MXFP4_DECODE_ROWS: usize = 4;
 const ROW_GROUP: usize = 4;
 
 /// Activation rows an interleaved Q4_K group takes at once (prefill). On a Zen 1 (§22) two
-/// measured fastest (1, 3 and 4: 0.96–1.04× of it); on a Zen 3, with each group's scales
-/// spread once per record, four are 1.03–1.09× two at 64 rows (docs/benchmarks.md §25).
+/// measured fastest (1, 3 and 4: 0.96–1.04× of it); on a Zen 3 four, with each group's scales
+/// spread once per record, ran 1.03–1.10× that two-row pass at 64 rows and 1.34–1.37× at 512
+/// (docs/benchmarks.md §25).
 const GROUP_ACT_ROWS: usize = 4;
 
 /// Bytes of quantized activation rows a task keeps hot while its weight rows pass over them.
