@@ -1069,8 +1069,9 @@ mod avx2 {
     // Checked by the compiler: constant evaluation rejects pointer arithmetic out of bounds of
     // an allocation ("in-bounds pointer arithmetic failed") as the undefined behaviour it is,
     // so this fails to build if `prefetch_addr` ever uses `ptr::add` again. The offsets are
-    // the kernels' (a Q4_K block's two-ahead lines; a Q8_0 group's sixteen-ahead ones), from
-    // the last block of an exactly-sized row, and one that wraps the address space.
+    // the kernels' (a Q4_K block's two-ahead lines, a Q8_0 group's sixteen-ahead ones, and
+    // PREFETCH_AHEAD's), from the last block of an exactly-sized row, and one that wraps the
+    // address space.
     const _: () = {
         let row = [0u8; 144];
         let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
@@ -1088,11 +1089,14 @@ mod avx2 {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(prefetch_addr(p, off)) }
     }
 
-    /// How far past the weight bytes in hand the AVX2 row kernels ask the memory for more.
-    /// Measured on a Zen 3 streaming one activation row through matrices much larger than
-    /// the caches (docs/benchmarks.md §25): 3 KiB ahead ran Q8_0 1.2-1.3× and Q6_K 1.2-1.4×
-    /// faster than the half KiB or less (sixteen Q8_0 blocks, two Q6_K blocks) it replaced;
-    /// the hardware prefetchers alone do not keep one core's loads fed.
+    /// How far past the weight bytes in hand the row kernels (AVX2, VNNI and 512-bit) ask
+    /// the memory for more. Measured streaming one activation row through matrices much
+    /// larger than the caches (docs/benchmarks.md §25, §26): on a Zen 3 (AVX2 kernels) 3 KiB
+    /// ahead ran Q8_0 1.2-1.3× and Q6_K 1.2-1.4× faster than the half KiB or less (sixteen
+    /// Q8_0 blocks, two Q6_K blocks) it replaced; on a Zen 4 (VNNI and 512-bit kernels) one
+    /// thread ran Q8_0, Q6_K and Q5_K 1.07-1.10× faster than with sixteen or two blocks, 1 KiB
+    /// was no better than those and 2-4 KiB all close. The hardware prefetchers alone do not
+    /// keep one core's loads fed.
     pub(super) const PREFETCH_AHEAD: usize = 3072;
 
     /// Prefetch the cache lines of the `bytes` that start [`PREFETCH_AHEAD`] past `p` (a
@@ -1419,12 +1423,12 @@ mod avx2 {
             let full = nb / 8 * 8;
             let mut acc = [_mm256_setzero_ps(); R];
             let mut b0 = 0;
+            // `lines` cache lines from `ahead` bytes ahead of each group of 8 blocks: past the
+            // row's end for its last groups (formed with `wrapping_add`, see `prefetch_addr`).
+            let (ahead, lines): (usize, usize) = $ahead(bb);
             while b0 < full {
                 // SAFETY: b0 < full <= nb, so the offset is inside `w`.
                 let wp = unsafe { w.as_ptr().add(b0 * bb) };
-                // `lines` cache lines from `ahead` bytes ahead: past the row's end for its
-                // last groups (formed with `wrapping_add`, see `prefetch_addr`).
-                let (ahead, lines): (usize, usize) = $ahead(bb);
                 for line in 0..lines {
                     prefetch(wp, ahead + 64 * line);
                 }
@@ -1541,9 +1545,7 @@ mod avx2 {
         dot32_t_vnni,
         mul_i8_abs_vnni,
         mul_u8_vnni,
-        // Sixteen blocks ahead, five lines (not measured against PREFETCH_AHEAD on a machine
-        // with VNNI).
-        |bb: usize| (16 * bb, 5)
+        |bb: usize| (PREFETCH_AHEAD, (8 * bb).div_ceil(64))
     );
 
     /// [`mul_i8_abs`] with VNNI.
@@ -1718,13 +1720,8 @@ mod avx2 {
         let qs_at = if Q5 { 48 } else { 16 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // Two blocks ahead: past the row's end for its last two blocks.
-            prefetch(wb.as_ptr(), 2 * bb);
-            prefetch(wb.as_ptr(), 2 * bb + 64);
-            prefetch(wb.as_ptr(), 2 * bb + 128);
-            if Q5 {
-                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
-            }
+            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            prefetch_ahead(wb.as_ptr(), bb);
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
             let sc8 = unsafe { _mm_loadl_epi64(ub.as_ptr() as *const __m128i) };
@@ -2425,15 +2422,8 @@ mod avx2 {
         let offset_shift = if KIND == K16_Q3K { 2 } else { 5 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // Two blocks ahead: past the row's end for its last two blocks.
-            prefetch(wb.as_ptr(), 2 * bb);
-            prefetch(wb.as_ptr(), 2 * bb + 64);
-            if KIND == K16_Q6K {
-                prefetch(wb.as_ptr(), 2 * bb + 128);
-                prefetch(wb.as_ptr(), 2 * bb + 192);
-            } else {
-                prefetch(wb.as_ptr(), 2 * bb + bb - 1);
-            }
+            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            prefetch_ahead(wb.as_ptr(), bb);
             let Q6kBlock512 {
                 z,
                 zs,
