@@ -1069,9 +1069,9 @@ mod avx2 {
     // Checked by the compiler: constant evaluation rejects pointer arithmetic out of bounds of
     // an allocation ("in-bounds pointer arithmetic failed") as the undefined behaviour it is,
     // so this fails to build if `prefetch_addr` ever uses `ptr::add` again. The offsets are
-    // the kernels' (a Q4_K block's two-ahead lines, a Q8_0 group's sixteen-ahead ones, and
-    // PREFETCH_AHEAD's), from the last block of an exactly-sized row, and one that wraps the
-    // address space.
+    // of the sizes the kernels use (two Q4_K blocks ahead, as the AVX2 interleaved records
+    // ask, sixteen Q8_0 blocks, and PREFETCH_AHEAD's lines), from the last block of an
+    // exactly-sized row, and one that wraps the address space.
     const _: () = {
         let row = [0u8; 144];
         let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
@@ -1405,7 +1405,7 @@ mod avx2 {
     /// bytes `(b0 + k)·bb..(b0 + k + 1)·bb`, activation codes `(b0 + k)·32..+32` and scales
     /// (and Q4_1/Q5_1 sums) `b0..b0 + 8` or `b0 + k` are inside `w` and the row fitting it.
     macro_rules! dot32_kernel {
-        ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident, $ahead:expr) => {
+        ($(#[$attr:meta])* $name:ident, $mul_abs:ident, $mul_u8:ident $(,)?) => {
             $(#[$attr])*
             unsafe fn $name<const R: usize, const T: u8>(w: &[u8], x: &[ActRow<'_>; R]) -> [f32; R] {
             let ty = match T {
@@ -1423,15 +1423,11 @@ mod avx2 {
             let full = nb / 8 * 8;
             let mut acc = [_mm256_setzero_ps(); R];
             let mut b0 = 0;
-            // `lines` cache lines from `ahead` bytes ahead of each group of 8 blocks: past the
-            // row's end for its last groups (formed with `wrapping_add`, see `prefetch_addr`).
-            let (ahead, lines): (usize, usize) = $ahead(bb);
             while b0 < full {
                 // SAFETY: b0 < full <= nb, so the offset is inside `w`.
                 let wp = unsafe { w.as_ptr().add(b0 * bb) };
-                for line in 0..lines {
-                    prefetch(wp, ahead + 64 * line);
-                }
+                // PREFETCH_AHEAD bytes ahead: past the row's end for its last groups.
+                prefetch_ahead(wp, 8 * bb);
                 let mut codes = [_mm256_setzero_si256(); 8];
                 let mut abs = [_mm256_setzero_si256(); 8];
                 for k in 0..8 {
@@ -1536,7 +1532,6 @@ mod avx2 {
         dot32_t,
         mul_i8_abs,
         mul_u8,
-        |bb: usize| (PREFETCH_AHEAD, (8 * bb).div_ceil(64))
     );
 
     dot32_kernel!(
@@ -1545,7 +1540,6 @@ mod avx2 {
         dot32_t_vnni,
         mul_i8_abs_vnni,
         mul_u8_vnni,
-        |bb: usize| (PREFETCH_AHEAD, (8 * bb).div_ceil(64))
     );
 
     /// [`mul_i8_abs`] with VNNI.
