@@ -916,7 +916,8 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                             }
                             match m - i {
                                 GROUP_ACT_ROWS.. => rows_at_once!(GROUP_ACT_ROWS),
-                                2.. => rows_at_once!(2),
+                                3 => rows_at_once!(3),
+                                2 => rows_at_once!(2),
                                 _ => rows_at_once!(1),
                             }
                         }
@@ -957,12 +958,24 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                             }
                             i += ROW_GROUP;
                         }
-                        while i < i1 {
-                            let one = act_rows[i..=i].try_into().unwrap();
-                            // SAFETY: as above.
-                            let v = unsafe { dot_fitted_rows::<1>(isa, ty, w, one) };
-                            put(i, j, v[0]);
-                            i += 1;
+                        // The last one to three rows together: a batch of sequences'
+                        // decode routes a few rows to each expert, and three rows alone cost
+                        // more than four together (the same bits either way).
+                        macro_rules! rest {
+                            ($r:expr) => {{
+                                let rows = act_rows[i..i + $r].try_into().unwrap();
+                                // SAFETY: as above.
+                                let v = unsafe { dot_fitted_rows::<{ $r }>(isa, ty, w, rows) };
+                                for (r, v) in v.into_iter().enumerate() {
+                                    put(i + r, j, v);
+                                }
+                            }};
+                        }
+                        match i1 - i {
+                            0 => {}
+                            1 => rest!(1),
+                            2 => rest!(2),
+                            _ => rest!(3),
                         }
                     }
                     i0 = i1;
@@ -3010,7 +3023,7 @@ mod tests {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                for rows in [1usize, 2, 4, 5, 9] {
+                for rows in [1usize, 2, 3, 4, 5, 7, 9] {
                     let xs = &x[..rows * k];
                     let mut got = vec![0.0f32; rows * n];
                     let mut plain = vec![0.0f32; rows * n];

@@ -734,8 +734,30 @@ pub(super) mod avx512 {
                         finish(0, w, h, sums[w][h]);
                     }
                 }
+            } else if R <= 4 {
+                // Several: group by group, each group's scales spread once and each code
+                // load serving every row, each activation group loaded once for both vector
+                // pairs; all the sums in registers (4·R of them).
+                let mut sums = [[[_mm512_setzero_si512(); 2]; 2]; R];
+                for j in 0..8 {
+                    let scv = scales(j);
+                    let c = [codes(j, 0), codes(j, 1)];
+                    for r in 0..R {
+                        let a = acts(r, j);
+                        for w in 0..2 {
+                            let y = _mm512_shuffle_epi8(a, act_ctl[w]);
+                            step(&mut sums[r][w], &c[w], y, &scv);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for w in 0..2 {
+                        finish(r, w, 0, sums[r][w][0]);
+                        finish(r, w, 1, sums[r][w][1]);
+                    }
+                }
             } else {
-                // Several: vector pair by vector pair, each code load serving every row.
+                // More rows than registers for every sum: vector pair by vector pair.
                 for w in 0..2 {
                     let mut sums = [[_mm512_setzero_si512(); 2]; R];
                     for j in 0..8 {
