@@ -4,8 +4,14 @@ client.
 
 Closed loop (`--users N`: N clients, each sending its next request when the last one ends) or
 open loop (`--rate R`: requests started at R per second whatever the server does), bounded by
-`--duration` seconds and/or `--requests` count. Every request streams, so time to first token
-(TTFT) and inter-token latency (ITL) are measured per token. Every response is checked (a
+`--duration` seconds and/or `--requests` count. Every request streams. Time to first token
+(TTFT) is the time from sending the request to its first generated token: where the server
+reports `timings` on its last chunk (colibri and llama.cpp's server do: `predicted_ms`, the time
+from the first to the last generated token), the arrival of that chunk less `predicted_ms`;
+otherwise the first chunk with text (`first_text_s`, also recorded; a token that brings no text,
+as a synthetic model's reserved tokens do, sends no chunk, so this can be many tokens late).
+Inter-token latency (ITL) is the gap between chunks with text; `server_itl_s` is each request's
+mean gap between generated tokens from the same `timings`. Every response is checked (a
 non-empty answer or a tool call; valid JSON that validates against the schema when
 constrained). Loopback only unless `--allow-remote`.
 
@@ -144,6 +150,10 @@ def one_request(client, scenario, req):
     tool_calls = {}
     usage = None
     finish = None
+    # The server's own timings (an extension: colibri and llama-server send them on the last
+    # chunk) and when the chunk carrying them arrived.
+    timings = None
+    timings_at = None
     try:
         extra = req.pop("extra_body", None)
         stream = client.chat.completions.create(**req, extra_body=extra)
@@ -151,6 +161,10 @@ def one_request(client, scenario, req):
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
+            extra = getattr(chunk, "model_extra", None) or {}
+            if isinstance(extra.get("timings"), dict):
+                timings = extra["timings"]
+                timings_at = now
             for ch in chunk.choices:
                 if ch.finish_reason:
                     finish = ch.finish_reason
@@ -180,7 +194,17 @@ def one_request(client, scenario, req):
     end = time.perf_counter()
     rec["latency_s"] = end - start
     if rec["error"] is None:
-        rec["ttft_s"] = (token_times[0] - start) if token_times else None
+        rec["first_text_s"] = (token_times[0] - start) if token_times else None
+        rec["ttft_s"] = rec["first_text_s"]
+        rec["ttft_source"] = "first_text"
+        predicted_ms = (timings or {}).get("predicted_ms")
+        predicted_n = (timings or {}).get("predicted_n")
+        if isinstance(predicted_ms, (int, float)) and isinstance(predicted_n, int) and predicted_n >= 1:
+            rec["server_timings"] = timings
+            rec["ttft_s"] = max(0.0, (timings_at - start) - predicted_ms / 1e3)
+            rec["ttft_source"] = "timings"
+            if predicted_n > 1:
+                rec["server_itl_s"] = predicted_ms / 1e3 / (predicted_n - 1)
         rec["itl_s"] = [b - a for a, b in zip(token_times, token_times[1:])]
         rec["completion_tokens"] = usage.completion_tokens if usage else None
         rec["prompt_tokens"] = usage.prompt_tokens if usage else None
@@ -288,7 +312,12 @@ def main():
     # check refused (a synthetic model's tokens can decode to no text): the throughput figure
     # for comparing servers, which the content check must not skew.
     answered_tokens = sum(r["completion_tokens"] for r in records if r.get("completion_tokens") is not None)
-    ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    # TTFT and the server's inter-token gaps of every answered request, including answers the
+    # content check refused: their tokens were generated all the same.
+    answered = [r for r in records if r["status"] in (200, "invalid")]
+    ttft = [r["ttft_s"] for r in answered if r.get("ttft_s") is not None]
+    ttft_sources = sorted({r["ttft_source"] for r in answered if r.get("ttft_s") is not None})
+    server_itl = [r["server_itl_s"] for r in answered if r.get("server_itl_s") is not None]
     itl = [x for r in ok for x in r.get("itl_s", [])]
     decode = [r["decode_tok_s"] for r in ok if r.get("decode_tok_s")]
 
@@ -315,7 +344,9 @@ def main():
         "aggregate_answered_tok_s": answered_tokens / wall if wall > 0 else None,
         "per_stream_decode_tok_s": {"mean": statistics.mean(decode) if decode else None, **pct(decode)},
         "ttft_s": pct(ttft),
+        "ttft_source": "+".join(ttft_sources) or None,
         "itl_s": pct(itl),
+        "server_itl_s": pct(server_itl),
     }
     print(json.dumps(summary, indent=2))
     if args.out:

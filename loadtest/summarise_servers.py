@@ -2,8 +2,10 @@
 """Summarise loadtest/vs_llama_server.sh's runs.jsonl as a markdown table: per stream count and
 engine, the median over repetitions of aggregate tok/s (every token of every answered request,
 `aggregate_answered_tok_s`, where the run has it: answers the content check refused still cost
-the server their tokens), TTFT p50/p90 and ITL p50/p90, the ratio colibri ÷ llama-server of
-aggregate tok/s, and the load averages seen.
+the server their tokens), TTFT p50/p90 (from the servers' own `timings` where they send them:
+see loadtest/loadtest.py), ITL p50/p90 (each request's mean gap between generated tokens from the
+same `timings`, else the gap between chunks with text), the ratio colibri ÷ llama-server of
+aggregate tok/s, the load averages seen and what TTFT and ITL were measured from.
 
     python3 loadtest/summarise_servers.py docs/bench/servers-X/runs.jsonl
 """
@@ -27,8 +29,8 @@ def main():
     by = {}
     for r in runs:
         by.setdefault((r["streams"], r["engine"]), []).append(r)
-    print("| streams | engine | reps | aggregate tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | errors | load avg (1 min) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| streams | engine | reps | aggregate tok/s | TTFT p50 / p90 ms | ITL p50 / p90 ms | errors | load avg (1 min) | measured from |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ratios = {}
     for streams in sorted({s for s, _ in by}):
         agg = {}
@@ -40,12 +42,14 @@ def main():
             agg[engine] = median([x.get("aggregate_answered_tok_s", x["aggregate_tok_s"]) for x in s])
             ttft50 = median([x["ttft_s"]["p50"] for x in s])
             ttft90 = median([x["ttft_s"]["p90"] for x in s])
-            itl50 = median([x["itl_s"]["p50"] for x in s])
-            itl90 = median([x["itl_s"]["p90"] for x in s])
+            itl_key = "server_itl_s" if all((x.get("server_itl_s") or {}).get("p50") is not None for x in s) else "itl_s"
+            itl50 = median([x[itl_key]["p50"] for x in s])
+            itl90 = median([x[itl_key]["p90"] for x in s])
+            sources = sorted({x.get("ttft_source") or "first_text" for x in s} | {"itl:" + itl_key})
             errors = sum(sum(x["errors_by_status"].values()) for x in s)
             loads = ", ".join(r["loadavg_before"].split()[0] for r in rs)
             print(f"| {streams} | {engine} | {len(rs)} | {fmt(agg[engine])} | {fmt(ttft50, 1000, 0)} / {fmt(ttft90, 1000, 0)} "
-                  f"| {fmt(itl50, 1000)} / {fmt(itl90, 1000)} | {errors} | {loads} |")
+                  f"| {fmt(itl50, 1000)} / {fmt(itl90, 1000)} | {errors} | {loads} | {', '.join(sources)} |")
         if agg.get("colibri") and agg.get("llama.cpp"):
             ratios[streams] = agg["colibri"] / agg["llama.cpp"]
     print()

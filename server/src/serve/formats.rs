@@ -107,6 +107,7 @@ impl ChatFormat {
             }],
             usage: None,
             warnings: None,
+            timings: None,
         }
     }
 
@@ -184,7 +185,9 @@ impl Format for ChatFormat {
         finish: &Finish,
         logprobs: &[EngineLogprob],
     ) -> Vec<ChatCompletionChunk> {
-        vec![self.chunk_of(Delta::default(), logprobs, Some(finish.reason.to_string()))]
+        let mut last = self.chunk_of(Delta::default(), logprobs, Some(finish.reason.to_string()));
+        last.timings = Some(finish.timings.clone());
+        vec![last]
     }
 
     fn usage_chunk(&mut self, usage: Usage) -> Option<ChatCompletionChunk> {
@@ -242,6 +245,7 @@ impl Format for ChatFormat {
             }],
             usage: finish.usage,
             warnings: self.warnings(),
+            timings: Some(finish.timings),
         }
     }
 }
@@ -290,6 +294,7 @@ impl CompletionFormat {
                 finish_reason,
             }],
             usage: None,
+            timings: None,
         }
     }
 
@@ -348,7 +353,9 @@ impl Format for CompletionFormat {
 
     fn finish_chunks(&mut self, finish: &Finish, logprobs: &[EngineLogprob]) -> Vec<Completion> {
         let lps = self.chunk_logprobs(logprobs);
-        vec![self.completion(String::new(), lps, Some(finish.reason.to_string()))]
+        let mut last = self.completion(String::new(), lps, Some(finish.reason.to_string()));
+        last.timings = Some(finish.timings.clone());
+        vec![last]
     }
 
     fn usage_chunk(&mut self, usage: Usage) -> Option<Completion> {
@@ -377,6 +384,7 @@ impl Format for CompletionFormat {
         }
         let mut body = self.completion(text, logprobs, Some(finish.reason.to_string()));
         body.usage = Some(finish.usage);
+        body.timings = Some(finish.timings);
         body
     }
 }

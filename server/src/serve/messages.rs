@@ -958,6 +958,15 @@ mod tests {
                     cached_tokens: 3,
                 },
             },
+            timings: crate::serve::openai::Timings {
+                cache_n: 3,
+                prompt_n: 8,
+                prompt_ms: 40.0,
+                prompt_per_second: 200.0,
+                predicted_n: 4,
+                predicted_ms: 30.0,
+                predicted_per_second: 100.0,
+            },
             stop_sequence: stop_sequence.map(str::to_string),
         }
     }

@@ -268,6 +268,28 @@ pub struct Usage {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
+/// Extension, as llama.cpp's server names it: where a request's time went, on the last chunk
+/// of a stream (the one with `finish_reason`) and in a whole answer. Time from the request's
+/// admission to a slot to its first generated token is the prompt's; from the first to the
+/// last generated token, the generation's.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Timings {
+    /// Prompt tokens whose KV was reused from the slot's previous sequence.
+    pub cache_n: usize,
+    /// Prompt tokens computed.
+    pub prompt_n: usize,
+    /// Milliseconds from admission to the first generated token.
+    pub prompt_ms: f64,
+    /// Prompt tokens computed per second of `prompt_ms`.
+    pub prompt_per_second: f64,
+    /// Tokens generated.
+    pub predicted_n: usize,
+    /// Milliseconds from the first to the last generated token.
+    pub predicted_ms: f64,
+    /// Tokens after the first per second of `predicted_ms` (0 with one token).
+    pub predicted_per_second: f64,
+}
+
 /// One alternative of a token's log-probability.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct TopLogprob {
@@ -328,6 +350,9 @@ pub struct ChatCompletion {
     /// does not render `tools`); absent when there is nothing to say.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warnings: Option<Vec<String>>,
+    /// Extension: where the request's time went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// A tool call piece in a stream chunk.
@@ -389,6 +414,9 @@ pub struct ChatCompletionChunk {
     /// chunk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warnings: Option<Vec<String>>,
+    /// Extension: where the request's time went, on the chunk with `finish_reason`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// `choices[].logprobs` of a text completion (the legacy format).
@@ -422,6 +450,10 @@ pub struct Completion {
     pub choices: Vec<CompletionChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// Extension: where the request's time went, in a whole answer and on the chunk with
+    /// `finish_reason`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<Timings>,
 }
 
 /// A model the server serves.

@@ -35,7 +35,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::errors::ApiError;
-use super::openai::{PromptTokensDetails, SamplingFields, Usage};
+use super::openai::{PromptTokensDetails, SamplingFields, Timings, Usage};
 use super::AppState;
 use crate::tool_calls::{ChatStream, Parsed, ToolCall};
 
@@ -274,6 +274,21 @@ pub fn usage(u: &EngineUsage) -> Usage {
     }
 }
 
+/// Where a finished request's time went, as llama.cpp's server reports it.
+pub fn timings(u: &EngineUsage) -> Timings {
+    let prompt_n = u.prompt_tokens.saturating_sub(u.cached_tokens);
+    let per_second = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    Timings {
+        cache_n: u.cached_tokens,
+        prompt_n,
+        prompt_ms: 1e3 * u.prefill_seconds,
+        prompt_per_second: per_second(prompt_n, u.prefill_seconds),
+        predicted_n: u.completion_tokens,
+        predicted_ms: 1e3 * u.decode_seconds,
+        predicted_per_second: per_second(u.completion_tokens.saturating_sub(1), u.decode_seconds),
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------
@@ -295,6 +310,8 @@ pub struct Finish {
     /// OpenAI's `finish_reason`: `stop`, `length` or `tool_calls`.
     pub reason: &'static str,
     pub usage: Usage,
+    /// Where the request's time went.
+    pub timings: Timings,
     /// The stop string the output was cut at, when one ended it (reason `stop`).
     pub stop_sequence: Option<String>,
 }
@@ -388,6 +405,7 @@ impl Reader {
                     finish_reason(done.finish_reason)
                 },
                 usage: usage(done),
+                timings: timings(done),
                 stop_sequence: done.stop_string.clone(),
             },
             logprobs: leftover,
@@ -812,8 +830,8 @@ mod tests {
             cached_tokens: 1,
             completion_tokens: 2,
             stop_string: None,
-            prefill_seconds: 0.0,
-            decode_seconds: 0.0,
+            prefill_seconds: 0.25,
+            decode_seconds: 0.5,
         })
     }
 
@@ -1011,6 +1029,32 @@ mod tests {
             // The opening chunk names the role; the text follows.
             assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
             assert_eq!(chat_text(&events, "content"), "Hello");
+            // The finish chunk, and only it, says where the time went (llama.cpp's names): 4
+            // of the 5 prompt tokens computed in 0.25 s, 2 tokens generated 0.5 s apart.
+            let timed: Vec<&Value> = events
+                .iter()
+                .filter(|e| e.get("timings").is_some())
+                .collect();
+            assert_eq!(timed.len(), 1, "{events:#?}");
+            assert_eq!(finish(timed[0]), Some("length"));
+            let t = &timed[0]["timings"];
+            assert_eq!(
+                (&t["cache_n"], &t["prompt_n"], &t["predicted_n"]),
+                (
+                    &serde_json::json!(1),
+                    &serde_json::json!(4),
+                    &serde_json::json!(2)
+                )
+            );
+            for (key, want) in [
+                ("prompt_ms", 250.0),
+                ("prompt_per_second", 16.0),
+                ("predicted_ms", 500.0),
+                ("predicted_per_second", 2.0),
+            ] {
+                let got = t[key].as_f64().expect("a number");
+                assert!((got - want).abs() < 1e-9, "{key}: {got} vs {want}");
+            }
             assert!(events
                 .iter()
                 .all(|e| e["object"] == "chat.completion.chunk"));
