@@ -43,6 +43,11 @@ pub struct BenchArgs {
     /// interleaved (medians are reported).
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub draft_reps: usize,
+    /// Also decode this many sequences together, one batch per step as `coli serve` runs its
+    /// slots (each with its own prompt of `--prompt-tokens`), and report the aggregate decode
+    /// rate (as llama.cpp's `llama-batched-bench` does). 0 or 1: off.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub streams: usize,
 }
 
 /// What `coli bench` reports.
@@ -96,6 +101,28 @@ pub struct BenchReport {
     /// With `--draft ngram|auto`: prompt-lookup and grammar drafts through the scheduler, on
     /// workloads whose output copies its context or is forced by a schema.
     pub lookup_drafts: Vec<LookupDraftReport>,
+    /// `--streams N`: several sequences decoding in one batch per step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub streams: Option<StreamsReport>,
+}
+
+/// Several sequences decoding together (`coli bench --streams N`).
+#[derive(Debug, Serialize)]
+pub struct StreamsReport {
+    /// Sequences in the batch.
+    pub streams: usize,
+    /// Steps decoded (each gives every sequence one token).
+    pub steps: usize,
+    /// Seconds prefilling every sequence's prompt (one batch per step).
+    pub prefill_seconds: f64,
+    /// Tokens of every sequence decoded per second.
+    pub aggregate_decode_tok_per_s: f64,
+    /// Milliseconds per decode step.
+    pub step_ms: f64,
+    /// Where the batched decode's forward time went.
+    pub decode_time: Times,
+    /// The expert store's counters over the batched decode (`None` when fully memory-mapped).
+    pub decode_store: Option<StoreSnapshot>,
 }
 
 /// One draft workload through the scheduler (one slot, greedy), drafting off and on.
@@ -194,6 +221,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
             )?
         }
     };
+    let streams = if args.streams > 1 {
+        Some(run_streams(
+            model,
+            args.streams,
+            args.prompt_tokens,
+            args.gen_tokens.max(1),
+            args.prefill_chunk,
+        )?)
+    } else {
+        None
+    };
     model.flush().context("saving the expert usage history")?;
 
     let n = args.gen_tokens.max(1) as f64;
@@ -272,6 +310,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             d
         }),
         lookup_drafts,
+        streams,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -394,6 +433,103 @@ pub fn run_workload(model: &dyn colibri::model::CausalLm, w: &Workload) -> Resul
     })
 }
 
+/// `streams` sequences, each with its own synthetic prompt of `prompt_tokens`, prefilled
+/// together (chunks of `prefill_chunk`) and then decoded `gen_tokens` steps together, every
+/// step one batch of one row per sequence: what `coli serve` runs with that many busy slots.
+pub fn run_streams(
+    model: &dyn colibri::model::CausalLm,
+    streams: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    prefill_chunk: Option<usize>,
+) -> Result<StreamsReport> {
+    use colibri::model::BatchItem;
+    let vocab = model.info().vocab_size.max(1) as u64;
+    let prompts: Vec<Vec<u32>> = (0..streams as u64)
+        .map(|s| {
+            (0..prompt_tokens as u64)
+                .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let mut caches: Vec<_> = (0..streams)
+        .map(|_| model.new_cache(prompt_tokens + gen_tokens + 1))
+        .collect();
+    let chunk = prefill_chunk.unwrap_or(prompt_tokens).max(1);
+    let t0 = Instant::now();
+    let mut last = Vec::new();
+    for start in (0..prompt_tokens).step_by(chunk) {
+        let end = (start + chunk).min(prompt_tokens);
+        let which = if end == prompt_tokens {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        let mut items: Vec<BatchItem<'_>> = caches
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(cache, p)| BatchItem {
+                tokens: &p[start..end],
+                cache,
+                logits: which,
+            })
+            .collect();
+        last = model.forward_batch(&mut items)?;
+    }
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    // Each sequence samples with its own seed (temperature 1), as a server's requests do.
+    let mut samplers: Vec<Sampler> = (0..streams as u64)
+        .map(|s| {
+            Sampler::new(SamplingParams {
+                seed: 7 + s,
+                ..SamplingParams::default()
+            })
+        })
+        .collect();
+    let mut histories = prompts;
+    let mut next: Vec<u32> = samplers
+        .iter_mut()
+        .zip(&last)
+        .zip(&histories)
+        .map(|((s, l), h)| s.sample(l, h))
+        .collect();
+    let store0 = model.store_stats();
+    let times0 = Times::now();
+    let t1 = Instant::now();
+    for _ in 0..gen_tokens {
+        let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut items: Vec<BatchItem<'_>> = caches
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(cache, t)| BatchItem {
+                tokens: t,
+                cache,
+                logits: Logits::Last,
+            })
+            .collect();
+        let logits = model.forward_batch(&mut items)?;
+        for (i, l) in logits.iter().enumerate() {
+            histories[i].push(next[i]);
+            next[i] = samplers[i].sample(l, &histories[i]);
+        }
+    }
+    let decode_seconds = t1.elapsed().as_secs_f64();
+    let decode_time = Times::now().since(&times0);
+    let decode_store = match (model.store_stats(), store0) {
+        (Some(b), Some(a)) => Some(b.since(&a)),
+        _ => None,
+    };
+    Ok(StreamsReport {
+        streams,
+        steps: gen_tokens,
+        prefill_seconds,
+        aggregate_decode_tok_per_s: (streams * gen_tokens) as f64 / decode_seconds,
+        step_ms: 1e3 * decode_seconds / gen_tokens as f64,
+        decode_time,
+        decode_store,
+    })
+}
+
 /// The index of the largest logit (the first of equal ones).
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -491,6 +627,21 @@ fn print_text(r: &BenchReport, m: &crate::machine::Bandwidths) {
             String::new()
         }
     );
+    if let Some(b) = &r.streams {
+        let t = &b.decode_time;
+        println!(
+            "streams:  {} sequences decoding together: {:.2} tok/s in all, {:.1} ms per step ({} steps; prompts prefilled in {:.2} s); attention {:.2} s, experts {:.2} s, dense MLP {:.2} s, LM head {:.2} s",
+            b.streams,
+            b.aggregate_decode_tok_per_s,
+            b.step_ms,
+            b.steps,
+            b.prefill_seconds,
+            t.attention,
+            t.experts,
+            t.dense_mlp,
+            t.lm_head
+        );
+    }
     if let Some(d) = &r.draft {
         println!(
             "mtp:      {:.2} tok/s with drafts vs {:.2} without ({} drafted, {:.0} % accepted, {} read per token); tokens identical: {}; drafting {}",

@@ -410,6 +410,51 @@ fn bench_reports_streaming_under_a_small_budget() {
 }
 
 #[test]
+fn bench_streams_decodes_several_sequences_together() {
+    let cache = tempfile::tempdir().unwrap();
+    std::fs::write(
+        cache.path().join("machine.json"),
+        r#"{"disk_gb_per_s": 1.0, "memory_gb_per_s": 10.0, "disk_source": "test", "measured_unix": 0}"#,
+    )
+    .unwrap();
+    let dir = fixture("olmoe");
+    let run = |streams: &str| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+            .args(["bench", "--model", dir.to_str().unwrap(), "--mmap"])
+            .args(["--prompt-tokens", "5", "--gen-tokens", "3", "--json"])
+            .args(["--streams", streams])
+            .env("COLI_CACHE_DIR", cache.path())
+            .env("COLI_STATE_DIR", cache.path().join("state"))
+            .output()
+            .unwrap();
+        serde_json::from_str(&ok_stdout(&out)).unwrap()
+    };
+    let r = run("3");
+    let s = &r["streams"];
+    assert_eq!(s["streams"].as_u64(), Some(3), "{r}");
+    assert_eq!(
+        s["steps"].as_u64(),
+        Some(3),
+        "one step per generated token: {r}"
+    );
+    let rate = s["aggregate_decode_tok_per_s"].as_f64().unwrap();
+    let step_ms = s["step_ms"].as_f64().unwrap();
+    // Three tokens per step: the aggregate rate is what the step time says.
+    assert!(
+        (rate - 3.0 * 1e3 / step_ms).abs() <= 1e-6 * rate,
+        "{rate} tok/s vs {step_ms} ms per step"
+    );
+    assert!(
+        s["decode_time"]["experts"].as_f64().unwrap() > 0.0,
+        "a MoE decode spends time in its experts: {r}"
+    );
+    assert!(
+        run("1").get("streams").is_none(),
+        "one stream is the single-sequence decode"
+    );
+}
+
+#[test]
 fn bench_measures_the_machine_then_runs_on_the_threads_asked_for() {
     // No cached measurement: bench measures memory and disk bandwidth on every core first,
     // which must not leave the compute pool at that size (it once failed with "the global
