@@ -458,6 +458,19 @@ struct SeqPart<'a> {
     selection: &'a mut Option<Selection>,
 }
 
+/// `attend(part)` for every sequence's part of a batch, results in order: in one parallel
+/// step when there are several (a batch of decode rows hands the pool one step per layer
+/// instead of one per sequence, each sequence's attention splitting further inside it), else
+/// on this thread. A sequence's attention is computed the same way either way: the same bits.
+fn per_sequence<P: Send, R: Send>(parts: Vec<P>, attend: impl Fn(P) -> R + Sync + Send) -> Vec<R> {
+    use rayon::prelude::*;
+    if parts.len() > 1 {
+        parts.into_par_iter().map(attend).collect()
+    } else {
+        parts.into_iter().map(attend).collect()
+    }
+}
+
 /// A pre-norm decoder-only transformer.
 pub struct Transformer {
     pub embed: Tensor,
@@ -798,16 +811,16 @@ impl Transformer {
         match &block.attn {
             SelfAttention::Gqa(attn) => {
                 let (q, k, v, gate) = attn.project(&x);
+                let mut parts = Vec::with_capacity(seqs.len());
                 for s in seqs.iter_mut() {
                     let seg = |t: &[f32]| rows_of(t, row, s.rows, total);
-                    heads_out.extend(attn.attend_sequence(
-                        seg(&q),
-                        seg(&k),
-                        seg(&v),
-                        s.start,
-                        s.kv,
-                    ));
+                    parts.push((seg(&q), seg(&k), seg(&v), s.start, &mut *s.kv));
                     row += s.rows;
+                }
+                for out in per_sequence(parts, |(q, k, v, start, kv)| {
+                    attn.attend_sequence(q, k, v, start, kv)
+                }) {
+                    heads_out.extend(out);
                 }
                 if let Some(gate) = gate {
                     attn.apply_output_gate(&mut heads_out, &gate);
@@ -815,25 +828,28 @@ impl Transformer {
             }
             SelfAttention::Mla(mla) => {
                 let rows = mla.project(&x);
+                let mut parts = Vec::with_capacity(seqs.len());
                 for s in seqs.iter_mut() {
-                    heads_out.extend(mla.attend_sequence(
-                        rows.segment(row, s.rows, total),
-                        s.start,
-                        s.kv,
-                        s.selection,
-                    ));
+                    let seg = rows.segment(row, s.rows, total);
+                    parts.push((seg, s.start, &mut *s.kv, &mut *s.selection));
                     row += s.rows;
+                }
+                for out in per_sequence(parts, |(seg, start, kv, selection)| {
+                    mla.attend_sequence(seg, start, kv, selection)
+                }) {
+                    heads_out.extend(out);
                 }
             }
             SelfAttention::Compressed(c) => {
                 let rows = c.project(&x);
+                let mut parts = Vec::with_capacity(seqs.len());
                 for s in seqs.iter_mut() {
-                    heads_out.extend(c.attend_sequence(
-                        rows.segment(row, s.rows, total),
-                        s.start,
-                        s.kv,
-                    ));
+                    parts.push((rows.segment(row, s.rows, total), s.start, &mut *s.kv));
                     row += s.rows;
+                }
+                for out in per_sequence(parts, |(seg, start, kv)| c.attend_sequence(seg, start, kv))
+                {
+                    heads_out.extend(out);
                 }
             }
             SelfAttention::Linear(la) => {
