@@ -5,12 +5,15 @@ engine, the median over repetitions of aggregate tok/s (every token of every ans
 the server their tokens), TTFT p50/p90 (from the servers' own `timings` where they send them:
 see loadtest/loadtest.py), ITL p50/p90 (each request's mean gap between generated tokens from the
 same `timings`, else the gap between chunks with text), the ratio colibri ÷ llama-server of
-aggregate tok/s, the load averages seen and what TTFT and ITL were measured from.
+aggregate tok/s, the load averages seen and what TTFT and ITL were measured from; then the TTFT
+percentiles of every request of every repetition together (from the runs' JSON files beside
+runs.jsonl).
 
     python3 loadtest/summarise_servers.py docs/bench/servers-X/runs.jsonl
 """
 
 import json
+import os
 import statistics
 import sys
 
@@ -55,6 +58,24 @@ def main():
     print()
     for streams, ratio in ratios.items():
         print(f"- {streams} streams: colibri ÷ llama-server aggregate tok/s = {ratio:.2f}×")
+    # Every request's TTFT, all repetitions together: a closed loop's requests arrive in waves,
+    # so one run's median is that of a few waves and jumps between repetitions.
+    records = {}
+    base = os.path.dirname(sys.argv[1])
+    for r in runs:
+        path = os.path.join(base, f"{r['engine']}-n{r['streams']}-r{r['rep']}.json")
+        if os.path.exists(path):
+            for rec in json.load(open(path))["records"]:
+                if rec.get("ttft_s") is not None:
+                    records.setdefault((r["streams"], r["engine"]), []).append(rec["ttft_s"])
+    if records:
+        print()
+        print("| streams | engine | requests | TTFT p50 / p90 / mean ms, every request of every repetition |")
+        print("|---|---|---|---|")
+        for (streams, engine), v in sorted(records.items()):
+            v.sort()
+            p90 = v[min(len(v) - 1, int(0.9 * (len(v) - 1) + 0.5))]
+            print(f"| {streams} | {engine} | {len(v)} | {statistics.median(v) * 1000:.0f} / {p90 * 1000:.0f} / {statistics.mean(v) * 1000:.0f} |")
 
 
 if __name__ == "__main__":
