@@ -15,6 +15,9 @@ use serde::Serialize;
 
 use crate::model_arg::ModelArgs;
 
+/// Most sequences `coli bench --streams` decodes together (each holds its own KV cache).
+const MAX_STREAMS: usize = 256;
+
 /// Arguments of `coli bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -181,6 +184,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.prefill_chunk == Some(0) {
         anyhow::bail!("--prefill-chunk must be at least 1");
+    }
+    if args.streams > MAX_STREAMS {
+        anyhow::bail!(
+            "--streams {} is more sequences than a bench decodes together (at most {MAX_STREAMS}, as many as a server's slots would be)",
+            args.streams
+        );
     }
     let cold = if args.cold { drop_page_cache() } else { false };
     let machine = crate::machine::bandwidths(args.remeasure)?;

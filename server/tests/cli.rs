@@ -357,15 +357,21 @@ fn synth_writes_a_runnable_checkpoint_deterministically() {
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already exists"));
 }
 
-#[test]
-fn bench_reports_streaming_under_a_small_budget() {
-    // A cached machine measurement, so the test does not measure this machine's bandwidth.
+/// A state directory holding a cached machine measurement, so a bench does not measure this
+/// machine's bandwidth.
+fn cached_machine() -> tempfile::TempDir {
     let cache = tempfile::tempdir().unwrap();
     std::fs::write(
         cache.path().join("machine.json"),
         r#"{"disk_gb_per_s": 1.0, "memory_gb_per_s": 10.0, "disk_source": "test", "measured_unix": 0}"#,
     )
     .unwrap();
+    cache
+}
+
+#[test]
+fn bench_reports_streaming_under_a_small_budget() {
+    let cache = cached_machine();
     let dir = fixture("olmoe");
     let run = |ram: &str| -> serde_json::Value {
         let out = Command::new(env!("CARGO_BIN_EXE_coli"))
@@ -411,24 +417,28 @@ fn bench_reports_streaming_under_a_small_budget() {
 
 #[test]
 fn bench_streams_decodes_several_sequences_together() {
-    let cache = tempfile::tempdir().unwrap();
-    std::fs::write(
-        cache.path().join("machine.json"),
-        r#"{"disk_gb_per_s": 1.0, "memory_gb_per_s": 10.0, "disk_source": "test", "measured_unix": 0}"#,
-    )
-    .unwrap();
+    let cache = cached_machine();
     let dir = fixture("olmoe");
-    let run = |streams: &str| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_coli"))
+    let bench = |streams: &str| -> Output {
+        Command::new(env!("CARGO_BIN_EXE_coli"))
             .args(["bench", "--model", dir.to_str().unwrap(), "--mmap"])
             .args(["--prompt-tokens", "5", "--gen-tokens", "3", "--json"])
             .args(["--streams", streams])
             .env("COLI_CACHE_DIR", cache.path())
             .env("COLI_STATE_DIR", cache.path().join("state"))
             .output()
-            .unwrap();
-        serde_json::from_str(&ok_stdout(&out)).unwrap()
+            .unwrap()
     };
+    let run = |streams: &str| -> serde_json::Value {
+        serde_json::from_str(&ok_stdout(&bench(streams))).unwrap()
+    };
+    // An absurd count is refused before any cache is allocated, naming the flag.
+    let absurd = bench("100000000");
+    let err = String::from_utf8_lossy(&absurd.stderr);
+    assert!(
+        !absurd.status.success() && err.contains("--streams 100000000") && err.contains("at most"),
+        "{err}"
+    );
     let r = run("3");
     let s = &r["streams"];
     assert_eq!(s["streams"].as_u64(), Some(3), "{r}");
