@@ -5,7 +5,7 @@ engine, the median over repetitions of aggregate tok/s (every token of every ans
 the server their tokens), TTFT p50/p90 (from the servers' own `timings` where they send them:
 see loadtest/loadtest.py), ITL p50/p90 (each request's mean gap between generated tokens from the
 same `timings`, else the gap between chunks with text), the ratio colibri ÷ llama-server of
-aggregate tok/s, the load averages seen and what TTFT and ITL were measured from; then the TTFT
+aggregate tok/s (each colibri run, `colibri` and `colibri-alt`), the load averages seen and what TTFT and ITL were measured from; then the TTFT
 percentiles of every request of every repetition together (from the runs' JSON files beside
 runs.jsonl).
 
@@ -16,6 +16,10 @@ import json
 import os
 import statistics
 import sys
+
+
+# The engines vs_llama_server.sh runs, the peer last.
+ENGINES = ("colibri", "colibri-alt", "llama.cpp")
 
 
 def median(values):
@@ -37,7 +41,7 @@ def main():
     ratios = {}
     for streams in sorted({s for s, _ in by}):
         agg = {}
-        for engine in ("colibri", "llama.cpp"):
+        for engine in ENGINES:
             rs = by.get((streams, engine), [])
             if not rs:
                 continue
@@ -53,11 +57,12 @@ def main():
             loads = ", ".join(r["loadavg_before"].split()[0] for r in rs)
             print(f"| {streams} | {engine} | {len(rs)} | {fmt(agg[engine])} | {fmt(ttft50, 1000, 0)} / {fmt(ttft90, 1000, 0)} "
                   f"| {fmt(itl50, 1000)} / {fmt(itl90, 1000)} | {errors} | {loads} | {', '.join(sources)} |")
-        if agg.get("colibri") and agg.get("llama.cpp"):
-            ratios[streams] = agg["colibri"] / agg["llama.cpp"]
+        for engine in ENGINES[:-1]:
+            if agg.get(engine) and agg.get("llama.cpp"):
+                ratios[(streams, engine)] = agg[engine] / agg["llama.cpp"]
     print()
-    for streams, ratio in ratios.items():
-        print(f"- {streams} streams: colibri ÷ llama-server aggregate tok/s = {ratio:.2f}×")
+    for (streams, engine), ratio in ratios.items():
+        print(f"- {streams} streams: {engine} ÷ llama-server aggregate tok/s = {ratio:.2f}×")
     # Every request's TTFT, all repetitions together: a closed loop's requests arrive in waves,
     # so one run's median is that of a few waves and jumps between repetitions.
     records = {}

@@ -8,7 +8,10 @@
 #
 # Environment: COLI (default target/release/coli), PYTHON (an interpreter with `openai`,
 # loadtest/requirements.txt), THREADS (2), STREAMS ("1 4 8"), REPS (2), GEN (64 generated tokens
-# per request, end-of-sequence ignored on both), ROUNDS (3 requests per client per run).
+# per request, end-of-sequence ignored on both), ROUNDS (3 requests per client per run),
+# ENGINES ("colibri llama.cpp"; add `colibri-alt` for a second colibri run with the extra
+# `coli serve` flags in ALT_ARGS, e.g. ENGINES="colibri colibri-alt llama.cpp"
+# ALT_ARGS="--prefill-budget 100000").
 # Repetitions interleave the engines; each server runs in its own autogroup at raised priority
 # where allowed (../shared/reference/peer-bench.md) and the load average is recorded beside
 # every number. Both read the file memory-mapped and fully resident (it is read into the page
@@ -27,6 +30,8 @@ REPS=${REPS:-2}
 GEN=${GEN:-64}
 ROUNDS=${ROUNDS:-3}
 CTX=${CTX:-1024} # tokens of context per slot
+ENGINES=${ENGINES:-colibri llama.cpp}
+ALT_ARGS=${ALT_ARGS:-}
 mkdir -p "$OUT"
 cat "$GGUF" >/dev/null
 
@@ -42,9 +47,11 @@ serve() {
 start_server() {
   local engine=$1 n=$2 log=$3
   rm -f "$OUT/pid"
-  if [ "$engine" = colibri ]; then
+  if [ "$engine" != llama.cpp ]; then
+    local extra=()
+    if [ "$engine" = colibri-alt ]; then read -r -a extra <<<"$ALT_ARGS"; fi
     serve "$OUT/pid" "$COLI" serve --model "$GGUF" --mmap --host 127.0.0.1 --port 0 --threads "$THREADS" \
-      --slots "$n" --context "$CTX" --queue-limit 64 2>"$log" &
+      --slots "$n" --context "$CTX" --queue-limit 64 "${extra[@]}" 2>"$log" &
   else
     local port
     port=$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -58,7 +65,7 @@ start_server() {
   done
   PID=$(cat "$OUT/pid")
   for _ in $(seq 1 1200); do
-    if [ "$engine" = colibri ]; then
+    if [ "$engine" != llama.cpp ]; then
       URL=$(sed -n 's/^coli: listening on \(http:[^ ]*\)$/\1/p' "$log" | head -1)
       if [ -n "$URL" ] && curl -sf "$URL/ready" >/dev/null 2>&1; then return 0; fi
     elif curl -sf "$URL/health" >/dev/null 2>&1; then
@@ -77,7 +84,7 @@ start_server() {
 
 for rep in $(seq "$REPS"); do
   for n in $STREAMS; do
-    for engine in colibri llama.cpp; do
+    for engine in $ENGINES; do
       tag="$engine-n$n-r$rep"
       start_server "$engine" "$n" "$OUT/$tag.log"
       # Warm-up round: page cache, expert cache, the servers' lazy allocations.

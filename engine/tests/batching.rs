@@ -172,6 +172,7 @@ fn deepseek_v4_requests_batch_in_fewer_steps_with_the_tokens_each_gets_alone() {
         slots,
         context: 64,
         prefill_chunk: 4,
+        prefill_budget: None,
         queue_limit: 16,
         queue_timeout: Duration::from_secs(120),
         persist_dir: None,
@@ -281,42 +282,52 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
                 .tokens
         })
         .collect();
-    // Together: 4 slots, small prefill chunks, everything submitted at once.
-    let scheduler = Scheduler::start(
-        loaded.clone(),
-        SchedulerConfig {
-            slots: 4,
-            context: 64,
-            prefill_chunk: 4,
-            queue_limit: 16,
-            queue_timeout: Duration::from_secs(120),
-            persist_dir: None,
-            history_save_interval: Duration::from_secs(60),
-            drafts: Default::default(),
-        },
-    );
-    let receivers: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let (r, rx) = request(p.clone(), 100 + i as u64, 12);
-            scheduler.submit(r).unwrap();
-            rx
-        })
-        .collect();
-    for (i, rx) in receivers.into_iter().enumerate() {
-        let (tokens, end) = collect(rx);
-        let usage = end.unwrap();
-        assert_eq!(usage.finish_reason, FinishReason::Length);
-        assert_eq!(usage.completion_tokens, 12);
-        assert_eq!(tokens, alone[i], "request {i}");
+    // Together: 4 slots, small prefill chunks, everything submitted at once; the prompts
+    // spread over steps by the measured budget, by a budget that splits chunks (3 tokens a
+    // step over all slots), and one token a step.
+    for budget in [None, Some(3), Some(1)] {
+        let scheduler = Scheduler::start(
+            loaded.clone(),
+            SchedulerConfig {
+                slots: 4,
+                context: 64,
+                prefill_chunk: 4,
+                prefill_budget: budget,
+                queue_limit: 16,
+                queue_timeout: Duration::from_secs(120),
+                persist_dir: None,
+                history_save_interval: Duration::from_secs(60),
+                drafts: Default::default(),
+            },
+        );
+        let receivers: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let (r, rx) = request(p.clone(), 100 + i as u64, 12);
+                scheduler.submit(r).unwrap();
+                rx
+            })
+            .collect();
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let (tokens, end) = collect(rx);
+            let usage = end.unwrap();
+            assert_eq!(usage.finish_reason, FinishReason::Length);
+            assert_eq!(usage.completion_tokens, 12);
+            assert_eq!(tokens, alone[i], "request {i}, budget {budget:?}");
+        }
+        let stats = scheduler.stats();
+        let steps = stats.steps.load(std::sync::atomic::Ordering::Relaxed);
+        let prompt_tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
+        assert!(steps < 8 * 12 + prompt_tokens, "requests were batched");
+        if budget == Some(1) {
+            // One prompt token a step: at least as many steps as prompt tokens.
+            assert!(
+                steps >= prompt_tokens,
+                "{steps} steps, {prompt_tokens} prompt tokens"
+            );
+        }
     }
-    let stats = scheduler.stats();
-    assert!(
-        stats.steps.load(std::sync::atomic::Ordering::Relaxed)
-            < 8 * 12 + prompts.iter().map(|p| p.len() as u64).sum::<u64>(),
-        "requests were batched"
-    );
 }
 
 #[test]
@@ -357,6 +368,7 @@ fn a_constraint_failing_in_a_batch_ends_only_its_own_request() {
             slots: 2,
             context: 128,
             prefill_chunk: 64,
+            prefill_budget: None,
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
@@ -416,6 +428,7 @@ fn a_prompt_extending_a_slots_sequence_reuses_its_kv_and_gets_the_same_tokens() 
             slots,
             context: 64,
             prefill_chunk: chunk,
+            prefill_budget: None,
             queue_limit: 4,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
@@ -473,6 +486,7 @@ fn a_full_queue_refuses_and_an_oversized_prompt_fails_with_the_numbers() {
             slots: 1,
             context: 64,
             prefill_chunk: 8,
+            prefill_budget: None,
             queue_limit: 1,
             queue_timeout: Duration::from_secs(120),
             persist_dir: None,
@@ -520,6 +534,7 @@ fn slot_conversations_survive_a_restart_through_the_prefix_cache_dir() {
         slots: 2,
         context: 64,
         prefill_chunk: 256,
+        prefill_budget: None,
         queue_limit: 4,
         queue_timeout: Duration::from_secs(120),
         persist_dir: persist.then(|| state.path().to_path_buf()),
@@ -659,6 +674,7 @@ fn the_usage_history_is_saved_while_a_request_runs_and_when_the_engine_goes_idle
         slots: 1,
         context: 64,
         prefill_chunk: 256,
+        prefill_budget: None,
         queue_limit: 4,
         queue_timeout: Duration::from_secs(120),
         persist_dir: None,

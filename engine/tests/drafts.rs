@@ -56,6 +56,7 @@ fn config(slots: usize, context: usize, drafts: DraftConfig) -> SchedulerConfig 
         slots,
         context,
         prefill_chunk: 16,
+        prefill_budget: None,
         queue_limit: 64,
         queue_timeout: Duration::from_secs(120),
         persist_dir: None,

@@ -801,6 +801,7 @@ fn bench_lookup_drafts(
                     slots: 1,
                     context: prompt.len() + gen_tokens + 1,
                     prefill_chunk: 256,
+                    prefill_budget: None,
                     queue_limit: 1,
                     queue_timeout: Duration::from_secs(600),
                     persist_dir: None,

@@ -87,6 +87,7 @@ const KEYS: &[(&str, Shape)] = &[
     ("slots", Shape::Number),
     ("context", Shape::Number),
     ("prefill_chunk", Shape::Number),
+    ("prefill_budget", Shape::Number),
     ("queue_limit", Shape::Number),
     ("queue_timeout_secs", Shape::Number),
     ("max_tokens_cap", Shape::Number),
@@ -126,6 +127,10 @@ pub struct ServeConfig {
     pub context: usize,
     /// Prompt tokens prefilled per step (at least 1).
     pub prefill_chunk: usize,
+    /// Prompt tokens all slots together prefill per step; 0 means measured: as many as keep
+    /// the waiting prompts' mean time to first token least, never fewer than the oldest
+    /// prompt's chunk.
+    pub prefill_budget: usize,
     /// Requests that may wait beyond the active slots (at least 1).
     pub queue_limit: usize,
     /// Seconds a request may wait for a slot before it is refused.
@@ -202,6 +207,7 @@ impl Default for ServeConfig {
             slots: 4,
             context: 0,
             prefill_chunk: 256,
+            prefill_budget: 0,
             queue_limit: 64,
             queue_timeout_secs: 60,
             max_tokens_cap: 4096,
@@ -239,6 +245,7 @@ impl fmt::Debug for ServeConfig {
             .field("slots", &self.slots)
             .field("context", &self.context)
             .field("prefill_chunk", &self.prefill_chunk)
+            .field("prefill_budget", &self.prefill_budget)
             .field("queue_limit", &self.queue_limit)
             .field("queue_timeout_secs", &self.queue_timeout_secs)
             .field("max_tokens_cap", &self.max_tokens_cap)
@@ -475,6 +482,9 @@ pub struct ServeFlags {
     /// Prompt tokens prefilled per step.
     #[arg(long, value_name = "TOKENS")]
     pub prefill_chunk: Option<usize>,
+    /// Prompt tokens all slots prefill per step; 0 = measured.
+    #[arg(long, value_name = "TOKENS")]
+    pub prefill_budget: Option<usize>,
     /// Requests that may wait beyond the active slots.
     #[arg(long, value_name = "N")]
     pub queue_limit: Option<usize>,
@@ -962,6 +972,7 @@ fn flag_values(flags: &ServeFlags) -> Result<Vec<(&'static str, &'static str, Va
     opt!(slots, "--slots");
     opt!(context, "--context");
     opt!(prefill_chunk, "--prefill-chunk");
+    opt!(prefill_budget, "--prefill-budget");
     opt!(queue_limit, "--queue-limit");
     opt!(queue_timeout_secs, "--queue-timeout-secs");
     opt!(max_tokens_cap, "--max-tokens-cap");
@@ -1276,6 +1287,8 @@ mod tests {
             "512",
             "--prefill-chunk",
             "64",
+            "--prefill-budget",
+            "96",
             "--queue-limit",
             "5",
             "--queue-timeout-secs",
@@ -1332,8 +1345,14 @@ mod tests {
         assert_eq!(c.engine.mirrors, [PathBuf::from("/a"), PathBuf::from("/b")]);
         assert_eq!(c.engine.ram, Some("6G".parse().unwrap()));
         assert_eq!(
-            (c.engine.threads, c.slots, c.context, c.prefill_chunk),
-            (3, 2, 512, 64)
+            (
+                c.engine.threads,
+                c.slots,
+                c.context,
+                c.prefill_chunk,
+                c.prefill_budget
+            ),
+            (3, 2, 512, 64, 96)
         );
         assert_eq!(
             (c.queue_limit, c.queue_timeout_secs, c.max_tokens_cap),

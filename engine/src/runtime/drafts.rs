@@ -293,9 +293,11 @@ impl RequestDrafts {
     }
 }
 
-/// What a row of a decode step costs, measured: step seconds fitted as `a + b · rows` by
-/// exponentially weighted least squares over recent decode steps (prefill chunks are left
-/// out: their rows cost differently).
+/// What a step and each of its rows cost, measured: step seconds fitted as `a + b · rows` by
+/// exponentially weighted least squares over the recent steps it is shown. The scheduler keeps
+/// two: one over decode steps alone (what a drafted row costs; prefill chunks' rows cost
+/// differently) and one over every step (how to spread waiting prompts over steps,
+/// [`StepCost::prompt_budget`]).
 #[derive(Debug, Clone, Default)]
 pub struct StepCost {
     w: f64,
@@ -338,6 +340,26 @@ impl StepCost {
         let b = ((self.srt / self.w - mr * mt) / var).max(0.0);
         let a = (mt - b * mr).max(0.0);
         Some((a, b))
+    }
+
+    /// Prompt tokens to prefill in the next step when `waiting` prompt tokens wait and
+    /// `decode_rows` decode rows run in every step: `sqrt(waiting · (a / b + decode_rows))`,
+    /// at least 1; `None` until measured or when a row is free (then all of them).
+    ///
+    /// Why: `k` waiting prompts of `p` tokens prefilled `m` at a time finish after `k / m`
+    /// steps of `a' + m·p·b` each (`a'` the step's cost without them: its fixed cost and its
+    /// decode rows); their mean time to first token, `(k/m + 1)(a' + m·p·b) / 2`, is least at
+    /// `m·p = sqrt(k·p · a'/b)`. All at once is best only where a step's fixed cost dwarfs
+    /// their rows; one at a time where rows cost everything.
+    pub fn prompt_budget(&self, waiting: usize, decode_rows: usize) -> Option<usize> {
+        let (a, b) = self.fit()?;
+        if b <= 0.0 {
+            return None;
+        }
+        let budget = (waiting as f64 * (a / b + decode_rows as f64))
+            .sqrt()
+            .ceil();
+        Some((budget as usize).max(1))
     }
 
     /// The acceptance at which a drafted row pays in a step of `sequences` decode rows: the
@@ -468,6 +490,16 @@ mod tests {
         assert!((c.break_even(1).unwrap() - 2.0 / 12.0).abs() < 1e-9);
         // Four sequences share the fixed cost: a row is dearer relative to a token.
         assert!((c.break_even(4).unwrap() - 0.002 / (0.018 / 4.0)).abs() < 1e-9);
+        // Prompt budget: 10 ms a step is 5 rows' worth; 80 waiting tokens, 3 decode rows:
+        // sqrt(80 * (5 + 3)) = 25.3, rounded up.
+        assert_eq!(c.prompt_budget(80, 3), Some(26));
+        // Nothing waiting still allows a row; rows that cost nothing allow everything.
+        assert_eq!(c.prompt_budget(0, 0), Some(1));
+        let mut free = StepCost::default();
+        for i in 0..40 {
+            free.observe(1 + i % 5, 0.010);
+        }
+        assert_eq!(free.prompt_budget(80, 3), None);
         // Steps all of one size say nothing about a row's cost.
         let mut flat = StepCost::default();
         for _ in 0..40 {

@@ -45,6 +45,11 @@ pub struct SchedulerConfig {
     pub context: usize,
     /// Most prompt tokens one slot prefills in one step.
     pub prefill_chunk: usize,
+    /// Most prompt tokens all slots together prefill in one step; `None`: as many as keep the
+    /// waiting prompts' mean time to first token least by the measured cost of a step and of
+    /// a row ([`StepCost::prompt_budget`]), and at least the oldest waiting prompt's chunk.
+    /// Waiting prompts are served oldest first.
+    pub prefill_budget: Option<usize>,
     /// Most requests waiting for a slot; beyond it [`Scheduler::submit`] refuses.
     pub queue_limit: usize,
     /// Longest a request waits for a slot before it is refused.
@@ -373,6 +378,8 @@ struct Engine {
     unsaved: bool,
     /// What a decode row costs, measured on the steps run.
     cost: StepCost,
+    /// What a step and its rows cost, measured on every step run (prefill chunks too).
+    step_time: StepCost,
 }
 
 /// A slot's part of a step.
@@ -410,6 +417,7 @@ impl Engine {
             last_save: Instant::now(),
             unsaved: false,
             cost: StepCost::default(),
+            step_time: StepCost::default(),
         }
     }
 
@@ -619,6 +627,7 @@ impl Engine {
             .filter(|s| s.running.as_ref().is_some_and(|r| r.pending == 0))
             .count();
         let break_even = self.cost.break_even(decoding);
+        let prompt_rows = self.prompt_rows(chunk, decoding);
         let drafts = &self.config.drafts;
         // Tokens each active slot runs this step, and which logits it needs.
         let mut plan: Vec<Planned> = Vec::new();
@@ -627,8 +636,12 @@ impl Engine {
                 continue;
             };
             if run.pending > 0 {
+                let n = prompt_rows[i];
+                if n == 0 {
+                    // Waits for a later step (the step's prompt budget is spent).
+                    continue;
+                }
                 let start = run.request.prompt.len() - run.pending;
-                let n = run.pending.min(chunk);
                 let tokens = run.request.prompt[start..start + n].to_vec();
                 let logits = if n == run.pending {
                     Logits::Last
@@ -793,8 +806,10 @@ impl Engine {
                 }
             }
         }
+        let seconds = started.elapsed().as_secs_f64();
+        self.step_time.observe(rows, seconds);
         if decode_only {
-            self.cost.observe(rows, started.elapsed().as_secs_f64());
+            self.cost.observe(rows, seconds);
             *self
                 .stats
                 .draft_break_even
@@ -802,6 +817,36 @@ impl Engine {
                 .unwrap_or_else(|e| e.into_inner()) = self.cost.break_even(1);
         }
         Ok(())
+    }
+
+    /// Prompt tokens each slot prefills this step (0 for slots with none waiting or none
+    /// allowed): the waiting prompts oldest first within the step's prompt budget
+    /// ([`SchedulerConfig::prefill_budget`], see [`spread_prompts`]).
+    fn prompt_rows(&self, chunk: usize, decoding: usize) -> Vec<usize> {
+        let mut waiting: Vec<(Instant, usize, usize)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let run = s.running.as_ref()?;
+                (run.pending > 0).then_some((run.admitted, i, run.pending))
+            })
+            .collect();
+        waiting.sort_unstable();
+        let pending: Vec<usize> = waiting.iter().map(|w| w.2).collect();
+        let spread = match self.config.prefill_budget {
+            Some(n) => spread_prompts(&pending, chunk, n, false),
+            None => {
+                let total = pending.iter().sum();
+                let budget = self.step_time.prompt_budget(total, decoding);
+                spread_prompts(&pending, chunk, budget.unwrap_or(usize::MAX), true)
+            }
+        };
+        let mut rows = vec![0; self.slots.len()];
+        for (w, n) in waiting.iter().zip(spread) {
+            rows[w.1] = n;
+        }
+        rows
     }
 
     fn fail_running(&mut self, why: Failure) {
@@ -823,6 +868,32 @@ impl Engine {
             r.sink.send(Event::Failed(why.clone()));
         }
     }
+}
+
+/// Prompt tokens each waiting prompt runs in a step, given the tokens each still has to
+/// prefill (oldest first): at most `chunk` each, `budget` in all (at least 1), taken in order;
+/// with `oldest_whole` the oldest takes its whole chunk whatever the budget.
+fn spread_prompts(
+    pending: &[usize],
+    chunk: usize,
+    budget: usize,
+    oldest_whole: bool,
+) -> Vec<usize> {
+    let mut left = budget.max(1);
+    pending
+        .iter()
+        .enumerate()
+        .map(|(k, &p)| {
+            let want = p.min(chunk);
+            let n = if k == 0 && oldest_whole {
+                want
+            } else {
+                want.min(left)
+            };
+            left = left.saturating_sub(n);
+            n
+        })
+        .collect()
 }
 
 /// The file slot `i`'s conversation is kept in.
@@ -1090,6 +1161,22 @@ mod tests {
         // log(e^3 / (e^1 + e^3 + e^2))
         let expected = 3.0 - (1f64.exp() + 3f64.exp() + 2f64.exp()).ln();
         assert!((top[0].1 as f64 - expected).abs() < 1e-6);
+    }
+
+    #[test]
+    fn prompts_are_spread_oldest_first_within_the_budget() {
+        // Chunks of 8, a budget of 10: the oldest takes 8, the next the 2 left, the rest wait.
+        assert_eq!(spread_prompts(&[20, 5, 3], 8, 10, false), vec![8, 2, 0]);
+        // The oldest's whole chunk even beyond the budget; nothing left for the others.
+        assert_eq!(spread_prompts(&[20, 5, 3], 8, 4, true), vec![8, 0, 0]);
+        assert_eq!(spread_prompts(&[20, 5, 3], 8, 4, false), vec![4, 0, 0]);
+        // A budget that covers everyone changes nothing; a budget of 0 still runs a token.
+        assert_eq!(
+            spread_prompts(&[20, 5, 3], 8, usize::MAX, true),
+            vec![8, 5, 3]
+        );
+        assert_eq!(spread_prompts(&[20, 5, 3], 8, 0, false), vec![1, 0, 0]);
+        assert_eq!(spread_prompts(&[2, 5, 3], 8, 9, false), vec![2, 5, 2]);
     }
 
     #[test]

@@ -152,7 +152,7 @@ The configuration keys of `coli serve` (docs/api.md; server/src/config.rs KEYS, 
 options of server/src/engine_options.rs ENGINE_KEYS).
 */}}
 {{- define "colibri.configKeys" -}}
-model served_model_name slots context prefill_chunk queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint otlp_protocol tls_cert tls_key history_save_secs prefix_cache_dir tool_call_format reasoning_format plain_text_messages threads ram mmap mirrors mirror_weights io io_threads direct_io cache_policy pin_budget no_learn no_prefetch mla_form kv_dtype draft draft_tokens draft_ngram_min draft_ngram_max device vram
+model served_model_name slots context prefill_chunk prefill_budget queue_limit queue_timeout_secs max_tokens_cap host port api_keys cors_origins max_body_bytes header_timeout_secs body_timeout_secs drain_secs stay_up_on_load_failure log_level log_json otlp_endpoint otlp_protocol tls_cert tls_key history_save_secs prefix_cache_dir tool_call_format reasoning_format plain_text_messages threads ram mmap mirrors mirror_weights io io_threads direct_io cache_policy pin_budget no_learn no_prefetch mla_form kv_dtype draft draft_tokens draft_ngram_min draft_ngram_max device vram
 {{- end }}
 
 {{/*

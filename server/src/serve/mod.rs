@@ -423,6 +423,7 @@ fn start_serving(cfg: &ServeConfig) -> Result<Serving> {
             slots: cfg.slots,
             context,
             prefill_chunk: cfg.prefill_chunk,
+            prefill_budget: (cfg.prefill_budget > 0).then_some(cfg.prefill_budget),
             queue_limit: cfg.queue_limit,
             queue_timeout: Duration::from_secs(cfg.queue_timeout_secs),
             persist_dir: cfg.prefix_cache_dir.clone(),
