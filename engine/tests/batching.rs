@@ -250,10 +250,24 @@ fn request(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> (Request, mpsc::Re
 
 #[test]
 fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
-    let dir = fixture("olmoe");
+    // The prompts spread over steps by the measured budget, by a budget that cuts chunks (3
+    // tokens a step over all slots) and by one token a step; on the hybrids (recurrent state
+    // and convolution windows continued across cut chunks) by a cutting budget.
+    for (arch, budgets) in [
+        ("olmoe", vec![None, Some(3), Some(1)]),
+        ("qwen3_5_moe", vec![Some(3)]),
+        ("kimi_linear", vec![Some(5)]),
+        ("inkling", vec![Some(3)]),
+    ] {
+        concurrent_requests_match_alone(arch, &budgets);
+    }
+}
+
+fn concurrent_requests_match_alone(arch: &str, budgets: &[Option<usize>]) {
+    let dir = fixture(arch);
     let loaded = Arc::new(LoadedModel::open(&dir, false).unwrap());
     let vocab = loaded.model.info().vocab_size as u32;
-    let base = prompt("olmoe");
+    let base = prompt(arch);
     // Eight prompts of different lengths, eight seeds.
     let prompts: Vec<Vec<u32>> = (0..8u32)
         .map(|i| {
@@ -282,10 +296,8 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
                 .tokens
         })
         .collect();
-    // Together: 4 slots, small prefill chunks, everything submitted at once; the prompts
-    // spread over steps by the measured budget, by a budget that splits chunks (3 tokens a
-    // step over all slots), and one token a step.
-    for budget in [None, Some(3), Some(1)] {
+    // Together: 4 slots, small prefill chunks, everything submitted at once.
+    for &budget in budgets {
         let scheduler = Scheduler::start(
             loaded.clone(),
             SchedulerConfig {
@@ -314,12 +326,15 @@ fn concurrent_requests_get_exactly_the_tokens_each_gets_alone() {
             let usage = end.unwrap();
             assert_eq!(usage.finish_reason, FinishReason::Length);
             assert_eq!(usage.completion_tokens, 12);
-            assert_eq!(tokens, alone[i], "request {i}, budget {budget:?}");
+            assert_eq!(tokens, alone[i], "{arch}: request {i}, budget {budget:?}");
         }
         let stats = scheduler.stats();
         let steps = stats.steps.load(std::sync::atomic::Ordering::Relaxed);
         let prompt_tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
-        assert!(steps < 8 * 12 + prompt_tokens, "requests were batched");
+        assert!(
+            steps < 8 * 12 + prompt_tokens,
+            "{arch}: requests were batched"
+        );
         if budget == Some(1) {
             // One prompt token a step: at least as many steps as prompt tokens.
             assert!(
