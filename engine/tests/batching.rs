@@ -335,6 +335,15 @@ fn concurrent_requests_match_alone(arch: &str, budgets: &[Option<usize>]) {
             steps < 8 * 12 + prompt_tokens,
             "{arch}: requests were batched"
         );
+        // A configured budget is the one every step with prompts waiting reports; the step
+        // cost is fitted from steps of different sizes.
+        if let Some(n) = budget {
+            assert_eq!(*stats.prompt_budget.lock().unwrap(), Some(n), "{arch}");
+        }
+        assert!(
+            stats.step_cost.lock().unwrap().is_some(),
+            "{arch}: {steps} steps of several sizes gave no step cost"
+        );
         if budget == Some(1) {
             // One prompt token a step: at least as many steps as prompt tokens.
             assert!(

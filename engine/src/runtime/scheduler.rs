@@ -217,6 +217,14 @@ pub struct SchedulerStats {
     /// The measured acceptance at which a drafted row pays for one decoding sequence
     /// ([`StepCost::break_even`]); `None` until measured.
     pub draft_break_even: Mutex<Option<f64>>,
+    /// The fitted cost of a step over every step, `(a, b)`: its seconds with no rows and per
+    /// row ([`StepCost::fit`]); `None` until measured.
+    pub step_cost: Mutex<Option<(f64, f64)>>,
+    /// Prompt tokens the last step with prompts waiting could prefill: the configured
+    /// [`SchedulerConfig::prefill_budget`] or the measured one ([`StepCost::prompt_budget`]);
+    /// `None` before any prompt waited and while no budget applies (not yet measured, or a
+    /// row measured free).
+    pub prompt_budget: Mutex<Option<usize>>,
 }
 
 impl SchedulerStats {
@@ -808,6 +816,11 @@ impl Engine {
         }
         let seconds = started.elapsed().as_secs_f64();
         self.step_time.observe(rows, seconds);
+        *self
+            .stats
+            .step_cost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = self.step_time.fit();
         if decode_only {
             self.cost.observe(rows, seconds);
             *self
@@ -834,14 +847,32 @@ impl Engine {
             .collect();
         waiting.sort_unstable();
         let pending: Vec<usize> = waiting.iter().map(|w| w.2).collect();
-        let spread = match self.config.prefill_budget {
-            Some(n) => spread_prompts(&pending, chunk, n, false),
+        let total: usize = pending.iter().sum();
+        let (budget, spread) = match self.config.prefill_budget {
+            Some(n) => (Some(n), spread_prompts(&pending, chunk, n, false)),
             None => {
-                let total = pending.iter().sum();
                 let budget = self.step_time.prompt_budget(total, decoding);
-                spread_prompts(&pending, chunk, budget.unwrap_or(usize::MAX), true)
+                let spread = spread_prompts(&pending, chunk, budget.unwrap_or(usize::MAX), true);
+                (budget, spread)
             }
         };
+        if !pending.is_empty() {
+            *self
+                .stats
+                .prompt_budget
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = budget;
+            let taken: usize = spread.iter().sum();
+            let unlimited: usize = pending.iter().map(|&p| p.min(chunk)).sum();
+            if taken < unlimited {
+                tracing::debug!(
+                    "prompt budget {budget:?} tokens: prefilling {taken} of {total} waiting \
+                     prompt tokens this step beside {decoding} decode rows (step cost fit \
+                     {:?})",
+                    self.step_time.fit()
+                );
+            }
+        }
         let mut rows = vec![0; self.slots.len()];
         for (w, n) in waiting.iter().zip(spread) {
             rows[w.1] = n;

@@ -35,6 +35,9 @@ pub struct Metrics {
     draft_accepted: IntCounterVec,
     draft_steps: IntCounter,
     draft_break_even: Gauge,
+    step_fixed_seconds: Gauge,
+    step_row_seconds: Gauge,
+    prompt_budget: Gauge,
     expert_hits: IntCounter,
     expert_misses: IntCounter,
     expert_hit_rate: Gauge,
@@ -143,6 +146,18 @@ impl Metrics {
                 "coli_draft_break_even_acceptance",
                 "Measured acceptance at which a drafted row pays for itself (one decoding sequence); NaN until measured",
             )),
+            step_fixed_seconds: must(Gauge::new(
+                "coli_step_fixed_seconds",
+                "Fitted seconds of an engine step beside its rows (step time = fixed + per row × rows); NaN until measured",
+            )),
+            step_row_seconds: must(Gauge::new(
+                "coli_step_row_seconds",
+                "Fitted seconds each row adds to an engine step; NaN until measured",
+            )),
+            prompt_budget: must(Gauge::new(
+                "coli_prompt_budget_tokens",
+                "Prompt tokens the last step with prompts waiting could prefill (prefill_budget, or measured from the step cost); NaN while none applies",
+            )),
             expert_hits: counter(
                 "coli_expert_cache_hits_total",
                 "Routed experts found in memory",
@@ -204,6 +219,9 @@ impl Metrics {
             Box::new(m.draft_accepted.clone()),
             Box::new(m.draft_steps.clone()),
             Box::new(m.draft_break_even.clone()),
+            Box::new(m.step_fixed_seconds.clone()),
+            Box::new(m.step_row_seconds.clone()),
+            Box::new(m.prompt_budget.clone()),
             Box::new(m.expert_hits.clone()),
             Box::new(m.expert_misses.clone()),
             Box::new(m.expert_hit_rate.clone()),
@@ -259,6 +277,13 @@ impl Metrics {
             mirror(&self.draft_steps, s.draft_steps.load(Ordering::Relaxed));
             let break_even = *s.draft_break_even.lock().unwrap_or_else(|e| e.into_inner());
             self.draft_break_even.set(break_even.unwrap_or(f64::NAN));
+            let cost = *s.step_cost.lock().unwrap_or_else(|e| e.into_inner());
+            self.step_fixed_seconds
+                .set(cost.map_or(f64::NAN, |(a, _)| a));
+            self.step_row_seconds.set(cost.map_or(f64::NAN, |(_, b)| b));
+            let budget = *s.prompt_budget.lock().unwrap_or_else(|e| e.into_inner());
+            self.prompt_budget
+                .set(budget.map_or(f64::NAN, |n| n as f64));
         }
         self.memory
             .with_label_values(&["ram", "resident_weights"])
@@ -394,6 +419,11 @@ mod tests {
             0.0
         );
         assert!(sample(&text, "coli_draft_break_even_acceptance").is_nan());
+        assert!(sample(&text, "coli_step_fixed_seconds").is_nan());
+        assert!(sample(&text, "coli_step_row_seconds").is_nan());
+        assert!(sample(&text, "coli_prompt_budget_tokens").is_nan());
+        *stats.step_cost.lock().unwrap() = Some((0.03, 0.002));
+        *stats.prompt_budget.lock().unwrap() = Some(96);
         stats.draft_tokens[DraftSource::Ngram as usize].store(12, Ordering::Relaxed);
         stats.draft_accepted[DraftSource::Ngram as usize].store(5, Ordering::Relaxed);
         stats.draft_tokens[DraftSource::Grammar as usize].store(3, Ordering::Relaxed);
@@ -416,6 +446,9 @@ mod tests {
             3.0
         );
         assert_eq!(sample(&text, "coli_draft_break_even_acceptance"), 0.25);
+        assert_eq!(sample(&text, "coli_step_fixed_seconds"), 0.03);
+        assert_eq!(sample(&text, "coli_step_row_seconds"), 0.002);
+        assert_eq!(sample(&text, "coli_prompt_budget_tokens"), 96.0);
         assert_eq!(sample(&text, "coli_expert_cache_hits_total"), 3.0);
         assert_eq!(sample(&text, "coli_expert_cache_misses_total"), 2.0);
         let drive = |d: &str| format!("coli_bytes_read_total{{drive=\"{d}\",tier=\"disk\"}}");
