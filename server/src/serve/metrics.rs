@@ -105,6 +105,7 @@ impl Metrics {
         ));
         let counter = |name: &str, help: &str| must(IntCounter::new(name, help));
         let gauge = |name: &str, help: &str| must(IntGauge::new(name, help));
+        let float_gauge = |name: &str, help: &str| must(Gauge::new(name, help));
         let m = Metrics {
             requests,
             ttft,
@@ -142,22 +143,22 @@ impl Metrics {
                 "coli_draft_steps_total",
                 "Decode rows of a sequence that carried a draft",
             ),
-            draft_break_even: must(Gauge::new(
+            draft_break_even: float_gauge(
                 "coli_draft_break_even_acceptance",
                 "Measured acceptance at which a drafted row pays for itself (one decoding sequence); NaN until measured",
-            )),
-            step_fixed_seconds: must(Gauge::new(
+            ),
+            step_fixed_seconds: float_gauge(
                 "coli_step_fixed_seconds",
                 "Fitted seconds of an engine step beside its rows (step time = fixed + per row × rows); NaN until measured",
-            )),
-            step_row_seconds: must(Gauge::new(
+            ),
+            step_row_seconds: float_gauge(
                 "coli_step_row_seconds",
                 "Fitted seconds each row adds to an engine step; NaN until measured",
-            )),
-            prompt_budget: must(Gauge::new(
+            ),
+            prompt_budget: float_gauge(
                 "coli_prompt_budget_tokens",
                 "Prompt tokens the last step with prompts waiting could prefill (prefill_budget, or measured from the step cost); NaN while none applies",
-            )),
+            ),
             expert_hits: counter(
                 "coli_expert_cache_hits_total",
                 "Routed experts found in memory",
@@ -166,10 +167,10 @@ impl Metrics {
                 "coli_expert_cache_misses_total",
                 "Routed experts that had to be read",
             ),
-            expert_hit_rate: must(Gauge::new(
+            expert_hit_rate: float_gauge(
                 "coli_expert_cache_hit_rate",
                 "Share of routed-expert uses served from memory",
-            )),
+            ),
             expert_vram_hits: counter(
                 "coli_expert_vram_hits_total",
                 "Routed experts computed from their copy in VRAM (also counted as hits)",
