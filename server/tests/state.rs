@@ -368,15 +368,21 @@ fn a_killed_server_keeps_its_last_saved_history_and_the_next_start_cleans_up() {
     for p in &kept {
         assert!(p.exists(), "{} (a live process's) was removed", p.display());
     }
-    let log = server.log();
-    assert!(
-        log.contains(&format!(
-            "{}: layer 1: value 5 of its `v` buffer is NaN",
-            slot0.display()
-        )) && log.contains("finite numbers only")
-            && log.contains("slot 0 starts empty"),
-        "{log}"
+    // The server wrote the refusal before it answered /ready, but the thread collecting its
+    // stderr may not have read it yet: wait for the line (a bounded wait, not a sleep).
+    let refusal = format!(
+        "{}: layer 1: value 5 of its `v` buffer is NaN",
+        slot0.display()
     );
+    let refused = |log: &str| {
+        log.contains(&refusal)
+            && log.contains("finite numbers only")
+            && log.contains("slot 0 starts empty")
+    };
+    let log = wait_for(30, "the slot file's refusal in the server's log", || {
+        Some(server.log()).filter(|log| refused(log))
+    });
+    assert!(refused(&log), "{log}");
     assert!(!log.contains("ignoring the expert usage history"), "{log}");
     let b = server.complete("The history of the engine", 4);
     assert_eq!(
