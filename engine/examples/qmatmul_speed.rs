@@ -9,7 +9,9 @@
 //! product and prints the median time of each. With `QMATMUL_AB=interleaved` (Q4_K) it
 //! alternates the file's rows and the same rows interleaved in eights
 //! (`qmatmul::interleaved`), and checks that both give the same bits; `QMATMUL_HUGE=1` puts
-//! both in huge-page maps (`Storage::huge_pages`).
+//! both in huge-page maps (`Storage::huge_pages`). Adding `QMATMUL_AHEAD=0,4,8` instead
+//! alternates the interleaved kernel's prefetch distances, in records
+//! (`interleaved::set_records_ahead`), and prints the median time of each.
 
 use colibri::tensor::qmatmul::{interleaved, qmatmul, qmatmul_multi, QMat};
 use colibri::tensor::quant::{quantize_row, QuantType};
@@ -112,6 +114,54 @@ fn main() {
         });
         let (bytes, packed) = (file_rows.bytes(), packed.bytes());
         let mut other = vec![0.0f32; m * rows];
+        if let Ok(list) = std::env::var("QMATMUL_AHEAD") {
+            // The records' prefetch distances in the list, alternating product by product on
+            // the interleaved copy (the same bits at every distance).
+            let aheads: Vec<usize> = list
+                .split(',')
+                .map(|v| {
+                    v.trim()
+                        .parse()
+                        .expect("QMATMUL_AHEAD: records, comma-separated")
+                })
+                .collect();
+            let mut ns = vec![Vec::new(); aheads.len()];
+            let mut first: Option<Vec<f32>> = None;
+            for r in 0..reps * aheads.len() {
+                interleaved::set_records_ahead(Some(aheads[r % aheads.len()]));
+                let t0 = cpu();
+                let mut mats = [QMat {
+                    ty,
+                    bytes: packed,
+                    n: rows,
+                    out: &mut other,
+                    interleaved: true,
+                }];
+                qmatmul_multi(&x, cols, &mut mats);
+                ns[r % aheads.len()].push(cpu() - t0);
+                let first = first.get_or_insert_with(|| other.clone());
+                assert!(
+                    first
+                        .iter()
+                        .zip(&other)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "the prefetch distance changed the bits"
+                );
+            }
+            interleaved::set_records_ahead(None);
+            let times: Vec<String> = aheads
+                .iter()
+                .zip(&mut ns)
+                .map(|(a, n)| format!("{a} ahead {:.1} µs", med(n)))
+                .collect();
+            println!(
+                "{ty} {rows}×{cols}, {m} rows, {threads} threads{}, interleaved (this CPU's choice: {} ahead): {} (medians of {reps}), same bits: true",
+                if huge { ", huge pages" } else { "" },
+                interleaved::records_ahead(),
+                times.join(", ")
+            );
+            return;
+        }
         let mut ns = [Vec::new(), Vec::new()];
         for r in 0..2 * reps {
             let t0 = cpu();

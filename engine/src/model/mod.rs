@@ -388,8 +388,10 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
     let used = crate::tensor::qmatmul::interleaved::made().saturating_sub(made);
     if used > 0 {
         tracing::info!(
-            "Q4_K matrices interleaved in eights for the CPU kernels: {} beside the mapped files",
-            crate::store::budget::format_size(used)
+            "Q4_K matrices interleaved in eights for the CPU kernels: {} beside the mapped files \
+             (their kernel prefetching {} records ahead on this CPU)",
+            crate::store::budget::format_size(used),
+            crate::tensor::qmatmul::interleaved::records_ahead()
         );
     }
     model
