@@ -11,9 +11,11 @@
 //! (`qmatmul::interleaved`), and checks that both give the same bits; `QMATMUL_HUGE=1` puts
 //! both in huge-page maps (`Storage::huge_pages`). Adding `QMATMUL_AHEAD=0,4,8` instead
 //! alternates the interleaved kernel's prefetch distances, in records
-//! (`interleaved::set_records_ahead`), and prints the median time of each.
+//! (`prefetch::set_records_ahead`), and prints the median time of each;
+//! `QMATMUL_ROWS_AHEAD=2048,3072,6144` (no `QMATMUL_AB`) does the same for the row kernels'
+//! distance in bytes (`prefetch::set_row_bytes_ahead`) on the file's rows.
 
-use colibri::tensor::qmatmul::{interleaved, qmatmul, qmatmul_multi, QMat};
+use colibri::tensor::qmatmul::{interleaved, prefetch, qmatmul, qmatmul_multi, QMat};
 use colibri::tensor::quant::{quantize_row, QuantType};
 use colibri::tensor::Storage;
 
@@ -93,6 +95,49 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2] / 1e3
     };
+    if let Ok(list) = std::env::var("QMATMUL_ROWS_AHEAD") {
+        // The row kernels' prefetch distances in the list, alternating product by product
+        // (the same bits at every distance).
+        let aheads: Vec<usize> = list
+            .split(',')
+            .map(|v| {
+                v.trim()
+                    .parse()
+                    .expect("QMATMUL_ROWS_AHEAD: bytes, comma-separated")
+            })
+            .collect();
+        let huge = (std::env::var("QMATMUL_HUGE").as_deref() == Ok("1")).then(|| {
+            Storage::huge_pages(&[bytes.len()], |_, out| out.copy_from_slice(&bytes)).remove(0)
+        });
+        let bytes = huge.as_ref().map_or(&bytes[..], |s| s.bytes());
+        let want = out.clone();
+        let mut ns = vec![Vec::new(); aheads.len()];
+        for r in 0..reps * aheads.len() {
+            prefetch::set_row_bytes_ahead(Some(aheads[r % aheads.len()]));
+            let t0 = cpu();
+            qmatmul(&x, ty, bytes, rows, cols, &mut out);
+            ns[r % aheads.len()].push(cpu() - t0);
+            assert!(
+                want.iter()
+                    .zip(&out)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "the prefetch distance changed the bits"
+            );
+        }
+        prefetch::set_row_bytes_ahead(None);
+        let times: Vec<String> = aheads
+            .iter()
+            .zip(&mut ns)
+            .map(|(a, n)| format!("{a} B ahead {:.1} µs", med(n)))
+            .collect();
+        println!(
+            "{ty} {rows}×{cols}, {m} rows, {threads} threads{}, file's rows (this CPU's choice: {} B ahead): {} (medians of {reps}), same bits: true",
+            if huge.is_some() { ", huge pages" } else { "" },
+            prefetch::row_bytes_ahead(),
+            times.join(", ")
+        );
+        return;
+    }
     if std::env::var("QMATMUL_AB").as_deref() == Ok("interleaved") {
         // With QMATMUL_HUGE=1 both layouts sit in huge-page maps (`Storage::huge_pages`, as
         // loads place the interleaved copies); else in ordinary heap buffers.
@@ -128,7 +173,7 @@ fn main() {
             let mut ns = vec![Vec::new(); aheads.len()];
             let mut first: Option<Vec<f32>> = None;
             for r in 0..reps * aheads.len() {
-                interleaved::set_records_ahead(Some(aheads[r % aheads.len()]));
+                prefetch::set_records_ahead(Some(aheads[r % aheads.len()]));
                 let t0 = cpu();
                 let mut mats = [QMat {
                     ty,
@@ -148,7 +193,7 @@ fn main() {
                     "the prefetch distance changed the bits"
                 );
             }
-            interleaved::set_records_ahead(None);
+            prefetch::set_records_ahead(None);
             let times: Vec<String> = aheads
                 .iter()
                 .zip(&mut ns)
@@ -157,7 +202,7 @@ fn main() {
             println!(
                 "{ty} {rows}×{cols}, {m} rows, {threads} threads{}, interleaved (this CPU's choice: {} ahead): {} (medians of {reps}), same bits: true",
                 if huge { ", huge pages" } else { "" },
-                interleaved::records_ahead(),
+                prefetch::records_ahead(),
                 times.join(", ")
             );
             return;

@@ -391,7 +391,7 @@ fn load_on_cpu(dir: &Path, opts: &LoadOptions) -> Result<Box<dyn CausalLm>> {
             "Q4_K matrices interleaved in eights for the CPU kernels: {} beside the mapped files \
              (their kernel prefetching {} records ahead on this CPU)",
             crate::store::budget::format_size(used),
-            crate::tensor::qmatmul::interleaved::records_ahead()
+            crate::tensor::qmatmul::prefetch::records_ahead()
         );
     }
     model

@@ -87,6 +87,7 @@ const X_CHUNK_BYTES: usize = 24 * 1024;
 const TILED_MIN_ROWS: usize = 64;
 
 pub mod interleaved;
+pub mod prefetch;
 #[cfg(target_arch = "x86_64")]
 mod tiled;
 
@@ -1083,14 +1084,14 @@ mod avx2 {
     // an allocation ("in-bounds pointer arithmetic failed") as the undefined behaviour it is,
     // so this fails to build if `prefetch_addr` ever uses `ptr::add` again. The offsets are
     // of the sizes the kernels use (two Q4_K blocks ahead, as the AVX2 interleaved records
-    // ask, sixteen Q8_0 blocks, and PREFETCH_AHEAD's lines), from the last block of an
+    // ask, sixteen Q8_0 blocks, and the row kernels' farthest lines), from the last block of an
     // exactly-sized row, and one that wraps the address space.
     const _: () = {
         let row = [0u8; 144];
         let _ = prefetch_addr(row.as_ptr(), 2 * 144 + 128);
         let q8 = [0u8; 8 * 34];
         let _ = prefetch_addr(q8.as_ptr(), 16 * 34 + 256);
-        let _ = prefetch_addr(q8.as_ptr(), PREFETCH_AHEAD + 64 * 4);
+        let _ = prefetch_addr(q8.as_ptr(), super::prefetch::MAX_ROW_BYTES_AHEAD + 64 * 4);
         let _ = prefetch_addr(row.as_ptr(), usize::MAX);
     };
 
@@ -1102,22 +1103,14 @@ mod avx2 {
         unsafe { _mm_prefetch::<_MM_HINT_T0>(prefetch_addr(p, off)) }
     }
 
-    /// How far past the weight bytes in hand the row kernels (AVX2, VNNI and 512-bit) ask
-    /// the memory for more. Measured streaming one activation row through matrices much
-    /// larger than the caches (docs/benchmarks.md §25, §26): on a Zen 3 (AVX2 kernels) 3 KiB
-    /// ahead ran Q8_0 1.2-1.3× and Q6_K 1.2-1.4× faster than the half KiB or less (sixteen
-    /// Q8_0 blocks, two Q6_K blocks) it replaced; on a Zen 4 (VNNI and 512-bit kernels) one
-    /// thread ran Q8_0, Q6_K and Q5_K 1.07-1.10× faster than with sixteen or two blocks, 1 KiB
-    /// was no better than those and 2-4 KiB all close. The hardware prefetchers alone do not
-    /// keep one core's loads fed.
-    pub(super) const PREFETCH_AHEAD: usize = 3072;
-
-    /// Prefetch the cache lines of the `bytes` that start [`PREFETCH_AHEAD`] past `p` (a
-    /// kernel calls it once per `bytes` it steps, so the prefetched span is contiguous).
+    /// Prefetch the cache lines of the `bytes` that start this CPU's row distance
+    /// ([`prefetch::row_bytes_ahead`](super::prefetch::row_bytes_ahead)) past `p` (a kernel
+    /// calls it once per `bytes` it steps, so the prefetched span is contiguous).
     #[inline(always)]
     pub(super) fn prefetch_ahead(p: *const u8, bytes: usize) {
+        let ahead = super::prefetch::row_bytes_ahead();
         for line in 0..bytes.div_ceil(64) {
-            prefetch(p, PREFETCH_AHEAD + 64 * line);
+            prefetch(p, ahead + 64 * line);
         }
     }
 
@@ -1439,7 +1432,7 @@ mod avx2 {
             while b0 < full {
                 // SAFETY: b0 < full <= nb, so the offset is inside `w`.
                 let wp = unsafe { w.as_ptr().add(b0 * bb) };
-                // PREFETCH_AHEAD bytes ahead: past the row's end for its last groups.
+                // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last groups.
                 prefetch_ahead(wp, 8 * bb);
                 let mut codes = [_mm256_setzero_si256(); 8];
                 let mut abs = [_mm256_setzero_si256(); 8];
@@ -1637,7 +1630,7 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); R];
         let m4 = _mm256_set1_epi8(0xf);
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last blocks.
             prefetch_ahead(wb.as_ptr(), bb);
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
@@ -1727,7 +1720,7 @@ mod avx2 {
         let qs_at = if Q5 { 48 } else { 16 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last blocks.
             prefetch_ahead(wb.as_ptr(), bb);
             let (ub, mv) = q4k_scales_mins(wb);
             // SAFETY: bytes 0..8 of the 16-byte array `ub` (the scales).
@@ -2006,7 +1999,7 @@ mod avx2 {
         let signed = T == 1;
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last blocks.
             prefetch_ahead(wb.as_ptr(), bb);
             // One row: the block unpacked in registers; several: by a call (inlined, their
             // loop spills more than it saves).
@@ -2178,7 +2171,7 @@ mod avx2 {
         let bb = QuantType::Q6_K.block_bytes();
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last blocks.
             prefetch_ahead(wb.as_ptr(), bb);
             let Q6kBlock {
                 codes,
@@ -2429,7 +2422,7 @@ mod avx2 {
         let offset_shift = if KIND == K16_Q3K { 2 } else { 5 };
         let mut acc = [_mm256_setzero_ps(); R];
         for (b, wb) in w.chunks_exact(bb).enumerate() {
-            // PREFETCH_AHEAD bytes ahead: past the row's end for its last blocks.
+            // The row distance ahead (`prefetch::row_bytes_ahead`): past the row's end for its last blocks.
             prefetch_ahead(wb.as_ptr(), bb);
             let Q6kBlock512 {
                 z,
@@ -2756,10 +2749,18 @@ mod tests {
 
     /// Rows that are their whole allocation (so the kernels' prefetches run past its end), for
     /// every block count from one up, including 32-element rows whose count is not a multiple
-    /// of the kernels' 8-block groups: the SIMD kernels still give the scalar reference.
+    /// of the kernels' 8-block groups: the SIMD kernels still give the scalar reference, at
+    /// the prefetch distances of the processors measured and the farthest taken.
     #[test]
     fn kernels_on_exactly_allocated_rows_of_any_block_count() {
         let isa = Isa::best_available();
+        for ahead in [Some(0), Some(3072), Some(6144), Some(usize::MAX), None] {
+            prefetch::set_row_bytes_ahead(ahead);
+            kernels_on_exactly_allocated_rows(isa);
+        }
+    }
+
+    fn kernels_on_exactly_allocated_rows(isa: Isa) {
         for ty in TYPES {
             let ks: &[usize] = match act_format(ty) {
                 Some(ActFormat::Q8K) => &[256, 512, 768],
@@ -2991,13 +2992,13 @@ mod tests {
                                 ("avx512 prefetching 8 ahead", 8),
                                 ("avx512 prefetching the most ahead", usize::MAX),
                             ] {
-                                interleaved::set_records_ahead(Some(ahead));
+                                prefetch::set_records_ahead(Some(ahead));
                                 // SAFETY: and AVX-512 F, BW, VNNI.
                                 all.push((name, unsafe {
                                     interleaved::avx512::dot_group::<R>(group, rows)
                                 }));
                             }
-                            interleaved::set_records_ahead(None);
+                            prefetch::set_records_ahead(None);
                         } else {
                             eprintln!("no AVX-512 VNNI here: its interleaved kernel is not tested");
                         }

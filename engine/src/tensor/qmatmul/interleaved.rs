@@ -630,11 +630,11 @@ pub(super) mod avx512 {
         let pair_idx = [load32(&PAIRS[0]), load32(&PAIRS[1])];
         let scale_idx: [__m512i; 4] = std::array::from_fn(|i| load32(&SCALE_INDEX[i]));
         // At most MAX_RECORDS_AHEAD records: no overflow.
-        let ahead = super::records_ahead() * GROUP_BLOCK_BYTES;
+        let ahead = super::super::prefetch::records_ahead() * GROUP_BLOCK_BYTES;
         for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
             // Every line of the record `ahead` bytes on asked for before this one's first
             // load, so that they all travel at once instead of as the loads reach them; the
-            // distance is this CPU's ([`records_ahead_for`](super::records_ahead_for)): the
+            // distance is this CPU's ([`records_ahead_for`](crate::tensor::qmatmul::prefetch::records_ahead_for)): the
             // record in hand on an Intel Xeon and a Zen 4, eight ahead on a Zen 5. Past the
             // group's end it is a hint at any address.
             let p = rec.as_ptr();
@@ -872,79 +872,6 @@ pub fn mode() -> Mode {
     }
 }
 
-/// Records past the one in hand whose lines the 512-bit kernel asks the memory for, as
-/// [`set_records_ahead`] set it; `usize::MAX`: not set (this CPU's [`records_ahead_for`]).
-static RECORDS_AHEAD: std::sync::atomic::AtomicUsize =
-    std::sync::atomic::AtomicUsize::new(usize::MAX);
-
-/// The most records ahead [`set_records_ahead`] takes (75 KiB: far past any useful distance).
-pub const MAX_RECORDS_AHEAD: usize = 64;
-
-/// Set how many records past the one in hand the 512-bit kernel prefetches (at most
-/// [`MAX_RECORDS_AHEAD`]), or `None` for this CPU's choice. A prefetch is only a hint:
-/// results are the same bits at every distance; this exists so that the distances can be
-/// compared in one process (`examples/qmatmul_speed.rs`), alternating, on a machine whose
-/// speed drifts.
-pub fn set_records_ahead(records: Option<usize>) {
-    let v = records.map_or(usize::MAX, |r| r.min(MAX_RECORDS_AHEAD));
-    RECORDS_AHEAD.store(v, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Records past the one in hand that the 512-bit kernel prefetches: as set by
-/// [`set_records_ahead`], else [`records_ahead_for`] this CPU.
-pub fn records_ahead() -> usize {
-    match RECORDS_AHEAD.load(std::sync::atomic::Ordering::Relaxed) {
-        usize::MAX => {
-            static CPU: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-            *CPU.get_or_init(|| {
-                let (vendor, family) = cpu_vendor_family();
-                records_ahead_for(&vendor, family)
-            })
-        }
-        n => n,
-    }
-}
-
-/// The distance that streamed one core's products fastest on each processor measured, by
-/// CPUID vendor and family (a prefetch distance is a property of the core's memory pipeline,
-/// and the best one differs between generations in opposite directions). One activation row
-/// through a 75 MB matrix, distances alternating product by product in one process:
-/// - AMD family 1Ah (Zen 5, docs/benchmarks.md §30): 8 records (9.3 KiB) ahead, 2.04-2.29 ms
-///   against 2.83-3.26 ms for the record in hand; 6-16 records within a few per cent of 8.
-/// - AMD family 19h (Zen 4, §29.3): the record in hand, 2.76 ms against 3.1-3.5 ms for 1-4
-///   ahead; an Intel Xeon (§23): the record in hand, 55-57 ms (604 MB) against 66-71 ms two
-///   records ahead. Others (not measured) take the same.
-pub fn records_ahead_for(vendor: &[u8; 12], family: u32) -> usize {
-    match (vendor, family) {
-        (b"AuthenticAMD", 0x1A) => 8,
-        _ => 0,
-    }
-}
-
-/// This CPU's CPUID vendor string and family (base family, plus the extended family where
-/// the base is 0xF); zeros off x86_64.
-pub fn cpu_vendor_family() -> ([u8; 12], u32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::__cpuid;
-        // Leaves 0 and 1 exist on every x86_64 processor.
-        let (leaf0, leaf1) = (__cpuid(0), __cpuid(1));
-        let mut vendor = [0u8; 12];
-        vendor[0..4].copy_from_slice(&leaf0.ebx.to_le_bytes());
-        vendor[4..8].copy_from_slice(&leaf0.edx.to_le_bytes());
-        vendor[8..12].copy_from_slice(&leaf0.ecx.to_le_bytes());
-        let base = (leaf1.eax >> 8) & 0xF;
-        let family = if base == 0xF {
-            base + ((leaf1.eax >> 20) & 0xFF)
-        } else {
-            base
-        };
-        (vendor, family)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    ([0; 12], 0)
-}
-
 /// Bytes of interleaved copies made by this process, in all.
 static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -975,32 +902,6 @@ pub fn pays() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The vendor and family read by CPUID are those the kernel reports in /proc/cpuinfo
-    /// (where there is one), so the prefetch distance is chosen for the processor it runs on.
-    #[test]
-    fn cpu_vendor_and_family_are_the_kernels() {
-        let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
-            eprintln!("no /proc/cpuinfo here: nothing to compare CPUID with");
-            return;
-        };
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|l| {
-                    let (k, v) = l.split_once(':')?;
-                    (k.trim() == name).then(|| v.trim().to_string())
-                })
-                .expect("a field of /proc/cpuinfo")
-        };
-        if !cfg!(target_arch = "x86_64") {
-            eprintln!("not x86_64: CPUID is not read here");
-            return;
-        }
-        let (vendor, family) = cpu_vendor_family();
-        assert_eq!(std::str::from_utf8(&vendor).unwrap(), field("vendor_id"));
-        assert_eq!(family.to_string(), field("cpu family"));
-        assert!(records_ahead() <= MAX_RECORDS_AHEAD);
-    }
 
     /// The AVX2 arrangement of a record's codes is the scalar one, byte for byte, on arbitrary
     /// bytes (every code, both nibbles of every byte).
