@@ -629,14 +629,13 @@ pub(super) mod avx512 {
         let act_ctl = [load(&ACTS[0]), load(&ACTS[1])];
         let pair_idx = [load32(&PAIRS[0]), load32(&PAIRS[1])];
         let scale_idx: [__m512i; 4] = std::array::from_fn(|i| load32(&SCALE_INDEX[i]));
-        // At most MAX_RECORDS_AHEAD records: no overflow.
+        // This CPU's distance (`prefetch::plan_for`: the record in hand on an Intel Xeon and
+        // a Zen 4, eight ahead on a Zen 5); at most MAX_RECORDS_AHEAD records: no overflow.
         let ahead = super::super::prefetch::records_ahead() * GROUP_BLOCK_BYTES;
         for (b, rec) in group.chunks_exact(GROUP_BLOCK_BYTES).enumerate() {
             // Every line of the record `ahead` bytes on asked for before this one's first
-            // load, so that they all travel at once instead of as the loads reach them; the
-            // distance is this CPU's ([`records_ahead_for`](crate::tensor::qmatmul::prefetch::records_ahead_for)): the
-            // record in hand on an Intel Xeon and a Zen 4, eight ahead on a Zen 5. Past the
-            // group's end it is a hint at any address.
+            // load, so that they all travel at once instead of as the loads reach them. Past
+            // the group's end it is a hint at any address.
             let p = rec.as_ptr();
             for line in 0..GROUP_BLOCK_BYTES.div_ceil(64) {
                 prefetch(p, ahead + 64 * line);
