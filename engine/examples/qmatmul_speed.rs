@@ -6,8 +6,7 @@
 //! and the weight bytes streamed per CPU nanosecond. A matrix of a few hundred KiB stays in
 //! cache (the kernel's compute rate); one of hundreds of MiB streams from memory. With
 //! `QMATMUL_AB=1` it alternates the tiled prefill kernels and the row kernels product by
-//! product and prints the median time of each. With `QMATMUL_AB=interleaved` (Q4_K; Q8_0 with
-//! one activation row) it
+//! product and prints the median time of each. With `QMATMUL_AB=interleaved` (Q4_K) it
 //! alternates the file's rows and the same rows interleaved in eights
 //! (`qmatmul::interleaved`), and checks that both give the same bits; `QMATMUL_HUGE=1` puts
 //! both in huge-page maps (`Storage::huge_pages`). Adding `QMATMUL_AHEAD=0,4,8` instead
@@ -155,8 +154,8 @@ fn main() {
             }
         };
         let file_rows = place(bytes.len(), &|out| out.copy_from_slice(&bytes));
-        let packed = place(interleaved::copy_bytes(ty, rows, cols), &|out| {
-            interleaved::interleave_into_of(ty, &bytes, rows, cols, out)
+        let packed = place(interleaved::interleaved_bytes(rows, cols), &|out| {
+            interleaved::interleave_into(&bytes, rows, cols, out)
         });
         let (bytes, packed) = (file_rows.bytes(), packed.bytes());
         let mut other = vec![0.0f32; m * rows];

@@ -43,8 +43,8 @@ pub fn matmul(x: &[f32], w: &WeightView<'_>, out: &mut [f32]) {
     match w.data {
         WeightData::Quant(ty, bytes) => {
             let (bytes, interleaved) = match w.interleaved {
-                Some(p) if super::qmatmul::interleaved::takes(ty, m) => (p, true),
-                _ => (bytes, false),
+                Some(p) => (p, true),
+                None => (bytes, false),
             };
             let mat = super::qmatmul::QMat {
                 ty,
@@ -147,16 +147,15 @@ pub fn matmul_groups(groups: &mut [MatmulGroup<'_, '_>]) {
             let xs: Vec<&[f32]> = groups.iter().map(|g| g.0).collect();
             let mut mats: Vec<Vec<super::qmatmul::QMat<'_>>> = groups
                 .iter_mut()
-                .map(|(x, ws)| {
-                    let m = x.len() / k_dim;
+                .map(|(_, ws)| {
                     ws.iter_mut()
                         .map(|(w, out)| {
                             let WeightData::Quant(ty, bytes) = w.data else {
                                 unreachable!("checked above")
                             };
                             let (bytes, interleaved) = match w.interleaved {
-                                Some(p) if super::qmatmul::interleaved::takes(ty, m) => (p, true),
-                                _ => (bytes, false),
+                                Some(p) => (p, true),
+                                None => (bytes, false),
                             };
                             super::qmatmul::QMat {
                                 ty,

@@ -291,8 +291,8 @@ impl Tensor {
     }
 
     /// This tensor with an interleaved copy of its rows for the CPU's products, where that
-    /// pays ([`qmatmul::interleaved::pays_for`]: a Q4_K or Q8_0 matrix of whole groups of
-    /// eight rows, on a machine whose kernels were measured faster on it) and the load's grant has room for
+    /// pays ([`qmatmul::interleaved::pays`]: a Q4_K matrix of whole groups of eight rows, on a
+    /// machine whose kernels were measured faster on it) and the load's grant has room for
     /// the copy ([`qmatmul::interleaved::grant`]); else unchanged. The results of every
     /// product are the same bits either way.
     pub fn interleaved_for_cpu(self) -> Tensor {
@@ -304,14 +304,13 @@ impl Tensor {
     /// [`Tensor::interleaved_for_cpu`] of several tensors (a layer's experts), their copies
     /// side by side in one [`Storage::huge_pages`] map, in order.
     pub fn interleaved_for_cpu_all(tensors: Vec<Tensor>) -> Vec<Tensor> {
+        let pays = qmatmul::interleaved::pays();
         let chosen: Vec<bool> = tensors
             .iter()
             .map(|t| {
-                t.interleavable().is_some_and(|(ty, rows, cols)| {
-                    qmatmul::interleaved::pays_for(ty) && {
-                        let copy = qmatmul::interleaved::copy_bytes(ty, rows, cols);
-                        qmatmul::interleaved::take(copy as u64)
-                    }
+                pays && t.interleavable().is_some_and(|(rows, cols)| {
+                    let copy = qmatmul::interleaved::interleaved_bytes(rows, cols);
+                    qmatmul::interleaved::take(copy as u64)
                 })
             })
             .collect();
@@ -326,29 +325,23 @@ impl Tensor {
         let mut which = Vec::new();
         let mut lens = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
-            if let (true, Some((ty, rows, cols))) = (chosen[i], t.interleavable()) {
-                which.push((i, ty, rows, cols));
-                lens.push(qmatmul::interleaved::copy_bytes(ty, rows, cols));
+            if let (true, Some((rows, cols))) = (chosen[i], t.interleavable()) {
+                which.push((i, rows, cols));
+                lens.push(qmatmul::interleaved::interleaved_bytes(rows, cols));
             }
         }
         if lens.is_empty() {
             return tensors;
         }
         let copies = Storage::huge_pages(&lens, |w, out| {
-            let (i, ty, rows, cols) = which[w];
-            qmatmul::interleaved::interleave_into_of(
-                ty,
-                tensors[i].storage.bytes(),
-                rows,
-                cols,
-                out,
-            )
+            let (i, rows, cols) = which[w];
+            qmatmul::interleaved::interleave_into(tensors[i].storage.bytes(), rows, cols, out)
         });
         let mut copies = which.into_iter().zip(copies).peekable();
         tensors
             .into_iter()
             .enumerate()
-            .map(|(i, t)| match copies.next_if(|((w, _, _, _), _)| *w == i) {
+            .map(|(i, t)| match copies.next_if(|((w, _, _), _)| *w == i) {
                 Some((_, copy)) => Tensor {
                     interleaved: Some(copy),
                     ..t
@@ -358,20 +351,21 @@ impl Tensor {
             .collect()
     }
 
-    /// `(type, rows, cols)` if this tensor can have an interleaved copy: a Q4_K or Q8_0 matrix
-    /// of whole groups of eight rows, its bytes its size, on the CPU, not already interleaved.
-    fn interleavable(&self) -> Option<(quant::QuantType, usize, usize)> {
+    /// `(rows, cols)` if this tensor can have an interleaved copy: a Q4_K matrix of whole
+    /// groups of eight rows, its bytes its size, on the CPU, not already interleaved.
+    fn interleavable(&self) -> Option<(usize, usize)> {
         let (rows, cols) = (*self.shape.first()?, *self.shape.last()?);
-        let ty = match self.dtype {
-            DType::Quant(ty @ (quant::QuantType::Q4_K | quant::QuantType::Q8_0)) => ty,
-            _ => return None,
-        };
-        let ok = self.shape.len() == 2
+        let q4k = self.dtype == DType::Quant(quant::QuantType::Q4_K) && self.shape.len() == 2;
+        let ok = q4k
             && self.device.is_none()
             && self.interleaved.is_none()
             && qmatmul::interleaved::fits(rows, cols)
-            && ty.row_bytes(cols).ok().and_then(|rb| rb.checked_mul(rows)) == Some(self.nbytes());
-        ok.then_some((ty, rows, cols))
+            && quant::QuantType::Q4_K
+                .row_bytes(cols)
+                .ok()
+                .and_then(|rb| rb.checked_mul(rows))
+                == Some(self.nbytes());
+        ok.then_some((rows, cols))
     }
 
     /// Number of elements.

@@ -638,35 +638,6 @@ unsafe fn dot_group<const R: usize>(
     std::array::from_fn(|r| interleaved::dot_group_ref(group, x[r]))
 }
 
-/// The eight rows of an interleaved Q8_0 group ([`interleaved::q8`]) against one activation
-/// row, `offsets` its [`interleaved::q8::activation_offsets`].
-///
-/// # Safety
-/// `group` is whole records and `x` and `offsets` fit them (codes, `d` and offset of every
-/// block).
-#[inline]
-unsafe fn dot_group_q8(
-    isa: Isa,
-    group: &[u8],
-    x: ActRow<'_>,
-    offsets: &[i32],
-) -> [f32; interleaved::GROUP_ROWS] {
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && super::kernels::avx2_fma_f16c() && q8_records_kernel() {
-        // SAFETY: AVX2, FMA, F16C, AVX-512 F, BW and VNNI were detected; the row and the
-        // offsets fit (the caller's contract).
-        return unsafe { interleaved::q8::avx512::dot_group(group, x, offsets) };
-    }
-    let _ = (isa, offsets);
-    interleaved::q8::dot_group_ref(group, x)
-}
-
-/// Whether the interleaved Q8_0 records' kernel may run: [`vnni`].
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn q8_records_kernel() -> bool {
-    vnni()
-}
-
 #[cfg(target_arch = "x86_64")]
 use super::kernels::avx512;
 
@@ -717,8 +688,7 @@ pub fn qmatmul(x: &[f32], ty: QuantType, bytes: &[u8], n: usize, k_dim: usize, o
 pub struct QMat<'a> {
     pub ty: QuantType,
     /// The rows: in the file's layout, or (Q4_K with `interleaved`) in eights, as
-    /// [`interleaved::interleave`] lays them out, or (Q8_0 with `interleaved`, one activation
-    /// row only: [`interleaved::takes`]) as [`interleaved::q8::interleave`] does.
+    /// [`interleaved::interleave`] lays them out.
     pub bytes: &'a [u8],
     /// Whether `bytes` is the interleaved layout.
     pub interleaved: bool,
@@ -796,11 +766,10 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
             let row_bytes = q.ty.row_bytes(k_dim).expect("row length checked at load");
             let want = if q.interleaved {
                 assert!(
-                    interleaved::takes(q.ty, m) && interleaved::fits(q.n, k_dim),
-                    "qmatmul: only Q4_K matrices (and Q8_0 against one row) of whole groups of \
-                     eight rows are interleaved"
+                    q.ty == QuantType::Q4_K && interleaved::fits(q.n, k_dim),
+                    "qmatmul: only Q4_K matrices of whole groups of eight rows are interleaved"
                 );
-                interleaved::copy_bytes(q.ty, q.n, k_dim)
+                q.n / interleaved::GROUP_ROWS * (k_dim / QK_K) * interleaved::GROUP_BLOCK_BYTES
             } else {
                 q.n * row_bytes
             };
@@ -912,27 +881,6 @@ pub fn qmatmul_groups(k_dim: usize, groups: &mut [QGroup<'_, '_, '_>]) {
                                     put(i, t0 + w, lane[i - q * tiled::BAND]);
                                 }
                             }
-                        }
-                    }
-                    return;
-                }
-                if job.interleaved && ty == QuantType::Q8_0 {
-                    // One activation row (`interleaved::takes`, checked above); ROWS_PER_TASK
-                    // and n are whole groups, so j0 and j1 are.
-                    let x = act_rows[0];
-                    assert!(
-                        x.qs.len() == k_dim && x.d.len() * QK32 == k_dim,
-                        "qmatmul: the activation row does not fit the Q8_0 weight rows"
-                    );
-                    let offsets = interleaved::q8::activation_offsets(x);
-                    let group_bytes = k_dim / QK32 * interleaved::q8::RECORD_BYTES;
-                    for g in j0 / interleaved::GROUP_ROWS..j1 / interleaved::GROUP_ROWS {
-                        let group = &job.bytes[g * group_bytes..(g + 1) * group_bytes];
-                        // SAFETY: the activation row and its offsets fit the group (asserted
-                        // above; one offset per block of the row).
-                        let v = unsafe { dot_group_q8(isa, group, x, &offsets) };
-                        for (w, &v) in v.iter().enumerate() {
-                            put(0, g * interleaved::GROUP_ROWS + w, v);
                         }
                     }
                     return;
@@ -2937,23 +2885,24 @@ mod tests {
     /// and the edge blocks (largest codes, sub-scales and mins; zero; mixed) with several
     /// f16 scales, row after row.
     fn q4k_rows(n: usize, k: usize, seed: u64) -> Vec<u8> {
-        k_rows(QuantType::Q4_K, n, k, seed)
-    }
-
-    /// [`q4k_rows`] of any block type `ty`.
-    fn k_rows(ty: QuantType, n: usize, k: usize, seed: u64) -> Vec<u8> {
-        let nb = k / ty.block_size();
+        let nb = k / QK_K;
         let mut w = Vec::new();
         for r in 0..n {
             let row = match r % 5 {
-                0 => quantized(ty, &values(k, seed + r as u64), k),
-                1 => blocks(ty, nb, seed + r as u64, Fill::Random, 0.02),
-                2 => blocks(ty, nb, 0, Fill::Max, 65504.0),
-                3 => blocks(ty, nb, 0, Fill::Zero, 1.0),
+                0 => quantized(QuantType::Q4_K, &values(k, seed + r as u64), k),
+                1 => blocks(QuantType::Q4_K, nb, seed + r as u64, Fill::Random, 0.02),
+                2 => blocks(QuantType::Q4_K, nb, 0, Fill::Max, 65504.0),
+                3 => blocks(QuantType::Q4_K, nb, 0, Fill::Zero, 1.0),
                 _ => (0..nb)
                     .flat_map(|b| {
                         let fill = [Fill::Max, Fill::Random, Fill::Zero][b % 3];
-                        blocks(ty, 1, seed + b as u64, fill, [6e-8, 0.5, 2.0][b % 3])
+                        blocks(
+                            QuantType::Q4_K,
+                            1,
+                            seed + b as u64,
+                            fill,
+                            [6e-8, 0.5, 2.0][b % 3],
+                        )
                     })
                     .collect(),
             };
@@ -3110,137 +3059,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// Interleaving Q8_0 keeps every byte: each row read back from the records is the file's
-    /// row, and the records take the file's bytes.
-    #[test]
-    fn interleaved_q8_rows_read_back_as_the_files_rows() {
-        for (n, k) in [(8, 256), (16, 768), (24, 2048)] {
-            let w = k_rows(QuantType::Q8_0, n, k, 13 + k as u64);
-            let packed = interleaved::q8::interleave(&w, n, k);
-            assert_eq!(packed.len(), w.len());
-            let rb = QuantType::Q8_0.row_bytes(k).unwrap();
-            for r in 0..n {
-                assert_eq!(
-                    interleaved::q8::row(&packed, k, r),
-                    &w[r * rb..(r + 1) * rb],
-                    "{n}x{k} row {r}"
-                );
-            }
-        }
-    }
-
-    /// One-row products on interleaved Q8_0 records give, for every weight row, the scalar
-    /// reference's bits on the file's row: the records' scalar path and, where it runs, the
-    /// AVX-512 kernel (at the prefetch distances of the processors measured and the farthest
-    /// taken), group by group, and whole products at 1 and 3 threads beside the same product
-    /// on the file's layout; products of several rows keep to the file's rows. Codes -128 to
-    /// 127 (the records store them plus 128).
-    #[test]
-    fn interleaved_q8_products_give_the_reference_bits() {
-        for (n, k, seed) in [(8, 256, 1), (24, 768, 2), (40, 1280, 3), (16, 2304, 4)] {
-            let w = k_rows(QuantType::Q8_0, n, k, 40 + seed);
-            assert!(
-                w.chunks_exact(34).any(|b| b[2..].contains(&0x80)),
-                "a code -128"
-            );
-            let packed = interleaved::q8::interleave(&w, n, k);
-            let rb = QuantType::Q8_0.row_bytes(k).unwrap();
-            let gb = k / QK32 * interleaved::q8::RECORD_BYTES;
-            let mut x = edge_activations(k, 50 + seed);
-            x.extend(values(4 * k, 60 + seed));
-            let acts = QuantizedActs::quantize(ActFormat::Q8_0, &x, k);
-            let m = x.len() / k;
-            let want = |i: usize, j: usize| {
-                dot_ref(QuantType::Q8_0, &w[j * rb..(j + 1) * rb], acts.row(i)).to_bits()
-            };
-            let mut kernels = 0;
-            for g in 0..n / 8 {
-                let group = &packed[g * gb..(g + 1) * gb];
-                for i in 0..m {
-                    let offsets = interleaved::q8::activation_offsets(acts.row(i));
-                    // SAFETY: the row was quantized for this width: it and its offsets fit.
-                    let got = unsafe { dot_group_q8(Isa::Scalar, group, acts.row(i), &offsets) };
-                    for r in 0..8 {
-                        assert_eq!(
-                            got[r].to_bits(),
-                            want(i, 8 * g + r),
-                            "ref {n}x{k} {i},{g}.{r}"
-                        );
-                    }
-                    #[cfg(target_arch = "x86_64")]
-                    if crate::tensor::kernels::avx2_fma_f16c() && q8_records_kernel() {
-                        kernels += 1;
-                        for ahead in [Some(0), Some(6144), Some(usize::MAX), None] {
-                            prefetch::set_row_bytes_ahead(ahead);
-                            // SAFETY: AVX2, FMA, F16C, AVX-512 F, BW, VNNI detected; the row
-                            // and its offsets fit.
-                            let got = unsafe {
-                                interleaved::q8::avx512::dot_group(group, acts.row(i), &offsets)
-                            };
-                            for r in 0..8 {
-                                assert_eq!(
-                                    got[r].to_bits(),
-                                    want(i, 8 * g + r),
-                                    "avx512 {n}x{k} {i},{g}.{r} {ahead:?}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-            if kernels == 0 {
-                eprintln!("no AVX-512 VNNI here: the interleaved Q8_0 kernel is not tested");
-            }
-            for threads in [1, 3] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .unwrap();
-                for i in 0..m {
-                    let xi = &x[i * k..(i + 1) * k];
-                    let mut got = vec![0.0f32; n];
-                    let mut plain = vec![0.0f32; n];
-                    pool.install(|| {
-                        let mut mats = [QMat {
-                            ty: QuantType::Q8_0,
-                            bytes: &packed,
-                            n,
-                            out: &mut got,
-                            interleaved: true,
-                        }];
-                        qmatmul_multi(xi, k, &mut mats);
-                        qmatmul(xi, QuantType::Q8_0, &w, n, k, &mut plain);
-                    });
-                    // Row i quantized alone is row i of the batch (per-row quantization).
-                    for j in 0..n {
-                        assert_eq!(got[j].to_bits(), want(i, j), "{threads}t row {i}, {j}");
-                        assert_eq!(plain[j].to_bits(), want(i, j), "file's rows {i}, {j}");
-                    }
-                }
-            }
-            assert!(!interleaved::takes(QuantType::Q8_0, 2));
-        }
-    }
-
-    /// A product of several rows is refused the Q8_0 records (only one-row products read them).
-    #[test]
-    #[should_panic(expected = "only Q4_K matrices (and Q8_0 against one row)")]
-    fn interleaved_q8_records_refuse_several_rows() {
-        let (n, k) = (8, 256);
-        let w = k_rows(QuantType::Q8_0, n, k, 9);
-        let packed = interleaved::q8::interleave(&w, n, k);
-        let x = values(2 * k, 10);
-        let mut got = vec![0.0f32; 2 * n];
-        let mut mats = [QMat {
-            ty: QuantType::Q8_0,
-            bytes: &packed,
-            n,
-            out: &mut got,
-            interleaved: true,
-        }];
-        qmatmul_multi(&x, k, &mut mats);
     }
 
     /// Prefill of many rows on interleaved matrices (tiles filled from the records where the

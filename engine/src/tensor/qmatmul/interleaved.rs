@@ -38,9 +38,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::{f16_le, fold8, ActRow, Q4K_MIN_LANES};
-use crate::tensor::quant::{get_scale_min_k4, pack_scale_min_k4, QuantType, QK_K};
-
-pub mod q8;
+use crate::tensor::quant::{get_scale_min_k4, pack_scale_min_k4, QK_K};
 
 /// Rows interleaved together.
 pub const GROUP_ROWS: usize = 8;
@@ -54,46 +52,9 @@ const MIN_AT: usize = 96;
 const CODES_AT: usize = 160;
 const Q4K_BLOCK: usize = 144;
 
-/// Whether a `rows × cols` Q4_K or Q8_0 matrix can be interleaved (whole groups of eight
-/// rows; rows of whole 256-element super-blocks).
+/// Whether a `rows × cols` Q4_K matrix can be interleaved (whole groups of eight rows).
 pub fn fits(rows: usize, cols: usize) -> bool {
     rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(QK_K) && cols > 0
-}
-
-/// Whether a product of `m` activation rows by a `ty` matrix reads the matrix's interleaved
-/// copy where it has one: always for Q4_K; for Q8_0 with one row (decode), the only product
-/// its records have a kernel for ([`q8`]), the file's rows serving the others.
-pub fn takes(ty: QuantType, m: usize) -> bool {
-    match ty {
-        QuantType::Q4_K => true,
-        QuantType::Q8_0 => m == 1,
-        _ => false,
-    }
-}
-
-/// Bytes of the interleaved copy of a `rows × cols` matrix of `ty` (Q4_K or Q8_0) that
-/// [`fits`].
-///
-/// # Panics
-/// For other types.
-pub fn copy_bytes(ty: QuantType, rows: usize, cols: usize) -> usize {
-    match ty {
-        QuantType::Q4_K => interleaved_bytes(rows, cols),
-        QuantType::Q8_0 => q8::interleaved_bytes(rows, cols),
-        other => panic!("{other} matrices are not interleaved"),
-    }
-}
-
-/// [`interleave_into`] (Q4_K) or [`q8::interleave_into`] (Q8_0) by `ty`.
-///
-/// # Panics
-/// For other types, and as those.
-pub fn interleave_into_of(ty: QuantType, bytes: &[u8], rows: usize, cols: usize, out: &mut [u8]) {
-    match ty {
-        QuantType::Q4_K => interleave_into(bytes, rows, cols, out),
-        QuantType::Q8_0 => q8::interleave_into(bytes, rows, cols, out),
-        other => panic!("{other} matrices are not interleaved"),
-    }
 }
 
 /// Bytes of the interleaved layout of a `rows × cols` Q4_K matrix that [`fits`].
@@ -568,7 +529,7 @@ pub(super) mod avx512 {
     use crate::tensor::quant::QK_K;
 
     /// Canonical lane of 128-bit lane `q` in the vectors of lane pairs `2w`, `2w + 1`.
-    pub(super) const fn lane_of(w: usize, q: usize) -> usize {
+    const fn lane_of(w: usize, q: usize) -> usize {
         2 * w + q / 2 + 4 * (q % 2)
     }
 
@@ -593,7 +554,7 @@ pub(super) mod avx512 {
     /// `vpshufb` controls giving 128-bit lane `q` the four activation codes of its lane
     /// (`lane_of(w, q)`) in each of its i32 lanes, from the group's 32 codes broadcast to
     /// both 256-bit halves (128-bit lane `q` then holds codes `16·(q % 2)..+16`).
-    pub(super) const ACTS: [[i8; 64]; 2] = {
+    const ACTS: [[i8; 64]; 2] = {
         let mut t = [[0i8; 64]; 2];
         let mut w = 0;
         while w < 2 {
@@ -609,7 +570,7 @@ pub(super) mod avx512 {
     };
 
     /// `vpermd` indices giving i32 lane `4q + s` the 32-code sum of lane `lane_of(w, q)`.
-    pub(super) const PAIRS: [[i32; 16]; 2] = {
+    const PAIRS: [[i32; 16]; 2] = {
         let mut t = [[0i32; 16]; 2];
         let mut w = 0;
         while w < 2 {
@@ -916,29 +877,6 @@ static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0)
 /// Bytes of interleaved copies this process has made (loads, in all).
 pub fn made() -> u64 {
     MADE.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Whether loads interleave matrices of `ty`: Q4_K where [`pays`]; Q8_0 in [`Mode::Auto`]
-/// where its one-row kernel runs (AVX-512 VNNI: measured faster, docs/benchmarks.md §30), in
-/// [`Mode::Always`] everywhere (elsewhere its products read the records by the scalar
-/// reference: tests of the layout).
-pub fn pays_for(ty: QuantType) -> bool {
-    match ty {
-        QuantType::Q4_K => pays(),
-        QuantType::Q8_0 => match mode() {
-            Mode::Never => false,
-            Mode::Always => true,
-            Mode::Auto => {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    pays() && super::q8_records_kernel()
-                }
-                #[cfg(not(target_arch = "x86_64"))]
-                false
-            }
-        },
-        _ => false,
-    }
 }
 
 /// Whether loads interleave Q4_K matrices: in [`Mode::Auto`], where the products run faster
