@@ -98,37 +98,22 @@ fn main() {
     if let Ok(list) = std::env::var("QMATMUL_ROWS_AHEAD") {
         // The row kernels' prefetch distances in the list, alternating product by product
         // (the same bits at every distance).
-        let aheads: Vec<usize> = list
-            .split(',')
-            .map(|v| {
-                v.trim()
-                    .parse()
-                    .expect("QMATMUL_ROWS_AHEAD: bytes, comma-separated")
-            })
-            .collect();
         let huge = (std::env::var("QMATMUL_HUGE").as_deref() == Ok("1")).then(|| {
             Storage::huge_pages(&[bytes.len()], |_, out| out.copy_from_slice(&bytes)).remove(0)
         });
         let bytes = huge.as_ref().map_or(&bytes[..], |s| s.bytes());
-        let want = out.clone();
-        let mut ns = vec![Vec::new(); aheads.len()];
-        for r in 0..reps * aheads.len() {
-            prefetch::set_row_bytes_ahead(Some(aheads[r % aheads.len()]));
-            let t0 = cpu();
-            qmatmul(&x, ty, bytes, rows, cols, &mut out);
-            ns[r % aheads.len()].push(cpu() - t0);
-            assert!(
-                want.iter()
-                    .zip(&out)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "the prefetch distance changed the bits"
-            );
-        }
-        prefetch::set_row_bytes_ahead(None);
-        let times: Vec<String> = aheads
+        let times = sweep_distances(
+            "QMATMUL_ROWS_AHEAD",
+            &list,
+            reps,
+            prefetch::set_row_bytes_ahead,
+            &cpu,
+            m * rows,
+            &mut |out| qmatmul(&x, ty, bytes, rows, cols, out),
+        );
+        let times: Vec<String> = times
             .iter()
-            .zip(&mut ns)
-            .map(|(a, n)| format!("{a} B ahead {:.1} µs", med(n)))
+            .map(|(a, t)| format!("{a} B ahead {t:.1} µs"))
             .collect();
         println!(
             "{ty} {rows}×{cols}, {m} rows, {threads} threads{}, file's rows (this CPU's choice: {} B ahead): {} (medians of {reps}), same bits: true",
@@ -162,42 +147,27 @@ fn main() {
         if let Ok(list) = std::env::var("QMATMUL_AHEAD") {
             // The records' prefetch distances in the list, alternating product by product on
             // the interleaved copy (the same bits at every distance).
-            let aheads: Vec<usize> = list
-                .split(',')
-                .map(|v| {
-                    v.trim()
-                        .parse()
-                        .expect("QMATMUL_AHEAD: records, comma-separated")
-                })
-                .collect();
-            let mut ns = vec![Vec::new(); aheads.len()];
-            let mut first: Option<Vec<f32>> = None;
-            for r in 0..reps * aheads.len() {
-                prefetch::set_records_ahead(Some(aheads[r % aheads.len()]));
-                let t0 = cpu();
-                let mut mats = [QMat {
-                    ty,
-                    bytes: packed,
-                    n: rows,
-                    out: &mut other,
-                    interleaved: true,
-                }];
-                qmatmul_multi(&x, cols, &mut mats);
-                ns[r % aheads.len()].push(cpu() - t0);
-                let first = first.get_or_insert_with(|| other.clone());
-                assert!(
-                    first
-                        .iter()
-                        .zip(&other)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "the prefetch distance changed the bits"
-                );
-            }
-            prefetch::set_records_ahead(None);
-            let times: Vec<String> = aheads
+            let times = sweep_distances(
+                "QMATMUL_AHEAD",
+                &list,
+                reps,
+                prefetch::set_records_ahead,
+                &cpu,
+                m * rows,
+                &mut |out| {
+                    let mut mats = [QMat {
+                        ty,
+                        bytes: packed,
+                        n: rows,
+                        out,
+                        interleaved: true,
+                    }];
+                    qmatmul_multi(&x, cols, &mut mats);
+                },
+            );
+            let times: Vec<String> = times
                 .iter()
-                .zip(&mut ns)
-                .map(|(a, n)| format!("{a} ahead {:.1} µs", med(n)))
+                .map(|(a, t)| format!("{a} ahead {t:.1} µs"))
                 .collect();
             println!(
                 "{ty} {rows}×{cols}, {m} rows, {threads} threads{}, interleaved (this CPU's choice: {} ahead): {} (medians of {reps}), same bits: true",
@@ -272,4 +242,52 @@ fn main() {
         bytes.len() as f64 / ns,
         out[0]
     );
+}
+
+/// Times `product` (writing `out_len` results) at each prefetch distance of `list` (the
+/// comma-separated value of the variable `var`), distance after distance `reps` times over,
+/// with `set` putting each in force (and `None`, the CPU's plan, back at the end); asserts that
+/// every product gives the first one's bits. Returns each distance with its median time in µs
+/// (`cpu`: CPU nanoseconds).
+fn sweep_distances(
+    var: &str,
+    list: &str,
+    reps: usize,
+    set: fn(Option<usize>),
+    cpu: &dyn Fn() -> f64,
+    out_len: usize,
+    product: &mut dyn FnMut(&mut [f32]),
+) -> Vec<(usize, f64)> {
+    let aheads: Vec<usize> = list
+        .split(',')
+        .map(|v| {
+            v.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("{var}: whole numbers, comma-separated"))
+        })
+        .collect();
+    let mut ns = vec![Vec::new(); aheads.len()];
+    let mut first: Option<Vec<u32>> = None;
+    let mut out = vec![0.0f32; out_len];
+    for r in 0..reps * aheads.len() {
+        set(Some(aheads[r % aheads.len()]));
+        let t0 = cpu();
+        product(&mut out);
+        ns[r % aheads.len()].push(cpu() - t0);
+        let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(
+            first.get_or_insert_with(|| bits.clone()),
+            &bits,
+            "the prefetch distance changed the bits"
+        );
+    }
+    set(None);
+    aheads
+        .into_iter()
+        .zip(ns)
+        .map(|(a, mut n)| {
+            n.sort_by(f64::total_cmp);
+            (a, n[n.len() / 2] / 1e3)
+        })
+        .collect()
 }
