@@ -78,31 +78,45 @@ pub fn cpu_plan() -> Plan {
 /// CPU's plan.
 #[inline]
 pub fn records_ahead() -> usize {
-    match RECORDS_AHEAD.load(Relaxed) {
-        UNSET => cpu_plan().records_ahead,
-        n => n,
-    }
+    distance(&RECORDS_AHEAD, || cpu_plan().records_ahead)
 }
 
 /// Bytes ahead for the row kernels: as [`set_row_bytes_ahead`] set it, else this CPU's plan.
+/// (The kernels read it once per block: one relaxed load once the plan is cached.)
 #[inline]
 pub fn row_bytes_ahead() -> usize {
-    match ROW_BYTES_AHEAD.load(Relaxed) {
-        UNSET => cpu_plan().row_bytes_ahead,
-        n => n,
-    }
+    distance(&ROW_BYTES_AHEAD, || cpu_plan().row_bytes_ahead)
 }
 
 /// Set the interleaved kernel's distance in records (at most [`MAX_RECORDS_AHEAD`]), or
 /// `None` for this CPU's plan. The same bits at every distance.
 pub fn set_records_ahead(records: Option<usize>) {
-    RECORDS_AHEAD.store(records.map_or(UNSET, |r| r.min(MAX_RECORDS_AHEAD)), Relaxed);
+    set_distance(&RECORDS_AHEAD, records, MAX_RECORDS_AHEAD);
 }
 
 /// Set the row kernels' distance in bytes (at most [`MAX_ROW_BYTES_AHEAD`]), or `None` for
 /// this CPU's plan. The same bits at every distance.
 pub fn set_row_bytes_ahead(bytes: Option<usize>) {
-    ROW_BYTES_AHEAD.store(bytes.map_or(UNSET, |b| b.min(MAX_ROW_BYTES_AHEAD)), Relaxed);
+    set_distance(&ROW_BYTES_AHEAD, bytes, MAX_ROW_BYTES_AHEAD);
+}
+
+/// The distance in `cell`; where none is set, `plan()`'s, stored in `cell` for the next reads
+/// (unless a distance was set meanwhile).
+#[inline]
+fn distance(cell: &AtomicUsize, plan: impl FnOnce() -> usize) -> usize {
+    match cell.load(Relaxed) {
+        UNSET => {
+            let v = plan();
+            let _ = cell.compare_exchange(UNSET, v, Relaxed, Relaxed);
+            v
+        }
+        n => n,
+    }
+}
+
+/// Put `v` (at most `max`) in `cell`, or `None`: the plan's again at the next read.
+fn set_distance(cell: &AtomicUsize, v: Option<usize>, max: usize) {
+    cell.store(v.map_or(UNSET, |v| v.min(max)), Relaxed);
 }
 
 /// This CPU's CPUID vendor string and family (the base family, plus the extended family
@@ -158,17 +172,28 @@ mod tests {
         assert_eq!(family.to_string(), field("cpu family"));
     }
 
-    /// Set distances are clamped to their limits, and `None` gives the CPU's plan back.
+    /// Set distances are clamped to their limits, `None` gives the plan back, and a read with
+    /// none set caches the plan (on a cell of the test's own: the process's cells are shared
+    /// with tests that set distances concurrently).
     #[test]
     fn set_distances_are_bounded_and_reset() {
-        // Other tests may set them meanwhile; every value they set is within the limits too.
-        set_records_ahead(Some(usize::MAX - 1));
+        let cell = AtomicUsize::new(UNSET);
+        let plans = std::cell::Cell::new(0);
+        let plan = || {
+            plans.set(plans.get() + 1);
+            7
+        };
+        assert_eq!(distance(&cell, plan), 7);
+        assert_eq!(distance(&cell, plan), 7);
+        assert_eq!(plans.get(), 1, "the plan is read once, then cached");
+        set_distance(&cell, Some(usize::MAX - 1), 64);
+        assert_eq!(distance(&cell, plan), 64);
+        set_distance(&cell, Some(3), 64);
+        assert_eq!(distance(&cell, plan), 3);
+        set_distance(&cell, None, 64);
+        assert_eq!(distance(&cell, plan), 7);
+        assert_eq!(plans.get(), 2);
         assert!(records_ahead() <= MAX_RECORDS_AHEAD);
-        set_row_bytes_ahead(Some(usize::MAX - 1));
         assert!(row_bytes_ahead() <= MAX_ROW_BYTES_AHEAD);
-        set_records_ahead(None);
-        set_row_bytes_ahead(None);
-        assert_eq!(RECORDS_AHEAD.load(Relaxed), UNSET);
-        assert_eq!(ROW_BYTES_AHEAD.load(Relaxed), UNSET);
     }
 }
